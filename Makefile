@@ -1,0 +1,29 @@
+# phalanx: two commands on a fresh machine with Python 3.11, pip and make.
+#   make demo   creates .venv, installs phalanx, trains the demo model
+#   make test   creates/uses .venv, runs the whole test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test install bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/phalanx train configs/demo.yaml
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q --timeout=900
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_gpt.py
+
+clean:
+	rm -rf $(VENV) runs build src/*.egg-info

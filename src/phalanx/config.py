@@ -1,0 +1,434 @@
+"""Typed, frozen run configuration: YAML file + dotted ``key=value`` overrides.
+
+Everything wrong with a configuration is reported here, before TensorFlow builds
+anything: an unknown key, a value of the wrong type, or a combination that cannot
+work (``train.global_batch`` not divisible by ``parallel.dp x train.grad_accum``,
+``model.heads`` not dividing ``model.d_model``, ...). Errors are
+:class:`ConfigError`, which names the key, the offending value and what would be
+valid; the CLI turns them into exit status 2.
+
+Example:
+    >>> from phalanx.config import load_config
+    >>> cfg = load_config(None, ["model.layers=2", "train.steps=10"])
+    >>> cfg.model.layers, cfg.train.steps
+    (2, 10)
+    >>> cfg.train.micro_batch
+    16
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, mistyped or impossible.
+
+    ``key`` is the dotted key at fault (e.g. ``"train.global_batch"``).
+    """
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+PRECISION_POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+STRATEGIES = ("auto", "mirrored", "multi_worker", "parameter_server", "mesh")
+RECOMPUTE = ("none", "full", "selective")
+TOKENIZERS = ("bytes", "bpe")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """GPT decoder shape. ``ffn=0`` means ``4 * d_model``."""
+
+    layers: int = 4
+    d_model: int = 256
+    heads: int = 4
+    ffn: int = 1024
+    vocab: int = 256
+    seq_len: int = 128
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.ffn or 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.heads
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Degrees of parallelism and where they run.
+
+    ``dp``, ``tp`` or ``pp`` may be -1 (at most one of them): it takes whatever
+    the device count leaves, see :meth:`Config.resolved`.
+    ``devices``: ``auto`` (GPUs if any, else the CPU), ``cpu:N`` (the host CPU
+    split into N logical devices) or ``gpu:N`` (the first N GPUs).
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    devices: str = "auto"
+    strategy: str = "auto"
+    zero: int = 0
+    recompute: str = "none"
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Compute precision. Master weights and the loss stay float32 always.
+
+    Dynamic loss scaling applies to ``mixed_float16`` only: the scale starts at
+    ``loss_scale_init``, halves on a step whose gradients overflow (that step is
+    skipped and counted) and doubles after ``loss_scale_growth_interval`` good steps.
+    """
+
+    policy: str = "float32"
+    loss_scale_init: float = 32768.0
+    loss_scale_growth_interval: int = 2000
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation. ``global_batch = micro_batch x dp x grad_accum`` sequences.
+
+    ``peak_flops``: the device's peak FLOP/s for MFU; 0 measures it once per
+    machine and dtype with a matmul probe (cached).
+    """
+
+    global_batch: int = 16
+    grad_accum: int = 1
+    steps: int = 300
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 30
+    clip_norm: float = 1.0
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    seed: int = 0
+    eval_every: int = 100
+    eval_batches: int = 8
+    log_every: int = 10
+    peak_flops: float = 0.0
+
+    @property
+    def micro_batch(self) -> int:
+        """Sequences per replica per accumulation step (before pipeline micro-batching)."""
+        return self.global_batch // self.grad_accum
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Training data.
+
+    ``source``: ``stdlib`` (the running interpreter's own .py sources, prepared once
+    and cached under ``cache_dir``), a directory of prepared TFRecord shards (from
+    ``phalanx data prepare``), or a glob of text files to prepare on the fly.
+    """
+
+    source: str = "stdlib"
+    tokenizer: str = "bytes"
+    bpe_vocab: int = 4096
+    val_fraction: float = 0.02
+    shuffle_buffer: int = 10000
+    cache_dir: str = "~/.cache/phalanx"
+    max_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    dir: str = "runs/default"
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Save every ``every`` steps (0: only at the end), keep the newest ``keep``."""
+
+    every: int = 100
+    keep: int = 3
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **sections: Mapping[str, Any]) -> "Config":
+        """A copy with some fields of some sections changed, validated.
+
+        >>> Config().replace(train={"steps": 5}).train.steps
+        5
+        """
+        merged = self.to_dict()
+        for section, values in sections.items():
+            merged.setdefault(section, {}).update(values)
+        return from_dict(merged)
+
+
+# ---------------------------------------------------------------------------
+# Loading
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
+    """Defaults, then the YAML file at ``path`` (if any), then ``key=value`` overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError("config", f"file {str(path)!r} does not exist")
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError("config", f"{str(path)!r} is not valid YAML: {err}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError("config", f"{str(path)!r} must hold a mapping of sections, got {type(loaded).__name__}")
+        raw = loaded
+    for item in overrides:
+        key, value = parse_override(item)
+        section, _, name = key.partition(".")
+        if not name or "." in name:
+            raise ConfigError(key, f"overrides take the form section.key=value, e.g. train.steps=100; got {item!r}")
+        target = raw.setdefault(section, {})
+        if not isinstance(target, dict):
+            raise ConfigError(section, f"must be a mapping, got {target!r}")
+        target[name] = value
+    return from_dict(raw)
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``"train.lr=3e-4"`` -> ``("train.lr", 0.0003)``; values are parsed as YAML scalars."""
+    if "=" not in item:
+        raise ConfigError(item, "an override must look like section.key=value, e.g. parallel.dp=2")
+    key, _, text = item.partition("=")
+    key = key.strip()
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text
+    return key, value
+
+
+def from_dict(raw: Mapping[str, Any]) -> Config:
+    """Build and validate a :class:`Config` from nested plain data."""
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    built: dict[str, Any] = {}
+    for section, values in raw.items():
+        if section not in sections:
+            raise ConfigError(str(section), f"unknown section; valid sections: {', '.join(sections)}")
+        if values is None:
+            values = {}
+        if not isinstance(values, Mapping):
+            raise ConfigError(section, f"must be a mapping of keys, got {values!r}")
+        cls = _section_type(sections[section])
+        built[section] = _build_section(section, cls, values)
+    cfg = Config(**built)
+    validate(cfg)
+    return cfg
+
+
+def _section_type(f: dataclasses.Field) -> type:
+    hints = typing.get_type_hints(Config)
+    return hints[f.name]
+
+
+def _build_section(section: str, cls: type, values: Mapping[str, Any]) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in values.items():
+        key = f"{section}.{name}"
+        if name not in fields:
+            raise ConfigError(key, f"unknown key; valid keys of {section!r}: {', '.join(fields)}")
+        kwargs[name] = _coerce(key, value, hints[name])
+    return cls(**kwargs)
+
+
+def _coerce(key: str, value: Any, typ: Any) -> Any:
+    """Check ``value`` against the field type; ints are accepted for floats."""
+    if isinstance(typ, types.UnionType):  # not used by the current fields; kept strict
+        raise ConfigError(key, "union-typed keys are not supported")
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(key, f"expected true or false, got {value!r}")
+    if typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(key, f"expected an integer, got {value!r}")
+    if typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(key, f"expected a number, got {value!r}")
+    if typ is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(key, f"expected a string, got {value!r}")
+    raise ConfigError(key, f"unsupported field type {typ!r}")
+
+
+# ---------------------------------------------------------------------------
+# Validation
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(key, message)
+
+
+def _one_of(key: str, value: str, choices: Sequence[str]) -> None:
+    _require(value in choices, key, f"{value!r} is not valid; choose one of: {', '.join(choices)}")
+
+
+def parse_devices(spec: str) -> tuple[str, int]:
+    """``"cpu:4"`` -> ``("cpu", 4)``; ``"auto"`` -> ``("auto", 0)``."""
+    if spec == "auto":
+        return "auto", 0
+    kind, sep, count = spec.partition(":")
+    if kind in ("cpu", "gpu") and sep and count.isdigit() and int(count) >= 1:
+        return kind, int(count)
+    raise ConfigError("parallel.devices", f"{spec!r} is not valid; use auto, cpu:N or gpu:N with N >= 1 (e.g. cpu:8)")
+
+
+def validate(cfg: Config) -> None:
+    """Raise :class:`ConfigError` for the first impossible value (device count not needed)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    for key, value in (("model.layers", m.layers), ("model.d_model", m.d_model), ("model.heads", m.heads),
+                       ("model.vocab", m.vocab), ("model.seq_len", m.seq_len)):
+        _require(value >= 1, key, f"must be >= 1, got {value}")
+    _require(m.ffn >= 0, "model.ffn", f"must be >= 0 (0 means 4 x d_model), got {m.ffn}")
+    _require(m.d_model % m.heads == 0, "model.heads",
+             f"{m.heads} does not divide model.d_model={m.d_model}; pick heads from "
+             f"{_divisors(m.d_model)}")
+    _require(0.0 <= m.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {m.dropout}")
+
+    minus_ones = [k for k, v in (("dp", p.dp), ("tp", p.tp), ("pp", p.pp)) if v == -1]
+    _require(len(minus_ones) <= 1, "parallel." + (minus_ones[-1] if minus_ones else "dp"),
+             "at most one of parallel.dp/tp/pp may be -1 (it fills the remaining devices)")
+    for k, v in (("dp", p.dp), ("tp", p.tp), ("pp", p.pp)):
+        _require(v >= 1 or v == -1, f"parallel.{k}", f"must be >= 1 or -1 (fill the rest), got {v}")
+    _require(p.microbatches >= 1, "parallel.microbatches", f"must be >= 1, got {p.microbatches}")
+    _one_of("parallel.schedule", p.schedule, SCHEDULES)
+    _require(p.virtual_stages >= 1, "parallel.virtual_stages", f"must be >= 1, got {p.virtual_stages}")
+    _require(p.virtual_stages == 1 or p.schedule == "interleaved", "parallel.virtual_stages",
+             f"{p.virtual_stages} needs parallel.schedule=interleaved (got {p.schedule!r})")
+    parse_devices(p.devices)
+    _one_of("parallel.strategy", p.strategy, STRATEGIES)
+    _require(p.zero in (0, 1, 2), "parallel.zero", f"{p.zero} is not valid; choose 0, 1 or 2")
+    _one_of("parallel.recompute", p.recompute, RECOMPUTE)
+
+    if p.tp > 1:
+        _require(m.heads % p.tp == 0, "parallel.tp",
+                 f"{p.tp} does not divide model.heads={m.heads}; pick tp from {_divisors(m.heads)}")
+        _require(m.ffn_dim % p.tp == 0, "parallel.tp", f"{p.tp} does not divide model.ffn={m.ffn_dim}")
+        _require(m.vocab % p.tp == 0, "parallel.tp", f"{p.tp} does not divide model.vocab={m.vocab}")
+    if p.pp > 1:
+        chunks = p.pp * p.virtual_stages
+        _require(m.layers >= chunks, "parallel.pp",
+                 f"pp x virtual_stages = {chunks} pipeline chunks need model.layers >= {chunks}, got {m.layers}")
+    if p.schedule == "interleaved" and p.pp > 1:
+        _require(p.microbatches % p.pp == 0, "parallel.microbatches",
+                 f"{p.microbatches} must be a multiple of parallel.pp={p.pp} for the interleaved schedule")
+
+    _one_of("precision.policy", cfg.precision.policy, PRECISION_POLICIES)
+    _require(cfg.precision.loss_scale_init > 0, "precision.loss_scale_init", "must be > 0")
+    _require(cfg.precision.loss_scale_growth_interval >= 1, "precision.loss_scale_growth_interval", "must be >= 1")
+
+    for key, value in (("train.global_batch", t.global_batch), ("train.grad_accum", t.grad_accum),
+                       ("train.steps", t.steps), ("train.log_every", t.log_every),
+                       ("train.eval_batches", t.eval_batches)):
+        _require(value >= 1, key, f"must be >= 1, got {value}")
+    dp = p.dp if p.dp > 0 else 1
+    _require(t.global_batch % (dp * t.grad_accum) == 0, "train.global_batch",
+             f"{t.global_batch} is not divisible by parallel.dp x train.grad_accum = {dp} x {t.grad_accum}; "
+             f"use a multiple of {dp * t.grad_accum}")
+    per_replica = t.global_batch // (dp * t.grad_accum)
+    _require(per_replica % p.microbatches == 0, "parallel.microbatches",
+             f"{p.microbatches} does not divide the per-replica batch {per_replica} "
+             f"(train.global_batch / (parallel.dp x train.grad_accum))")
+    _require(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
+    _require(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
+    _require(t.warmup >= 0, "train.warmup", f"must be >= 0, got {t.warmup}")
+    _require(t.clip_norm >= 0, "train.clip_norm", f"must be >= 0 (0 disables clipping), got {t.clip_norm}")
+    _require(t.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {t.weight_decay}")
+    _require(0 <= t.beta1 < 1, "train.beta1", f"must be in [0, 1), got {t.beta1}")
+    _require(0 <= t.beta2 < 1, "train.beta2", f"must be in [0, 1), got {t.beta2}")
+    _require(t.eps > 0, "train.eps", f"must be > 0, got {t.eps}")
+    _require(t.eval_every >= 0, "train.eval_every", f"must be >= 0 (0 disables evaluation), got {t.eval_every}")
+    _require(t.peak_flops >= 0, "train.peak_flops", f"must be >= 0 (0 measures it), got {t.peak_flops}")
+
+    d = cfg.data
+    _one_of("data.tokenizer", d.tokenizer, TOKENIZERS)
+    _require(0.0 < d.val_fraction < 1.0, "data.val_fraction", f"must be in (0, 1), got {d.val_fraction}")
+    _require(d.shuffle_buffer >= 1, "data.shuffle_buffer", f"must be >= 1, got {d.shuffle_buffer}")
+    _require(d.bpe_vocab >= 257, "data.bpe_vocab", f"must be >= 257, got {d.bpe_vocab}")
+    _require(d.max_bytes >= 0, "data.max_bytes", f"must be >= 0 (0: no limit), got {d.max_bytes}")
+    if d.tokenizer == "bytes":
+        _require(m.vocab >= 256, "model.vocab", f"{m.vocab} is too small for the bytes tokenizer (256 ids); use >= 256")
+    else:
+        _require(m.vocab >= d.bpe_vocab, "model.vocab",
+                 f"{m.vocab} is smaller than data.bpe_vocab={d.bpe_vocab}; use >= {d.bpe_vocab}")
+
+    _require(bool(cfg.run.dir), "run.dir", "must not be empty")
+    _require(cfg.checkpoint.every >= 0, "checkpoint.every", f"must be >= 0 (0: only at the end), got {cfg.checkpoint.every}")
+    _require(cfg.checkpoint.keep >= 1, "checkpoint.keep", f"must be >= 1, got {cfg.checkpoint.keep}")
+
+
+def resolve_degrees(cfg: Config, n_devices: int) -> tuple[int, int, int]:
+    """(dp, pp, tp) with -1 filled so that dp x pp x tp == n_devices.
+
+    >>> resolve_degrees(Config().replace(parallel={"dp": -1, "tp": 2}), 8)
+    (4, 1, 2)
+    """
+    p = cfg.parallel
+    degrees = {"dp": p.dp, "pp": p.pp, "tp": p.tp}
+    known = 1
+    for v in degrees.values():
+        known *= v if v > 0 else 1
+    for k, v in degrees.items():
+        if v == -1:
+            _require(n_devices % known == 0, f"parallel.{k}",
+                     f"-1 cannot fill {n_devices} devices: the other degrees multiply to {known}")
+            degrees[k] = n_devices // known
+    product = degrees["dp"] * degrees["pp"] * degrees["tp"]
+    _require(product == n_devices, "parallel.devices",
+             f"dp x pp x tp = {degrees['dp']} x {degrees['pp']} x {degrees['tp']} = {product} "
+             f"but {n_devices} devices are in use; make them equal (e.g. parallel.devices=cpu:{product}) "
+             f"or set one degree to -1")
+    return degrees["dp"], degrees["pp"], degrees["tp"]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0][:12]

@@ -1,0 +1,216 @@
+"""Engines run one training step; :class:`StrategyEngine` does it with tf.distribute.
+
+The trainer drives any engine through :class:`Engine` (docs/DESIGN.md). This one
+covers one device (``OneDeviceStrategy``), data parallelism on one host
+(``MirroredStrategy``) and across workers (``MultiWorkerMirroredStrategy``, built by
+:mod:`phalanx.cluster`). The step is, in order:
+
+1. each replica takes its rows of the batch and runs ``grad_accum`` micro-batches,
+   summing float32 gradients of ``loss x loss_scale / (replicas x grad_accum)``
+   (gradient accumulation as a transform of the step: the sum equals the gradient of
+   the mean loss over the whole global batch);
+2. gradients are summed across replicas (``batch_reduce_to``);
+3. they are unscaled, their global norm is taken and clipped; a step whose norm is
+   not finite (float16 overflow) changes nothing but the loss scale;
+4. AdamW (:mod:`phalanx.train.optim`) updates every copy of every variable.
+
+Example:
+    >>> from phalanx.config import Config
+    >>> from phalanx.train.task import GPTTask
+    >>> cfg = Config().replace(model={"layers": 1, "d_model": 32, "heads": 2, "ffn": 64, "seq_len": 8},
+    ...                        train={"global_batch": 4})
+    >>> engine = StrategyEngine(cfg, GPTTask(cfg.model))
+    >>> import numpy as np
+    >>> out = engine.train_step(np.zeros([4, 9], np.int32))
+    >>> sorted(out)
+    ['grad_norm', 'loss', 'loss_scale', 'lr', 'skipped']
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import tensorflow as tf
+
+from phalanx.config import Config
+from phalanx.train import optim
+from phalanx.train.task import Task, rows, split_batch, take
+
+
+class Engine(Protocol):
+    dp: int
+
+    def train_step(self, batch) -> dict[str, tf.Tensor]: ...
+
+    def eval_step(self, batch) -> tf.Tensor: ...
+
+    def state_dict(self) -> dict[str, np.ndarray]: ...
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None: ...
+
+    def num_params(self) -> int: ...
+
+
+class LossScale:
+    """Dynamic loss scaling state for float16 (a fixed 1.0 otherwise).
+
+    Variables live in the strategy scope so every replica reads the same scale.
+    """
+
+    def __init__(self, cfg: Config):
+        p = cfg.precision
+        self.dynamic = p.policy == "mixed_float16"
+        self.growth_interval = p.loss_scale_growth_interval
+        self.scale = tf.Variable(p.loss_scale_init if self.dynamic else 1.0, trainable=False,
+                                 dtype=tf.float32, name="loss_scale")
+        self.good_steps = tf.Variable(0, trainable=False, dtype=tf.int64, name="good_steps")
+        self.skipped = tf.Variable(0, trainable=False, dtype=tf.int64, name="skipped_steps")
+
+    def update(self, finite: tf.Tensor) -> None:
+        """Halve on overflow (and count the skip); double after ``growth_interval`` good steps."""
+        if not self.dynamic:
+            return
+        good = tf.where(finite, self.good_steps + 1, tf.zeros_like(self.good_steps))
+        grow = good >= self.growth_interval
+        new_scale = tf.where(finite, tf.where(grow, self.scale * 2.0, self.scale),
+                             tf.maximum(self.scale / 2.0, 1.0))
+        self.scale.assign(new_scale)
+        self.good_steps.assign(tf.where(grow, tf.zeros_like(good), good))
+        self.skipped.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
+
+    def state(self) -> dict[str, tf.Variable]:
+        return {"loss_scale/scale": self.scale, "loss_scale/good_steps": self.good_steps,
+                "loss_scale/skipped": self.skipped}
+
+
+def default_strategy(devices: list[str]) -> tf.distribute.Strategy:
+    """OneDeviceStrategy for one device, MirroredStrategy for several on this host."""
+    if len(devices) == 1:
+        return tf.distribute.OneDeviceStrategy(devices[0])
+    # Logical CPUs have no NCCL; a reduction to one device works everywhere.
+    return tf.distribute.MirroredStrategy(devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
+
+
+class StrategyEngine:
+    """Data-parallel training step through a ``tf.distribute`` strategy."""
+
+    def __init__(self, cfg: Config, task: Task, strategy: tf.distribute.Strategy | None = None):
+        self.cfg, self.task = cfg, task
+        self.strategy = strategy or default_strategy(["/device:CPU:0"])
+        self.dp = self.strategy.num_replicas_in_sync
+        self.local_replicas = len(self.strategy.extended.worker_devices)
+        self.accum = cfg.train.grad_accum
+        with self.strategy.scope():
+            self.model = task.build()
+            self.variables = task.named_variables(self.model)
+            self.names = list(self.variables)
+            self.m = {n: tf.Variable(tf.zeros_like(v), trainable=False, name=f"m/{n}")
+                      for n, v in self.variables.items()}
+            self.v = {n: tf.Variable(tf.zeros_like(v), trainable=False, name=f"v/{n}")
+                      for n, v in self.variables.items()}
+            self.step = tf.Variable(0, trainable=False, dtype=tf.int64, name="optimizer_step")
+            self.loss_scale = LossScale(cfg)
+        self._train_fn = tf.function(self._train_step)
+        self._eval_fn = tf.function(self._eval_step)
+
+    # -- the step ------------------------------------------------------------
+
+    def train_step(self, batch) -> dict[str, tf.Tensor]:
+        return self._train_fn(batch)
+
+    def eval_step(self, batch) -> tf.Tensor:
+        return self._eval_fn(batch)
+
+    def _local_rows(self, batch):
+        """This replica's rows of this worker's batch."""
+        ctx = tf.distribute.get_replica_context()
+        local_id = ctx.replica_id_in_sync_group % self.local_replicas
+        per_replica = tf.shape(tf.nest.flatten(batch)[0])[0] // self.local_replicas
+        return rows(batch, local_id * per_replica, per_replica)
+
+    def _replica_grads(self, batch):
+        variables = [self.variables[n] for n in self.names]
+        micro = split_batch(self._local_rows(batch), self.accum)
+        scale = self.loss_scale.scale.read_value()
+        norm = float(self.dp * self.accum)
+        grads = [tf.zeros_like(v) for v in variables]
+        loss_sum = tf.constant(0.0)
+        for i in tf.range(self.accum):
+            with tf.GradientTape() as tape:
+                loss = self.task.loss(self.model, take(micro, i), training=True)
+                scaled = loss * scale / norm
+            step_grads = tape.gradient(scaled, variables)
+            grads = [a + tf.cast(g, tf.float32) for a, g in zip(grads, step_grads)]
+            loss_sum += loss
+        return grads, loss_sum / norm
+
+    def _train_step(self, batch):
+        grads, loss = self.strategy.run(self._replica_grads, args=(batch,))
+        variables = [self.variables[n] for n in self.names]
+        grads = self.strategy.extended.batch_reduce_to(
+            tf.distribute.ReduceOp.SUM, list(zip(grads, variables)))
+        loss = self.strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None)
+        scale = self.loss_scale.scale.read_value()
+        norm = optim.global_norm(grads) / scale
+        finite = tf.math.is_finite(norm)
+        factor = optim.clip_factor(norm, self.cfg.train.clip_norm) / scale
+        lr = optim.learning_rate(self.step, self.cfg.train)
+        t = self.step + 1
+        for name, var, grad in zip(self.names, variables, grads):
+            self.strategy.extended.update(
+                var, self._apply_one, args=(grad, self.m[name], self.v[name], factor, t, lr, finite,
+                                            self.task.decays(name)), group=False)
+        self.step.assign_add(tf.cast(finite, tf.int64))
+        self.loss_scale.update(finite)
+        return {"loss": loss, "grad_norm": norm, "skipped": 1.0 - tf.cast(finite, tf.float32),
+                "loss_scale": scale, "lr": lr}
+
+    def _apply_one(self, var, grad, m, v, factor, t, lr, finite, decay):
+        # Runs once per device copy of `var`; m and v are that device's slot copies.
+        new_p, new_m, new_v = optim.adamw_update(var, grad * factor, m, v, t, lr, self.cfg.train, decay)
+        # Non-finite gradients: keep every value (tf.where, not tf.cond, so the
+        # same graph runs on every replica and engine).
+        m.assign(tf.where(finite, new_m, m))
+        v.assign(tf.where(finite, new_v, v))
+        return var.assign(tf.where(finite, new_p, var))
+
+    def _replica_eval(self, batch):
+        return self.task.loss(self.model, self._local_rows(batch), training=False) / float(self.dp)
+
+    def _eval_step(self, batch):
+        loss = self.strategy.run(self._replica_eval, args=(batch,))
+        return self.strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None)
+
+    # -- state -----------------------------------------------------------------
+
+    def _state_variables(self) -> dict[str, tf.Variable]:
+        state = dict(self.variables)
+        state["optimizer/step"] = self.step
+        for n in self.names:
+            state[f"optimizer/m/{n}"] = self.m[n]
+            state[f"optimizer/v/{n}"] = self.v[n]
+        state.update(self.loss_scale.state())
+        return state
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {k: np.asarray(v.numpy()) for k, v in self._state_variables().items()}
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        targets = self._state_variables()
+        missing = sorted(set(targets) - set(state))
+        if missing:
+            raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}; "
+                           f"was it written for a different model?")
+        for name, var in targets.items():
+            value = state[name]
+            if tuple(value.shape) != tuple(var.shape):
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(value.shape)}, "
+                                 f"the model expects {tuple(var.shape)}: a different model config?")
+            var.assign(value.astype(var.dtype.as_numpy_dtype))
+
+    def num_params(self) -> int:
+        return int(sum(np.prod(v.shape) for v in self.variables.values()))
+
+    def weights(self) -> dict[str, np.ndarray]:
+        return {n: self.variables[n].numpy() for n in self.names}

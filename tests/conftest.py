@@ -1,0 +1,22 @@
+"""Test session set-up: 8 logical CPU devices, configured before any TensorFlow op.
+
+Every parallel layout is tested on these (ARCHITECTURE.md: logical CPUs share the
+host's thread pools, so they test correctness, not speed).
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import pytest  # noqa: E402
+
+from phalanx.mesh import configure_logical_cpus  # noqa: E402
+
+N_TEST_DEVICES = 8
+TEST_DEVICES = configure_logical_cpus(N_TEST_DEVICES)
+
+
+@pytest.fixture(scope="session")
+def devices() -> list[str]:
+    """The 8 logical CPU device names."""
+    return TEST_DEVICES
