@@ -145,6 +145,11 @@ def cluster_info_from_env(environ: Mapping[str, str] | None = None) -> ClusterIn
     return parse_tf_config(text)
 
 
+def cluster_from_env(environ: Mapping[str, str] | None = None) -> ClusterInfo:
+    """Alias of :func:`cluster_info_from_env` (the name the trainer's CLI uses)."""
+    return cluster_info_from_env(environ)
+
+
 def parse_tf_config(config: str | Mapping[str, Any]) -> ClusterInfo:
     """Validate a TF_CONFIG (JSON text or the decoded mapping) into a :class:`ClusterInfo`."""
     if isinstance(config, str):

@@ -117,6 +117,8 @@ class BpeTokenizer(Tokenizer):
 
     def __init__(self, backend):  # backend: tokenizers.Tokenizer
         self._tok = backend
+        # Text that happens to spell "<|sep|>" must stay text: only document boundaries get id 0.
+        backend.encode_special_tokens = True
         sep = backend.token_to_id(BPE_SEPARATOR_TOKEN)
         if sep != SEPARATOR_ID:
             raise ValueError(f"BPE tokenizer must map {BPE_SEPARATOR_TOKEN!r} to id {SEPARATOR_ID}, got {sep}")
@@ -160,7 +162,9 @@ class BpeTokenizer(Tokenizer):
     def encode_documents(self, texts: Sequence[str]) -> np.ndarray:
         if not texts:
             return np.zeros([0], np.int32)
-        encoded = self._tok.encode_batch(list(texts))  # parallel in Rust
+        # Parallel in Rust; the _fast variant skips character offsets (~1.5x faster).
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        encoded = encode(list(texts))
         parts = []
         sep = np.array([self.separator_id], np.int32)
         for enc in encoded:

@@ -185,35 +185,36 @@ def _zero_bubble(pp: int, m: int, v: int) -> list[list[Action]]:
     2023) with up to ``2 pp`` activation sets not yet released by their ``W`` (those
     awaiting only ``W`` hold just the inputs of the weight matmuls).
     """
-    done: dict[tuple[int, Action], int] = {}  # finish time of each executed action
+    never = 1 << 60
+    f_done = [[never] * m for _ in range(pp)]  # finish time of F / B per (rank, micro-batch)
+    b_done = [[never] * m for _ in range(pp)]
     next_f, next_b, next_w = [0] * pp, [0] * pp, [0] * pp
     order: list[list[Action]] = [[] for _ in range(pp)]
     t = 0
     while any(w < m for w in next_w):
-        chosen: list[tuple[int, Action]] = []
+        chosen: list[tuple[int, str]] = []
         for r in range(pp):
-            def ready(action: Action) -> bool:
-                return all(done.get(d, t + 1) <= t for d in _deps(pp, 1, r, action))
-            pending_w = next_b[r] - next_w[r]
-            f_in_flight = next_f[r] - next_b[r]
-            cap_w = pp
-            pick = None
-            if next_b[r] < m and next_b[r] < next_f[r] and ready(Action("B", next_b[r])):
-                pick = Action("B", next_b[r])
-            elif next_f[r] < m and f_in_flight < pp - r and pending_w <= cap_w and ready(Action("F", next_f[r])):
-                pick = Action("F", next_f[r])
+            i, j = next_f[r], next_b[r]
+            pending_w = j - next_w[r]
+            b_ready = j < i and f_done[r][j] <= t and (r == pp - 1 or b_done[r + 1][j] <= t)
+            f_ready = i < m and (r == 0 or f_done[r - 1][i] <= t)
+            if b_ready:
+                chosen.append((r, "B"))
+            elif f_ready and i - j < pp - r and pending_w <= pp:
+                chosen.append((r, "F"))
             elif pending_w > 0:
-                pick = Action("W", next_w[r])
-            if pick is not None:
-                chosen.append((r, pick))
-        for r, a in chosen:  # commit after all ranks chose, so that time steps are simultaneous
-            order[r].append(a)
-            done[(r, a)] = t + 1
-            if a.kind == "F":
+                chosen.append((r, "W"))
+        for r, kind in chosen:  # commit after all ranks chose, so that time steps are simultaneous
+            if kind == "F":
+                order[r].append(Action("F", next_f[r]))
+                f_done[r][next_f[r]] = t + 1
                 next_f[r] += 1
-            elif a.kind == "B":
+            elif kind == "B":
+                order[r].append(Action("B", next_b[r]))
+                b_done[r][next_b[r]] = t + 1
                 next_b[r] += 1
             else:
+                order[r].append(Action("W", next_w[r]))
                 next_w[r] += 1
         t += 1
         if t > 10 * (m + pp) * 3:  # cannot happen for a correct scheduler; fail loudly rather than spin

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from phalanx.parallel.schedules import Action, Schedule, dependencies
+from phalanx.parallel.schedules import Action, Schedule
 
 Costs = float | Sequence[float]
 
@@ -90,31 +90,49 @@ def simulate(schedule: Schedule, fwd_cost: Costs = 1.0, bwd_cost: Costs = 2.0, c
     b = _per_stage(bwd_cost, n, "bwd_cost", share)
     split = schedule.split_backward
 
-    def cost(rank: int, a: Action) -> float:
-        s = schedule.model_stage(rank, a)
-        if a.kind == "F":
-            return f[s]
-        if a.kind == "B":
-            return b[s] * (1.0 - wgrad_share) if split else b[s]
-        return b[s] * wgrad_share
-
-    finish: dict[tuple[int, Action], float] = {}
-    free = [0.0] * schedule.pp
-    pos = [0] * schedule.pp
+    # Finish times indexed [kind][model stage][microbatch]; plain lists keep the replay
+    # fast enough for thousand-device plans (tens of thousands of actions).
+    pp, m = schedule.pp, schedule.microbatches
+    kind_index = {"F": 0, "B": 1, "W": 2}
+    finish = [[[None] * m for _ in range(n)] for _ in range(3)]
+    stage_cost = [f, [x * (1.0 - wgrad_share) for x in b] if split else b, [x * wgrad_share for x in b]]
+    free = [0.0] * pp
+    pos = [0] * pp
     events: list[Event] = []
     total = sum(len(a) for a in schedule.per_stage)
+    last = n - 1
     while len(events) < total:
         progressed = False
         for r, actions in enumerate(schedule.per_stage):
             while pos[r] < len(actions):
                 a = actions[pos[r]]
-                deps = dependencies(schedule, r, a)
-                if any(d not in finish for d in deps):
-                    break
-                ready = max((finish[d] + (comm_cost if d[0] != r else 0.0) for d in deps), default=0.0)
-                start = max(free[r], ready)
-                end = start + cost(r, a)
-                finish[(r, a)] = free[r] = end
+                k, mb = kind_index[a.kind], a.microbatch
+                s = a.chunk * pp + r
+                ready = 0.0
+                if k == 0:
+                    if s > 0:
+                        t = finish[0][s - 1][mb]
+                        if t is None:
+                            break
+                        ready = t + (comm_cost if (s - 1) % pp != r else 0.0)
+                elif k == 1:
+                    t = finish[0][s][mb]
+                    if t is None:
+                        break
+                    ready = t
+                    if s < last:
+                        t = finish[1][s + 1][mb]
+                        if t is None:
+                            break
+                        ready = max(ready, t + (comm_cost if (s + 1) % pp != r else 0.0))
+                else:
+                    t = finish[1][s][mb]
+                    if t is None:
+                        break
+                    ready = t
+                start = free[r] if free[r] > ready else ready
+                end = start + stage_cost[k][s]
+                finish[k][s][mb] = free[r] = end
                 events.append(Event(r, a, start, end))
                 pos[r] += 1
                 progressed = True

@@ -1,0 +1,289 @@
+"""tf.distribute strategies for ``parallel.strategy`` across processes.
+
+``parallel.strategy``:
+
+* ``mirrored`` -- one process, data parallel over this host's devices
+  (``OneDeviceStrategy`` for one device, ``MirroredStrategy`` for several);
+* ``multi_worker`` -- data parallel across the workers of a TF_CONFIG cluster with
+  ``MultiWorkerMirroredStrategy`` (ring all-reduce on CPU, NCCL-capable ``AUTO`` on
+  GPUs); every worker runs the same custom training loop on its share of the batch;
+* ``parameter_server`` -- ``ParameterServerStrategy``: variables live on the ps
+  tasks, the chief (coordinator) runs the loop and schedules steps on the workers
+  through a ``ClusterCoordinator``; worker and ps tasks only serve
+  (:func:`serve_if_server_task`);
+* ``auto`` -- ``parameter_server`` when TF_CONFIG has ps tasks, ``multi_worker`` when
+  it names several workers, ``mesh`` when ``parallel.tp``/``pp`` > 1, else ``mirrored``;
+* ``mesh`` -- built by the mesh engine (phalanx.parallel), not here.
+
+Keras 3 ``model.fit`` fails under both multi-process strategies (keras-team/keras#20585,
+#18624); phalanx trains with a custom loop (``strategy.run`` + cross-replica sums),
+which works under both.
+
+Order matters in a training process: MultiWorkerMirroredStrategy configures the
+collective ops, which TensorFlow allows only before its runtime starts (any earlier TF
+op, e.g. building a tf.data pipeline, makes it fail with "Collective ops must be
+configured at program startup"). :func:`setup_cluster` does it all in order::
+
+    setup = setup_cluster(cfg)              # FIRST, before any other TF op
+    # = info = cluster_info_from_env(); serve_if_server_task(info)  (ps-mode worker/ps
+    #   tasks serve here and never return); strategy = make_strategy(cfg, info);
+    #   check_batch(cfg, strategy); coordinator = make_coordinator(strategy)
+    datasets = make_datasets(cfg, setup.data_index, setup.data_count)
+
+Example (one process, one device):
+    >>> from phalanx.config import Config
+    >>> from phalanx.cluster.tf_config import ClusterInfo
+    >>> strategy = make_strategy(Config(), ClusterInfo.single_process(), devices=["/device:CPU:0"])
+    >>> strategy.num_replicas_in_sync
+    1
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import tensorflow as tf
+
+from phalanx.cluster.tf_config import ClusterInfo, cluster_info_from_env
+from phalanx.config import ConfigError
+
+LOCAL = "mirrored"
+MULTI_WORKER = "multi_worker"
+PARAMETER_SERVER = "parameter_server"
+MESH = "mesh"
+
+
+def resolve_strategy_name(cfg: Any, info: ClusterInfo) -> str:
+    """``parallel.strategy`` with ``auto`` resolved, checked against the cluster.
+
+    >>> from phalanx.config import Config
+    >>> resolve_strategy_name(Config(), ClusterInfo.single_process())
+    'mirrored'
+    """
+    p = cfg.parallel
+    name = p.strategy
+    if name == "auto":
+        if p.tp > 1 or p.pp > 1:
+            name = MESH
+        elif info.num_ps:
+            name = PARAMETER_SERVER
+        elif info.num_workers > 1:
+            name = MULTI_WORKER
+        else:
+            name = LOCAL
+    if name in (MULTI_WORKER, PARAMETER_SERVER) and (p.tp > 1 or p.pp > 1):
+        raise ConfigError("parallel.strategy", f"{name} is data parallel only; parallel.tp={p.tp} and "
+                                               f"parallel.pp={p.pp} need parallel.strategy=mesh")
+    if name == LOCAL and info.num_workers > 1:
+        raise ConfigError("parallel.strategy", f"mirrored trains in one process, but TF_CONFIG names "
+                                               f"{info.num_workers} workers; use multi_worker (or parameter_server "
+                                               f"with ps tasks), or run without TF_CONFIG")
+    if name == MULTI_WORKER and info.num_ps:
+        raise ConfigError("parallel.strategy", f"multi_worker does not use parameter servers, but TF_CONFIG has "
+                                               f"{info.num_ps} ps task(s); use parameter_server, or launch without --ps")
+    if name == PARAMETER_SERVER and not info.num_ps:
+        raise ConfigError("parallel.strategy", "parameter_server needs a cluster with ps tasks and a chief; e.g. "
+                                               "phalanx launch --workers 2 --ps 1 -- phalanx train "
+                                               "parallel.strategy=parameter_server (or set TF_CONFIG)")
+    return name
+
+
+def make_strategy(cfg: Any, info: ClusterInfo | None = None,
+                  devices: Sequence[str] | None = None) -> tf.distribute.Strategy:
+    """The strategy for ``cfg.parallel.strategy`` in this process.
+
+    ``info`` defaults to ``$TF_CONFIG``; ``devices`` (``mirrored`` only) defaults to the
+    first ``parallel.dp`` logical devices (GPUs if any, else CPUs). Call it before any
+    other TensorFlow op: the multi-worker strategies configure the runtime.
+    """
+    info = cluster_info_from_env() if info is None else info
+    name = resolve_strategy_name(cfg, info)
+    if name == MESH:
+        raise ConfigError("parallel.strategy", "mesh (tensor/pipeline parallel) is built by the mesh engine "
+                                               "(phalanx.parallel), not by a tf.distribute strategy")
+    if name == LOCAL:
+        return local_strategy(devices if devices is not None else _default_devices(cfg.parallel.dp))
+    if name == MULTI_WORKER:
+        return multi_worker_strategy(info)
+    return parameter_server_strategy(info)
+
+
+def local_strategy(devices: Sequence[str]) -> tf.distribute.Strategy:
+    """OneDeviceStrategy for one device, MirroredStrategy for several (one host)."""
+    if not devices:
+        raise ConfigError("parallel.devices", "no devices to train on")
+    if len(devices) == 1:
+        return tf.distribute.OneDeviceStrategy(devices[0])
+    # Logical CPUs have no NCCL; a reduction through one device works everywhere.
+    return tf.distribute.MirroredStrategy(list(devices), cross_device_ops=tf.distribute.ReductionToOneDevice())
+
+
+def _default_devices(dp: int) -> list[str]:
+    gpus = tf.config.list_logical_devices("GPU")
+    found = [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]
+    want = len(found) if dp == -1 else dp
+    if want > len(found):
+        raise ConfigError("parallel.dp", f"{dp} replicas need {dp} devices, but only {len(found)} exist; "
+                                         f"set parallel.devices=cpu:{dp} or lower parallel.dp")
+    return found[:want]
+
+
+def cluster_resolver(info: ClusterInfo) -> tf.distribute.cluster_resolver.ClusterResolver:
+    """A resolver for ``info`` (so a ClusterInfo from any source works, not only $TF_CONFIG)."""
+    if not info.is_distributed:
+        raise ValueError("cluster_resolver needs a cluster (TF_CONFIG); got a single process")
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(info.cluster_spec_dict()), task_type=info.task_type, task_id=info.task_index,
+        rpc_layer=info.rpc_layer)
+
+
+def multi_worker_strategy(info: ClusterInfo) -> tf.distribute.MultiWorkerMirroredStrategy:
+    """MultiWorkerMirroredStrategy over ``info``'s workers: RING all-reduce on CPU
+    (the only collective implementation there), AUTO (NCCL) when GPUs exist.
+
+    Without a cluster it is a one-worker strategy on this process's device(s).
+    """
+    impl = tf.distribute.experimental.CommunicationImplementation
+    options = tf.distribute.experimental.CommunicationOptions(
+        implementation=impl.AUTO if tf.config.list_physical_devices("GPU") else impl.RING)
+    if not info.is_distributed:
+        return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    return tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=cluster_resolver(info),
+                                                     communication_options=options)
+
+
+def parameter_server_strategy(info: ClusterInfo, variable_partitioner: Any = None
+                              ) -> tf.distribute.experimental.ParameterServerStrategy:
+    """ParameterServerStrategy, for the chief (coordinator) task only.
+
+    ``variable_partitioner`` (e.g. ``tf.distribute.experimental.partitioners.MinSizePartitioner``)
+    shards large variables across the ps tasks; None keeps each variable whole on one ps.
+    """
+    if not info.num_ps or not info.has_chief:
+        raise ConfigError("parallel.strategy", "parameter_server needs a TF_CONFIG cluster with ps tasks and a chief")
+    if info.task_type != "chief":
+        raise RuntimeError(f"ParameterServerStrategy runs on the chief; task {info.task_name} must call "
+                           f"serve_if_server_task() before building a strategy")
+    return tf.distribute.experimental.ParameterServerStrategy(cluster_resolver(info),
+                                                              variable_partitioner=variable_partitioner)
+
+
+def serve_if_server_task(info: ClusterInfo, start_server: Callable[..., Any] | None = None) -> None:
+    """In a parameter-server cluster, turn a worker or ps task into a gRPC server that
+    runs what the chief schedules; never returns there (the launcher or the cluster
+    manager stops it). Returns at once in any other task.
+    """
+    if not info.is_server_task:
+        return
+    # Errors on this task go back to the coordinator, which decides (TF's PS recipe).
+    os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+    start_server = start_server or tf.distribute.Server
+    server = start_server(tf.train.ClusterSpec(info.cluster_spec_dict()), job_name=info.task_type,
+                          task_index=info.task_index, protocol=info.rpc_layer, start=True)
+    server.join()
+
+
+def make_coordinator(strategy: tf.distribute.Strategy) -> Any:
+    """The ClusterCoordinator of a ParameterServerStrategy (None for the other strategies)."""
+    if not isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+        return None
+    return tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+
+
+def per_worker_dataset(coordinator: Any, strategy: tf.distribute.Strategy,
+                       dataset_fn: Callable[[tf.distribute.InputContext], tf.data.Dataset]) -> Any:
+    """A dataset created on every worker of a parameter-server cluster; ``iter()`` of it
+    gives per-worker iterators to pass to ``coordinator.schedule(step_fn, args=(it,))``.
+
+    TensorFlow treats the workers as interchangeable: ``dataset_fn`` runs unchanged on
+    each worker (it cannot learn its worker's index), so each worker reads the whole
+    stream, shuffled by its own seed when the shuffle is unseeded. Make it repeat
+    forever and schedule a fixed number of steps. For exactly-once visitation of the
+    data, feed batches from the chief instead: ``coordinator.schedule(step_fn,
+    args=(batch,))`` with batch k of the (deterministic) global stream.
+    """
+    def per_worker_fn():
+        return strategy.distribute_datasets_from_function(dataset_fn)
+    return coordinator.create_per_worker_dataset(per_worker_fn)
+
+
+def check_batch(cfg: Any, strategy: tf.distribute.Strategy) -> int:
+    """Check the batch and ``parallel.dp`` against the strategy's replica count; returns
+    this worker's share of the global batch (rows it must feed per step).
+
+    Across workers the data-parallel degree is the cluster's: ``parallel.dp`` may stay 1
+    (unset) or -1, or must equal it.
+    """
+    replicas = strategy.num_replicas_in_sync
+    dp, t = cfg.parallel.dp, cfg.train
+    is_ps = isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy)
+    multi = is_ps or isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+    if dp not in (-1, replicas) and not (multi and dp == 1):
+        raise ConfigError("parallel.dp", f"{dp} does not match the {replicas} replicas of the "
+                                         f"{type(strategy).__name__}; set parallel.dp={replicas} or -1")
+    if t.global_batch % (replicas * t.grad_accum):
+        raise ConfigError("train.global_batch", f"{t.global_batch} is not divisible by replicas x train.grad_accum "
+                                                f"= {replicas} x {t.grad_accum}; use a multiple of "
+                                                f"{replicas * t.grad_accum}")
+    if is_ps:
+        return t.global_batch  # the coordinator feeds whole steps; the ps strategy has no batch split
+    workers = _num_workers(strategy)
+    return t.global_batch // workers
+
+
+def _num_workers(strategy: tf.distribute.Strategy) -> int:
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None or not resolver.cluster_spec().as_dict():
+        return 1
+    spec = resolver.cluster_spec().as_dict()
+    return len(spec.get("worker", [])) + len(spec.get("chief", []))
+
+
+def is_chief(info: ClusterInfo) -> bool:
+    """Whether this task writes checkpoints, metrics and logs (every task must still
+    take part in collective ops such as a synchronised save)."""
+    return info.is_chief
+
+
+@dataclass(frozen=True)
+class ClusterSetup:
+    """Everything a training process needs from the cluster, built in the right order.
+
+    ``data_index`` / ``data_count``: which shard of each global batch this process feeds
+    (``make_datasets(cfg, data_index, data_count)``): worker i of N under
+    multi_worker; the whole batch (0 of 1) for one process and for the
+    parameter-server chief, which feeds every step itself. ``is_chief``: this process
+    writes checkpoints, metrics and logs.
+    """
+
+    info: ClusterInfo
+    strategy: tf.distribute.Strategy
+    coordinator: Any
+    name: str
+    data_index: int
+    data_count: int
+    local_batch: int
+
+    @property
+    def is_chief(self) -> bool:
+        return self.info.is_chief
+
+
+def setup_cluster(cfg: Any, info: ClusterInfo | None = None, devices: Sequence[str] | None = None) -> ClusterSetup:
+    """Serve (ps-mode worker/ps tasks: never returns), then build and check the strategy.
+
+    Call it first in a training process, before any other TensorFlow op.
+    """
+    info = cluster_info_from_env() if info is None else info
+    name = resolve_strategy_name(cfg, info)  # config errors before a server starts
+    serve_if_server_task(info)
+    strategy = make_strategy(cfg, info, devices)
+    local_batch = check_batch(cfg, strategy)
+    if name == MULTI_WORKER and info.is_distributed:
+        index, count = info.worker_index, info.num_workers
+    else:
+        index, count = 0, 1
+    return ClusterSetup(info=info, strategy=strategy, coordinator=make_coordinator(strategy), name=name,
+                        data_index=index, data_count=count, local_batch=local_batch)

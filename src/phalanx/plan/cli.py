@@ -1,0 +1,286 @@
+"""``phalanx plan``: will the model fit, how to split it, how long it trains.
+
+Reads the same configuration as ``phalanx train`` (a YAML file and ``key=value``
+overrides). Planner-only settings that the training config does not have (MoE,
+sequence parallelism, node size, hardware overrides) are flags.
+
+Examples:
+    phalanx plan my.yaml --hardware this-cpu
+    phalanx plan model.layers=128 model.d_model=25600 model.heads=160 model.vocab=51200 \\
+        model.seq_len=2048 --devices 3072 --hardware a100-80gb --tokens 450e9 --search --top 5
+    phalanx plan my.yaml --json
+
+    >>> main(["model.layers=2", "--hardware", "a100-40gb", "--json"])  # doctest: +ELLIPSIS
+    {...
+    0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from phalanx.config import ConfigError, load_config, resolve_degrees
+
+GiB = 2**30
+
+
+def _parser() -> argparse.ArgumentParser:
+    from phalanx.plan.hardware import HARDWARE_NAMES
+
+    p = argparse.ArgumentParser(prog="phalanx plan", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]",
+                   help="a config file and/or dotted overrides, as for phalanx train")
+    p.add_argument("--devices", type=int, default=None,
+                   help="accelerators in total (default: parallel.dp x tp x pp of the config)")
+    p.add_argument("--hardware", default="this-cpu", choices=HARDWARE_NAMES)
+    p.add_argument("--gpus-per-node", type=int, default=None, help="devices per node (preset default)")
+    p.add_argument("--tokens", type=float, default=None, help="training tokens, for the days estimate")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="sequences per step (default train.global_batch; with --search and no explicit value: "
+                        "one sequence per device)")
+    p.add_argument("--search", action="store_true", help="search dp/tp/pp/microbatches/zero/recompute/schedule")
+    p.add_argument("--top", type=int, default=5, help="candidates shown by --search")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--calibrate", action="store_true",
+                   help="run a few real training steps here: predicted vs measured memory and step time")
+    p.add_argument("--calibrate-steps", type=int, default=3)
+    g = p.add_argument_group("model (planner-only)")
+    g.add_argument("--experts", type=int, default=0, help="MoE experts per expert layer (0: dense)")
+    g.add_argument("--top-k", type=int, default=1, help="experts per token")
+    g.add_argument("--moe-every", type=int, default=1, help="an expert layer every k layers")
+    g = p.add_argument_group("layout (planner-only)")
+    g.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism with tp")
+    g.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3),
+                   help="ZeRO stage (overrides parallel.zero; 3 is planner-only)")
+    g.add_argument("--schedule", default=None, choices=("gpipe", "1f1b", "interleaved", "zb"),
+                   help="pipeline schedule (overrides parallel.schedule; zb is planner-only)")
+    g = p.add_argument_group("hardware and efficiency overrides")
+    g.add_argument("--utilization", type=float, default=None,
+                   help="achieved fraction of peak FLOP/s in compute (default 0.5)")
+    g.add_argument("--peak-tflops", type=float, default=None)
+    g.add_argument("--memory-gb", type=float, default=None, help="device memory in GiB")
+    g.add_argument("--intra-node-gbps", type=float, default=None, help="GB/s per device inside a node")
+    g.add_argument("--inter-node-gbps", type=float, default=None, help="GB/s per device between nodes")
+    g.add_argument("--overhead-gb", type=float, default=None, help="fixed runtime overhead per device, GiB")
+    g.add_argument("--overhead-fraction", type=float, default=None,
+                   help="extra fraction of the other memory (fragmentation, temporaries; default 0.05)")
+    g.add_argument("--dp-overlap", type=float, default=0.0,
+                   help="fraction of the gradient all-reduce hidden behind the backward (default 0)")
+    return p
+
+
+def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
+    path, overrides = None, []
+    for a in args:
+        if "=" in a:
+            overrides.append(a)
+        elif path is None:
+            path = a
+        else:
+            raise ConfigError("config", f"only one config file may be given, got {path!r} and {a!r}")
+    return path, overrides
+
+
+def _explicit_global_batch(path: str | None, overrides: list[str]) -> bool:
+    if any(o.split("=", 1)[0].strip() == "train.global_batch" for o in overrides):
+        return True
+    if path:
+        import yaml
+
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+        return isinstance(raw.get("train"), dict) and "global_batch" in raw["train"]
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    from phalanx.plan.arithmetic import ModelSpec
+    from phalanx.plan.estimate import estimate
+    from phalanx.plan.hardware import get_hardware
+    from phalanx.plan.layout import Layout
+    from phalanx.plan.memory import DEFAULT_OVERHEAD_FRACTION
+    from phalanx.plan.search import search
+    from phalanx.plan.timing import DEFAULT_UTILIZATION
+
+    path, overrides = _split_args(args.args)
+    cfg = load_config(path, overrides)
+    p = cfg.parallel
+    if args.devices is not None:
+        if args.devices < 1:
+            raise ConfigError("--devices", f"must be >= 1, got {args.devices}")
+        if args.search:
+            dp, pp, tp = max(p.dp, 1), max(p.pp, 1), max(p.tp, 1)
+        else:
+            dp, pp, tp = resolve_degrees(cfg, args.devices)
+        devices = args.devices
+    else:
+        if -1 in (p.dp, p.tp, p.pp):
+            raise ConfigError("--devices", "a degree is -1 (fill the rest): give --devices N so it can be resolved")
+        dp, pp, tp = p.dp, p.pp, p.tp
+        devices = dp * pp * tp
+    notes: list[str] = []
+    model = ModelSpec.from_config(cfg.model, args.experts, args.top_k, args.moe_every)
+    hw = get_hardware(args.hardware, devices=devices, peak_tflops=args.peak_tflops, memory_gb=args.memory_gb,
+                      devices_per_node=args.gpus_per_node, intra_node_gbps=args.intra_node_gbps,
+                      inter_node_gbps=args.inter_node_gbps, overhead_gb=args.overhead_gb)
+    util = DEFAULT_UTILIZATION if args.utilization is None else args.utilization
+    ofrac = DEFAULT_OVERHEAD_FRACTION if args.overhead_fraction is None else args.overhead_fraction
+    if not 0 <= ofrac < 10:
+        raise ConfigError("--overhead-fraction", f"must be in [0, 10), got {ofrac}")
+    policy = cfg.precision.policy
+
+    global_batch = cfg.train.global_batch
+    if args.global_batch is not None:
+        global_batch = args.global_batch
+    elif args.search and not _explicit_global_batch(path, overrides) and devices > global_batch:
+        global_batch = devices
+        notes.append(f"train.global_batch not set: assuming {global_batch} sequences per step (one per device); "
+                     f"set train.global_batch=N or --global-batch N")
+
+    if args.search:
+        res = search(model, hw, devices, global_batch, policy=policy, top=args.top, tokens=args.tokens,
+                     utilization=util, overhead_fraction=ofrac, dp_overlap=args.dp_overlap,
+                     sequence_parallel=args.sequence_parallel,
+                     schedules=(args.schedule,) if args.schedule else ("1f1b", "interleaved", "zb", "gpipe"),
+                     zero_stages=(args.zero,) if args.zero is not None else (0, 1, 2, 3))
+        if args.json:
+            print(json.dumps({"devices": devices, "hardware": hw.name, "global_batch": global_batch,
+                              "considered": res.considered, "candidates": [c.to_dict() for c in res.candidates],
+                              "rejections": res.rejections.to_dict(), "notes": notes}, indent=1))
+        else:
+            print(_model_header(model, policy))
+            print(_hardware_line(hw, devices, util))
+            for n in notes:
+                print(f"note: {n}")
+            print(_search_table(res, hw))
+        return 0 if res.candidates else 1
+
+    accum = cfg.train.grad_accum
+    if global_batch % (dp * accum * p.microbatches):
+        raise ConfigError("train.global_batch", f"{global_batch} is not divisible by dp x grad_accum x microbatches = "
+                          f"{dp} x {accum} x {p.microbatches}")
+    micro_batch = global_batch // (dp * accum * p.microbatches)
+    schedule = args.schedule or p.schedule
+    layout = Layout(dp=dp, tp=tp, pp=pp, microbatches=p.microbatches, micro_batch=micro_batch, schedule=schedule,
+                    virtual_stages=p.virtual_stages if schedule == "interleaved" else 1,
+                    zero=p.zero if args.zero is None else args.zero, recompute=p.recompute,
+                    sequence_parallel=args.sequence_parallel and tp > 1, policy=policy, accum=accum)
+    plan = estimate(model, layout, hw, args.tokens, util, ofrac, args.dp_overlap)
+    calibration = None
+    if args.calibrate:
+        from phalanx.plan.calibrate import calibrate
+
+        calibration = calibrate(cfg, plan, steps=args.calibrate_steps)
+    if args.json:
+        doc = plan.to_dict()
+        doc["notes"] = notes
+        if calibration is not None:
+            doc["calibration"] = calibration
+        print(json.dumps(doc, indent=1))
+    else:
+        print(_model_header(model, policy))
+        print(_hardware_line(hw, devices, util))
+        for n in notes:
+            print(f"note: {n}")
+        print(_plan_text(plan))
+        if calibration is not None:
+            print(_calibration_text(calibration))
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# Text output
+
+
+def _human(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def _model_header(m, policy: str) -> str:
+    from phalanx.plan.arithmetic import active_param_count, flops_per_token, param_count
+
+    moe = (f", MoE {m.experts} experts top-{m.top_k} every {m.moe_every} layers "
+           f"({_human(active_param_count(m))} active)") if m.experts else ""
+    return (f"model: {_human(param_count(m))} parameters ({param_count(m):,}){moe}; {m.layers} layers, "
+            f"d_model {m.d_model}, {m.heads} heads, ffn {m.ffn_dim}, vocab {m.vocab}, seq_len {m.seq_len}, "
+            f"{'tied' if m.tie_embeddings else 'untied'} embeddings; {policy}\n"
+            f"training FLOPs/token: {flops_per_token(m, 'none'):.3e} (no recompute), "
+            f"{flops_per_token(m, 'selective'):.3e} (selective), {flops_per_token(m, 'full'):.3e} (full)")
+
+
+def _hardware_line(hw, devices: int, util: float) -> str:
+    peaks = ", ".join(f"{k} {v / 1e12:.3g}" for k, v in sorted(hw.peak.items()))
+    return (f"hardware: {devices} x {hw.name} ({hw.memory_bytes / GiB:.1f} GiB, peak TFLOP/s {peaks}; "
+            f"{hw.devices_per_node}/node, {hw.intra_node_bw / 1e9:.0f}/{hw.inter_node_bw / 1e9:.0f} GB/s "
+            f"intra/inter); assumed utilisation {util:.2f} of peak")
+
+
+def _plan_text(plan) -> str:
+    mem, lay, t = plan.memory, plan.layout, plan.time
+    cap = plan.hardware.memory_bytes
+    rows = [("weights", mem.weights), ("gradients", mem.gradients), ("optimizer", mem.optimizer),
+            ("activations", mem.activations), ("overhead", mem.overhead)]
+    lines = [f"layout: {lay.describe()}  (global batch {lay.global_batch} x {plan.model.seq_len} tokens)",
+             f"memory per device (pipeline rank {mem.rank}, {mem.params / 1e9:.3g}B params, "
+             f"{mem.in_flight} activation sets in flight):"]
+    for name, v in rows:
+        lines.append(f"  {name:<12} {v / GiB:10.2f} GiB")
+    verdict = "fits" if plan.fits else f"does NOT fit (+{(mem.total / cap - 1) * 100:.1f}%)"
+    lines.append(f"  {'total':<12} {mem.total / GiB:10.2f} GiB of {cap / GiB:.2f} GiB: {verdict}")
+    lines.append(f"time per step: {t.step_time_s:.4g} s  (pipeline {t.compute_s:.4g} s incl. bubble "
+                 f"{t.bubble_fraction:.1%}, tp comm {t.tp_comm_s:.3g} s, exposed dp comm {t.dp_comm_s:.3g} s)")
+    days = f", {plan.days:.1f} days for {plan.tokens:.3g} tokens" if plan.days is not None else ""
+    lines.append(f"throughput: {plan.tokens_per_s:,.0f} tokens/s, MFU {plan.mfu:.1%}{days}")
+    return "\n".join(lines)
+
+
+def _search_table(res, hw) -> str:
+    lines = [f"searched {res.considered} layouts; top {len(res.candidates)} by throughput:"]
+    head = (f"{'#':>2} {'dp':>5} {'tp':>3} {'pp':>4} {'m':>5} {'b':>3} {'schedule':<16} {'zero':>4} "
+            f"{'recompute':<9} {'mem GiB':>8} {'bubble':>7} {'step s':>9} {'tokens/s':>12} {'MFU':>6} {'days':>8}")
+    lines.append(head)
+    for i, c in enumerate(res.candidates, 1):
+        lay = c.layout
+        sched = lay.schedule + (f"(v={lay.virtual_stages})" if lay.virtual_stages > 1 else "")
+        days = f"{c.days:8.1f}" if c.days is not None else f"{'-':>8}"
+        lines.append(f"{i:>2} {lay.dp:>5} {lay.tp:>3}{'s' if lay.sequence_parallel else ' '}{lay.pp:>3} "
+                     f"{lay.microbatches:>5} {lay.micro_batch:>3} {sched:<16} {lay.zero:>4} {lay.recompute:<9} "
+                     f"{c.memory.total / GiB:8.1f} {c.time.bubble_fraction:7.1%} {c.time.step_time_s:9.3g} "
+                     f"{c.tokens_per_s:12,.0f} {c.mfu:6.1%} {days}")
+    if not res.candidates:
+        lines.append("  no layout fits: add devices, memory, or allow more ZeRO/recompute")
+    lines.append("rejected:")
+    lines += ["  " + ln for ln in res.rejections.lines()]
+    return "\n".join(lines)
+
+
+def _calibration_text(cal: dict) -> str:
+    if "error" in cal:
+        return f"calibration: not run: {cal['error']}"
+    return (f"calibration on this machine ({cal['steps']} steps):\n"
+            f"  peak memory  predicted {cal['predicted_memory_bytes'] / GiB:.3f} GiB, measured "
+            f"{cal['measured_memory_bytes'] / GiB:.3f} GiB ({cal['memory_error']:+.1%})\n"
+            f"  step time    predicted {cal['predicted_step_time_s']:.4g} s, measured "
+            f"{cal['measured_step_time_s']:.4g} s ({cal['step_time_error']:+.1%})")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

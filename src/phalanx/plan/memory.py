@@ -1,0 +1,222 @@
+"""Memory per device for a layout: weights, gradients, optimizer states, activations.
+
+Model states (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
+Trillion Parameter Models", section 3.1): mixed-precision Adam keeps 16-bit weights
+(2 bytes/param) and gradients (2) plus float32 master weights, momentum and variance
+(K = 12): 16 bytes per parameter. Pure float32 Adam keeps 4 + 4 + 8, also 16.
+ZeRO stage 1 shards the optimizer states over the ``dp`` replicas, stage 2 also the
+gradients, stage 3 also the weights. (phalanx's own engine stores float32 master
+variables and casts per use, which moves 2 bytes/param from "optimizer" to
+"weights"/"gradients" but keeps the total.)
+
+Activations per transformer layer and micro-batch (Korthikanti et al. 2022, "Reducing
+Activation Recomputation in Large Transformer Models", section 4): with 16-bit
+activations and dropout, ``s b h (34 + 5 a s / h)`` bytes; with tensor parallelism
+``s b h (10 + 24/t + 5 a s/(h t))``; with sequence parallelism too
+``s b h (34/t + 5 a s/(h t))``; selective recomputation drops the ``5 a s/h``
+attention-core term; full recomputation keeps only each layer's input ``2 s b h``.
+Here the same terms are written for any element size and MLP width, and without the
+dropout masks when dropout is 0. The pipeline schedule decides how many micro-batches'
+activations a rank holds at once: the planner counts them from the very schedule table
+the executor runs.
+
+Example:
+    >>> from phalanx.plan.arithmetic import ModelSpec
+    >>> m = ModelSpec(layers=24, d_model=1024, heads=16, vocab=51200, seq_len=2048, dropout=0.1)
+    >>> s, b, h, a = 2048, 1, 1024, 16
+    >>> layer_activation_bytes(m, b, tp=1, recompute="none", elem_bytes=2) == s * b * h * (34 + 5 * a * s / h)
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from math import gcd
+
+from phalanx.parallel.schedules import build_schedule
+from phalanx.plan.arithmetic import ModelSpec
+from phalanx.plan.layout import Layout, stage_layers
+
+# bytes per parameter: (weights, gradients, optimizer states)
+STATE_BYTES = {
+    "float32": (4, 4, 8),          # float32 weights and grads; Adam m and v
+    "mixed_bfloat16": (2, 2, 12),  # 16-bit weights and grads; float32 master + m + v (ZeRO's K = 12)
+    "mixed_float16": (2, 2, 12),
+}
+ACTIVATION_BYTES = {"float32": 4, "mixed_bfloat16": 2, "mixed_float16": 2}
+DEFAULT_OVERHEAD_FRACTION = 0.05
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes on the most loaded device (the pipeline rank with the largest total)."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    overhead: float
+    rank: int = 0                 # which pipeline rank this is
+    params: float = 0.0           # parameters held on that device (before ZeRO-3 sharding)
+    in_flight: int = 0            # peak activation sets (micro-batch x chunk) on that rank
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.overhead
+
+    def to_dict(self) -> dict:
+        return {"total": self.total, "weights": self.weights, "gradients": self.gradients,
+                "optimizer": self.optimizer, "activations": self.activations, "overhead": self.overhead}
+
+
+def layer_activation_bytes(m: ModelSpec, micro_batch: int, tp: int = 1, recompute: str = "none",
+                           sequence_parallel: bool = False, elem_bytes: int = 2, moe: bool = False) -> float:
+    """Activation bytes one transformer block keeps for its backward, for one micro-batch.
+
+    >>> m = ModelSpec(layers=1, d_model=64, heads=4, seq_len=32, vocab=100)
+    >>> layer_activation_bytes(m, 1, recompute="full", elem_bytes=4) == 32 * 64 * 4
+    True
+    """
+    s, b, h, a, e = m.seq_len, micro_batch, m.d_model, m.heads, elem_bytes
+    sbh = s * b * h
+    mask = 1 if m.dropout > 0 else 0
+    t = tp
+    if recompute == "full":  # only the block's input survives the forward
+        return e * sbh / (t if sequence_parallel else 1)
+    mlp_width = m.ffn_dim / h * (m.top_k if moe else 1)
+    # Not split by tp (unless sequence parallel): the two LayerNorm inputs, the inputs of
+    # the QKV and MLP-in matmuls, and the two post-block dropout masks.
+    unsplit = (4 * e + 2 * mask) * sbh
+    # Split by tp: Q, K, V, the attention-out input; the MLP's GELU input and proj input.
+    split = (4 * e + 2 * e * mlp_width) * sbh
+    # The attention core: softmax output (+ dropout mask and dropout output), a x s x s per sequence.
+    core = ((2 * e + mask) if mask else e) * a * s * s * b
+    if recompute == "selective":
+        core = 0.0
+    if sequence_parallel:
+        return (unsplit + split + core) / t
+    return unsplit + (split + core) / t
+
+
+def _layer_param_split(m: ModelSpec, tp: int, ep: int, moe: bool) -> tuple[float, float]:
+    """(dense params, expert params) of one block on one device."""
+    d, f = m.d_model, m.ffn_dim
+    attn = (4 * d * d + 3 * d) / tp + d           # column/row-parallel kernels; out-bias replicated
+    norms = 4 * d
+    if not moe:
+        return attn + (2 * d * f + f) / tp + d + norms, 0.0
+    experts = m.experts / ep * ((2 * d * f + f) / tp + d)
+    return attn + norms + d * m.experts, experts
+
+
+@lru_cache(maxsize=4096)
+def schedule_in_flight(name: str, pp: int, microbatches: int, virtual_stages: int) -> tuple[tuple[int, ...], int]:
+    """(peak activation sets per rank, peak sets of the last model stage) from the schedule table."""
+    sched = build_schedule(name, pp, microbatches, virtual_stages)
+    release = "W" if sched.split_backward else "B"
+    peaks = []
+    for actions in sched.per_stage:
+        held = peak = 0
+        for a in actions:
+            held += 1 if a.kind == "F" else (-1 if a.kind == release else 0)
+            peak = max(peak, held)
+        peaks.append(peak)
+    held = last = 0
+    for a in sched.per_stage[-1]:
+        if a.chunk == virtual_stages - 1:
+            held += 1 if a.kind == "F" else (-1 if a.kind == release else 0)
+            last = max(last, held)
+    return tuple(peaks), last
+
+
+def in_flight_estimate(name: str, pp: int, microbatches: int, virtual_stages: int) -> tuple[tuple[int, ...], int]:
+    """Like :func:`schedule_in_flight`, in closed form for big tables (search pre-filter).
+
+    Exact for gpipe, 1f1b and interleaved (Megatron's warm-up count + 1); an upper bound for zb.
+    """
+    m, v = microbatches, virtual_stages
+    if pp * m * v <= 4096:
+        return schedule_in_flight(name, pp, m, v)
+    if name == "gpipe":
+        return tuple([m] * pp), m
+    if name == "1f1b" or (name == "interleaved" and v == 1):
+        return tuple(min(pp - r, m) for r in range(pp)), 1
+    if name == "interleaved":
+        return tuple(min(2 * (pp - r - 1) + (v - 1) * pp + 1, m * v) for r in range(pp)), 1
+    return tuple(min(2 * pp, m) for _ in range(pp)), min(2, m)
+
+
+@lru_cache(maxsize=1024)
+def stage_kinds(m: ModelSpec, pp: int, virtual_stages: int) -> tuple[tuple[int, int], ...]:
+    """Per model stage: (dense blocks, MoE blocks). Block ``i`` is MoE when ``(i+1) % moe_every == 0``."""
+    out, first = [], 0
+    for n in stage_layers(m.layers, pp, virtual_stages):
+        moe = sum(1 for i in range(first, first + n) if m.experts and (i + 1) % m.moe_every == 0)
+        out.append((n - moe, moe))
+        first += n
+    return tuple(out)
+
+
+def memory_per_device(m: ModelSpec, lay: Layout, overhead_bytes: float = 0.0,
+                      overhead_fraction: float = DEFAULT_OVERHEAD_FRACTION, exact_schedule: bool = True) -> Memory:
+    """Peak bytes on the most loaded device of layout ``lay``.
+
+    ``overhead_bytes`` (runtime context, communication buffers) plus ``overhead_fraction``
+    of everything else (allocator fragmentation, temporaries) make the overhead line.
+    ``exact_schedule=False`` uses closed-form in-flight counts (fast, for the search).
+    """
+    w_b, g_b, o_b = STATE_BYTES[lay.policy]
+    e = ACTIVATION_BYTES[lay.policy]
+    v, tp, dp = lay.virtual_stages, lay.tp, lay.dp
+    ep = gcd(m.experts, dp) if m.experts else 1
+    if exact_schedule:
+        peaks, last_peak = schedule_in_flight(lay.schedule, lay.pp, lay.microbatches, v)
+    else:
+        peaks, last_peak = in_flight_estimate(lay.schedule, lay.pp, lay.microbatches, v)
+    d, s, b = m.d_model, m.seq_len, lay.micro_batch
+    embed = m.vocab * d / tp + m.seq_len * d
+    # The head: its own kernel, or (pp > 1) the tied embedding's copy on the last stage.
+    head = 2 * d + (m.vocab * d / tp if (not m.tie_embeddings or lay.pp > 1) else 0)
+    dense_layer, _ = _layer_param_split(m, tp, ep, False)
+    moe_dense, moe_expert = _layer_param_split(m, tp, ep, True) if m.experts else (0.0, 0.0)
+    act_dense = layer_activation_bytes(m, b, tp, lay.recompute, lay.sequence_parallel, e, False)
+    act_moe = layer_activation_bytes(m, b, tp, lay.recompute, lay.sequence_parallel, e, True) if m.experts else 0.0
+    kinds = stage_kinds(m, lay.pp, v)
+    best: Memory | None = None
+    # Rank 0 holds the most blocks (earlier stages take the remainder), the embedding and
+    # the most in-flight micro-batches of every schedule here; only the last rank's head
+    # and logits can outweigh it. Middle ranks never exceed rank 0, so two ranks suffice.
+    for r in sorted({0, lay.pp - 1}):
+        dense = expert = 0.0
+        act_per_set = 0.0
+        for c in range(v):
+            n_dense, n_moe = kinds[c * lay.pp + r]
+            dense += n_dense * dense_layer + n_moe * moe_dense
+            expert += n_moe * moe_expert
+            act_per_set = max(act_per_set, n_dense * act_dense + n_moe * act_moe)
+        if r == 0:
+            dense += embed
+        acts = peaks[r] * act_per_set
+        if r == lay.pp - 1:
+            dense += head
+            # final LayerNorm input + logits (compute dtype) + float32 softmax for the loss
+            acts += last_peak * (e * s * b * d + (e + 4) * s * b * m.vocab / tp)
+        params = dense + expert
+        # ZeRO shards over the replicas that hold the same tensor: dp for dense, dp/ep for experts
+        shard_d, shard_e = dp, max(dp // ep, 1)
+
+        def sharded(stage_needed: int, per_param: float) -> float:
+            if lay.zero >= stage_needed:
+                return per_param * (dense / shard_d + expert / shard_e)
+            return per_param * params
+
+        weights = sharded(3, w_b)
+        grads = sharded(2, g_b)
+        optim = sharded(1, o_b)
+        subtotal = weights + grads + optim + acts
+        mem = Memory(weights, grads, optim, acts, overhead_bytes + overhead_fraction * subtotal, r, params, peaks[r])
+        if best is None or mem.total > best.total:
+            best = mem
+    assert best is not None
+    return best

@@ -1,0 +1,135 @@
+"""``phalanx train | eval | generate``.
+
+Examples:
+    $ phalanx train                                   # the built-in demo-sized default
+    $ phalanx train my.yaml parallel.dp=2 parallel.devices=cpu:2 precision.policy=mixed_bfloat16
+    $ phalanx eval runs/default
+    $ phalanx generate runs/default --prompt "def main(" --tokens 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+from phalanx.config import Config, ConfigError, load_config
+
+
+def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
+    """``[CONFIG.yaml] key=value ...``: the first argument without '=' is the file."""
+    path, overrides = None, []
+    for a in args:
+        if "=" in a:
+            overrides.append(a)
+        elif path is None:
+            path = a
+        else:
+            raise ConfigError("config", f"only one config file may be given; got {path!r} and {a!r}")
+    return path, overrides
+
+
+def main_train(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="phalanx train", description="Train a model as the config says; "
+                                     "resumes from the newest checkpoint in run.dir.")
+    parser.add_argument("args", nargs="*", help="[CONFIG.yaml] [section.key=value ...]")
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
+    ns = parser.parse_args(argv)
+    path, overrides = _split_config_args(ns.args)
+    cfg = load_config(path, overrides)
+    cluster = _cluster_info(cfg)
+    _devices_first(cfg)
+    from phalanx.train.trainer import Trainer
+    summary = Trainer(cfg, cluster=cluster, quiet=ns.quiet).fit()
+    return 0
+
+
+def _cluster_info(cfg: Config):
+    if cfg.parallel.strategy not in ("multi_worker", "parameter_server"):
+        return None
+    from phalanx.cluster.tf_config import cluster_from_env
+    return cluster_from_env()
+
+
+def _devices_first(cfg: Config) -> None:
+    """Logical CPUs must be configured before TensorFlow starts its runtime."""
+    from phalanx.mesh import build_mesh
+    if cfg.parallel.strategy not in ("multi_worker", "parameter_server"):
+        build_mesh(cfg)
+
+
+def _load_run(run_dir: str, overrides: list[str]) -> Config:
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise ConfigError("run.dir", f"{run_dir!r} has no config.yaml; is it a phalanx run directory?")
+    # Evaluate/generate on one device whatever layout trained it (checkpoints are layout-independent).
+    single = ["parallel.dp=1", "parallel.tp=1", "parallel.pp=1", "parallel.zero=0", "parallel.microbatches=1",
+              "parallel.devices=auto", "parallel.strategy=auto", "parallel.recompute=none",
+              "parallel.schedule=1f1b", "parallel.virtual_stages=1", "train.grad_accum=1", f"run.dir={run_dir}"]
+    return load_config(path, single + overrides)
+
+
+def _restored_engine(cfg: Config):
+    from phalanx import checkpoint
+    from phalanx.train.trainer import make_engine
+    from phalanx.train.task import GPTTask
+
+    latest = checkpoint.latest(Path(cfg.run.dir) / "checkpoints")
+    if latest is None:
+        raise ConfigError("run.dir", f"{cfg.run.dir!r} has no checkpoint yet")
+    engine = make_engine(cfg, GPTTask(cfg.model, cfg.precision.policy, cfg.train.seed))
+    restored = checkpoint.restore(latest)
+    engine.load_state_dict(restored.tensors)
+    return engine, restored.step
+
+
+def main_eval(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="phalanx eval", description="Loss and perplexity of the latest "
+                                     "checkpoint of a run on its held-out split.")
+    parser.add_argument("run_dir")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.eval_batches=50")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    ns = parser.parse_args(argv)
+    cfg = _load_run(ns.run_dir, ns.overrides)
+    from phalanx.data.pipeline import make_datasets
+    from phalanx.train.trainer import Trainer
+
+    engine, step = _restored_engine(cfg)
+    trainer = Trainer(cfg, datasets=make_datasets(cfg), quiet=True)
+    trainer.engine = engine
+    loss = trainer.evaluate()
+    result = {"step": step, "eval_loss": loss, "perplexity": math.exp(min(loss, 50.0)),
+              "batches": cfg.train.eval_batches}
+    if ns.json:
+        import json
+        print(json.dumps(result))
+    else:
+        print(f"step {step}: eval loss {loss:.4f}, perplexity {result['perplexity']:.2f} "
+              f"({cfg.train.eval_batches} batches of {cfg.train.global_batch})")
+    return 0
+
+
+def main_generate(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="phalanx generate", description="Sample from a run's latest checkpoint.")
+    parser.add_argument("run_dir")
+    parser.add_argument("--prompt", default="", help="text to continue")
+    parser.add_argument("--tokens", type=int, default=200, help="how many tokens to generate (default 200)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    parser.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest tokens (default 40)")
+    parser.add_argument("--seed", type=int, default=0)
+    ns = parser.parse_args(argv)
+    if ns.tokens < 1:
+        raise ConfigError("--tokens", f"must be >= 1, got {ns.tokens}")
+    if ns.temperature < 0:
+        raise ConfigError("--temperature", f"must be >= 0, got {ns.temperature}")
+    cfg = _load_run(ns.run_dir, [])
+    from phalanx.models.generate import generate
+    from phalanx.train.trainer import load_run_tokenizer
+
+    tokenizer = load_run_tokenizer(Path(ns.run_dir) / "tokenizer")
+    engine, _ = _restored_engine(cfg)
+    ids = generate(engine.model, tokenizer.encode(ns.prompt), ns.tokens, cfg.model.seq_len,
+                   temperature=ns.temperature, top_k=ns.top_k, seed=ns.seed)
+    sys.stdout.write(ns.prompt + tokenizer.decode(ids) + "\n")
+    return 0

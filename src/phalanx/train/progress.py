@@ -1,0 +1,145 @@
+"""Run output: progress bar or plain lines, ``metrics.jsonl``, TensorBoard, loss PNG.
+
+On a terminal a rich progress bar shows loss, tokens/s, MFU and the ETA; otherwise
+(CI, a pipe, a launcher prefixing lines) one plain line per logged step. Every
+logged step is appended to ``<run.dir>/metrics.jsonl`` as one JSON object and
+written to TensorBoard event files under ``<run.dir>/tb``.
+
+Example:
+    >>> import tempfile, json, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp())
+    >>> with RunOutput(d, total_steps=2, interactive=False, quiet=True) as out:
+    ...     out.log({"step": 1, "loss": 2.5, "lr": 1e-3, "tokens_per_s": 10.0, "mfu": 0.1, "step_time_s": 0.5})
+    >>> json.loads((d / "metrics.jsonl").read_text())["loss"]
+    2.5
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+class RunOutput:
+    """Writes one run's logs. Use as a context manager; ``log`` once per logged step."""
+
+    def __init__(self, run_dir: str | Path, total_steps: int, start_step: int = 0,
+                 interactive: bool | None = None, quiet: bool = False, tensorboard: bool = True,
+                 prefix: str = ""):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.total, self.start = total_steps, start_step
+        self.interactive = sys.stderr.isatty() if interactive is None else interactive
+        self.quiet, self.prefix = quiet, prefix
+        self._tb_enabled = tensorboard
+        self._metrics = None
+        self._tb = None
+        self._progress = None
+        self._task = None
+        self._t0 = time.monotonic()
+
+    def __enter__(self) -> "RunOutput":
+        self._metrics = open(self.run_dir / "metrics.jsonl", "a")
+        if self._tb_enabled:
+            import tensorflow as tf
+            self._tb = tf.summary.create_file_writer(str(self.run_dir / "tb"))
+        if self.interactive and not self.quiet:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+            self._progress = Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                                      TextColumn("{task.fields[info]}"), TimeRemainingColumn())
+            self._progress.start()
+            self._task = self._progress.add_task("train", total=self.total, completed=self.start, info="")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+        if self._tb is not None:
+            self._tb.flush()
+            self._tb.close()
+            self._tb = None
+
+    def log(self, row: dict) -> None:
+        """Record one logged step (keys: step, loss, lr, tokens_per_s, mfu, step_time_s, ...)."""
+        row = {k: (float(v) if hasattr(v, "__float__") and not isinstance(v, (int, bool)) else v)
+               for k, v in row.items()}
+        self._metrics.write(json.dumps(row) + "\n")
+        self._metrics.flush()
+        if self._tb is not None:
+            with self._tb.as_default():
+                import tensorflow as tf
+                for k, v in row.items():
+                    if k != "step" and isinstance(v, (int, float)):
+                        tf.summary.scalar(k, v, step=int(row["step"]))
+        self._show(row)
+
+    def message(self, text: str) -> None:
+        if self.quiet:
+            return
+        if self._progress is not None:
+            self._progress.console.print(text)
+        else:
+            print(f"{self.prefix}{text}", file=sys.stderr, flush=True)
+
+    def _show(self, row: dict) -> None:
+        if self.quiet:
+            return
+        parts = [f"loss {row['loss']:.4f}"]
+        if "eval_loss" in row:
+            parts.append(f"eval {row['eval_loss']:.4f}")
+        parts += [f"{row.get('tokens_per_s', 0):,.0f} tok/s", f"MFU {100 * row.get('mfu', 0):.1f}%"]
+        info = "  ".join(parts)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=row["step"], info=info)
+        else:
+            done = row["step"] - self.start
+            elapsed = time.monotonic() - self._t0
+            eta = elapsed / done * (self.total - row["step"]) if done > 0 else 0.0
+            print(f"{self.prefix}step {row['step']}/{self.total}  {info}  lr {row.get('lr', 0):.2e}  "
+                  f"ETA {_hms(eta)}", file=sys.stderr, flush=True)
+
+
+def _hms(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600:d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_loss(run_dir: str | Path) -> Path | None:
+    """Write ``<run.dir>/loss.png`` (train and eval loss against step) from metrics.jsonl."""
+    rows = read_metrics(run_dir)
+    if not rows:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train loss")
+    evals = [r for r in rows if "eval_loss" in r]
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(run_dir) / "loss.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

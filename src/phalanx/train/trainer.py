@@ -1,0 +1,276 @@
+"""The training loop: parse -> build -> train -> close.
+
+:class:`Trainer` builds the engine for the config (tf.distribute for data
+parallelism, the mesh engine for tensor/pipeline parallelism, ZeRO or
+recomputation), the input pipeline, resumes from the newest checkpoint in
+``<run.dir>/checkpoints``, then runs ``train.steps`` steps with logging, periodic
+evaluation and checkpoints. SIGTERM (preemption) saves a checkpoint at the next
+step boundary and returns normally.
+
+Example (a 3-step run on the embedded corpus):
+    >>> from phalanx.config import load_config
+    >>> cfg = load_config(None, ["model.layers=1", "model.d_model=32", "model.heads=2",
+    ...     "model.ffn=64", "model.seq_len=16", "train.steps=3", "train.global_batch=4",
+    ...     "data.max_bytes=200000", "run.dir=/tmp/phalanx-doctest"])  # doctest: +SKIP
+    >>> summary = Trainer(cfg, quiet=True).fit()                      # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from phalanx import checkpoint
+from phalanx.config import Config, ConfigError
+from phalanx.train.progress import RunOutput, plot_loss
+
+
+@dataclass
+class Summary:
+    steps: int
+    loss: float
+    eval_loss: float | None
+    tokens_per_s: float
+    mfu: float
+    wall_s: float
+    skipped_steps: int
+    run_dir: Path
+    checkpoint: Path | None
+    stopped_early: bool = False
+
+    def line(self) -> str:
+        ev = f" (eval {self.eval_loss:.4f})" if self.eval_loss is not None else ""
+        stop = " [stopped by signal, checkpoint saved]" if self.stopped_early else ""
+        return (f"done: step {self.steps}, loss {self.loss:.4f}{ev}, {self.tokens_per_s:,.0f} tokens/s, "
+                f"MFU {100 * self.mfu:.1f}%, {self.wall_s:.0f}s, {self.skipped_steps} skipped steps{stop}\n"
+                f"outputs: {self.run_dir}/metrics.jsonl, {self.run_dir}/loss.png, {self.run_dir}/tb/, "
+                f"{self.checkpoint or 'no checkpoint'}")
+
+
+def uses_mesh_engine(cfg: Config) -> bool:
+    p = cfg.parallel
+    return p.tp != 1 or p.pp != 1 or p.zero > 0 or p.recompute != "none" or p.strategy == "mesh"
+
+
+def make_engine(cfg: Config, task, cluster=None):
+    """The engine for ``cfg``: tf.distribute (dp only) or the mesh engine."""
+    from phalanx.mesh import build_mesh
+    from phalanx.train.engine import StrategyEngine, default_strategy
+
+    if cfg.parallel.strategy in ("multi_worker", "parameter_server"):
+        from phalanx.cluster.strategies import make_strategy
+        return StrategyEngine(cfg, task, make_strategy(cfg, cluster))
+    mesh = build_mesh(cfg)
+    if uses_mesh_engine(cfg):
+        from phalanx.parallel.apply import make_mesh_engine
+        return make_mesh_engine(cfg, mesh, task)
+    return StrategyEngine(cfg, task, default_strategy(mesh.devices))
+
+
+class _StopFlag:
+    """Set by SIGTERM/SIGINT: the loop saves a checkpoint at the next step boundary."""
+
+    def __init__(self):
+        self.set = False
+        self._previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM,):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.set = True
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class Trainer:
+    """Trains ``task`` (default: the built-in GPT) as ``cfg`` says.
+
+    ``datasets`` (optional) overrides the built-in input pipeline: an object with
+    ``.train`` (an infinite tf.data.Dataset of global batches) and ``.val``.
+    """
+
+    def __init__(self, cfg: Config, task=None, datasets=None, *, cluster=None,
+                 interactive: bool | None = None, quiet: bool = False):
+        self.cfg, self.cluster = cfg, cluster
+        self.run_dir = Path(cfg.run.dir).expanduser()
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.interactive, self.quiet = interactive, quiet
+        if task is None:
+            from phalanx.train.task import GPTTask
+            task = GPTTask(cfg.model, _keras_policy(cfg), cfg.train.seed)
+        self.task = task
+        self._datasets = datasets
+        self.is_chief = cluster is None or cluster.is_chief
+        self.worker_index = 0 if cluster is None else cluster.worker_index
+        self.num_workers = 1 if cluster is None else cluster.num_workers
+
+    # -- building ---------------------------------------------------------------
+
+    def _check_run_dir(self) -> None:
+        saved = self.run_dir / "config.yaml"
+        if saved.is_file() and checkpoint.latest(self.ckpt_dir) is not None:
+            old = yaml.safe_load(saved.read_text()) or {}
+            if old.get("model") != dataclasses.asdict(self.cfg.model):
+                raise ConfigError("run.dir", f"{str(self.run_dir)!r} holds checkpoints of a different model "
+                                  f"({old.get('model')}); use a new run.dir or the same model.* keys")
+
+    def build(self) -> None:
+        import keras
+        keras.utils.set_random_seed(self.cfg.train.seed)
+        self._check_run_dir()
+        if self._datasets is None:
+            from phalanx.data.pipeline import make_datasets
+            self._datasets = make_datasets(self.cfg, self.worker_index, self.num_workers)
+        self.engine = make_engine(self.cfg, self.task, self.cluster)
+        if self.is_chief:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+            tokenizer = getattr(self._datasets, "tokenizer", None)
+            if tokenizer is not None:
+                save_tokenizer(tokenizer, self.run_dir / "tokenizer")
+
+    # -- checkpoints --------------------------------------------------------------
+
+    def _restore(self):
+        """Load the newest checkpoint (if any); return (step, train iterator positioned after it)."""
+        from phalanx.data import pipeline
+
+        builtin_data = isinstance(self._datasets, pipeline.Datasets)
+        path = checkpoint.latest(self.ckpt_dir)
+        if path is None:
+            return 0, (self._datasets.train_iterator(0) if builtin_data else iter(self._datasets.train))
+        restored = checkpoint.restore(path)
+        self.engine.load_state_dict(restored.tensors)
+        if builtin_data and (path / "data").is_dir():
+            iterator = pipeline.restore_iterator(self._datasets, path / "data")
+        elif builtin_data:
+            iterator = self._datasets.train_iterator(restored.step)
+        else:  # a user's dataset: no position to restore, skip what was consumed
+            iterator = iter(self._datasets.train.skip(restored.step))
+        self._say(f"resumed from {path} (step {restored.step})")
+        return restored.step, iterator
+
+    def _save(self, step: int, iterator) -> Path | None:
+        if not self.is_chief:
+            return None
+        from phalanx.data import pipeline
+
+        writers = {}
+        if isinstance(iterator, pipeline.TrainIterator):
+            writers["data"] = lambda d: pipeline.save_iterator(iterator, d)
+        meta = {"config": self.cfg.to_dict(), "layout": _layout(self.cfg, self.engine)}
+        return checkpoint.save(self.ckpt_dir, step, self.engine.state_dict(), meta=meta, writers=writers,
+                               keep=self.cfg.checkpoint.keep)
+
+    # -- the loop -------------------------------------------------------------------
+
+    def evaluate(self) -> float:
+        """Mean loss over up to ``train.eval_batches`` held-out batches."""
+        losses = []
+        for i, batch in enumerate(self._datasets.val):
+            if i >= self.cfg.train.eval_batches:
+                break
+            losses.append(float(self.engine.eval_step(batch)))
+        if not losses:
+            raise ConfigError("data.val_fraction", "the held-out split has no full batch; raise "
+                              "data.val_fraction or lower train.global_batch")
+        return float(np.mean(losses))
+
+    def fit(self) -> Summary:
+        from phalanx.train.metrics import mfu, peak_flops
+
+        t_start = time.monotonic()
+        self.build()
+        cfg, t = self.cfg, self.cfg.train
+        start, iterator = self._restore()
+        tokens_per_step = t.global_batch * self.task.tokens_per_example()
+        flops_per_step = self.task.flops_per_example() * t.global_batch
+        peak = peak_flops(cfg, getattr(self.engine, "n_devices", 1)) if flops_per_step else 0.0
+        self._say(f"model: {self.engine.num_params():,} parameters; layout dp={self.engine.dp} "
+                  f"tp={cfg.parallel.tp} pp={cfg.parallel.pp}; {cfg.precision.policy}; "
+                  f"global batch {t.global_batch} x {self.task.tokens_per_example()} tokens")
+        last = {"loss": float("nan")}
+        eval_loss, rate, util, stopped = None, 0.0, 0.0, False
+        window_losses, window_start, window_steps = [], time.monotonic(), 0
+        saved_path = None
+        step = start
+        with RunOutput(self.run_dir, t.steps, start, self.interactive, self.quiet or not self.is_chief) as out, \
+                _StopFlag() as stop:
+            while step < t.steps:
+                batch = next(iterator)
+                result = self.engine.train_step(batch)
+                step += 1
+                window_losses.append(result["loss"])
+                window_steps += 1
+                if step % t.log_every == 0 or step == t.steps:
+                    losses = [float(x) for x in window_losses]  # syncs the device
+                    elapsed = time.monotonic() - window_start
+                    rate = tokens_per_step * window_steps / elapsed
+                    util = mfu(flops_per_step, elapsed / window_steps, peak)
+                    row = {"step": step, "loss": float(np.mean(losses)), "lr": float(result["lr"]),
+                           "tokens_per_s": rate, "mfu": util, "step_time_s": elapsed / window_steps,
+                           "grad_norm": float(result["grad_norm"]), "loss_scale": float(result["loss_scale"]),
+                           "skipped": float(result["skipped"])}
+                    if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
+                        eval_loss = self.evaluate()
+                        row["eval_loss"] = eval_loss
+                    last = row
+                    if self.is_chief:
+                        out.log(row)
+                    window_losses, window_start, window_steps = [], time.monotonic(), 0
+                if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == t.steps or stop.set:
+                    saved_path = self._save(step, iterator) or saved_path
+                if stop.set:
+                    stopped = True
+                    out.message(f"signal received: checkpoint saved at step {step}, stopping")
+                    break
+        skipped = int(self.engine.state_dict().get("loss_scale/skipped", 0)) if self.is_chief else 0
+        if self.is_chief:
+            plot_loss(self.run_dir)
+        summary = Summary(steps=step, loss=last["loss"], eval_loss=eval_loss, tokens_per_s=rate, mfu=util,
+                          wall_s=time.monotonic() - t_start, skipped_steps=skipped, run_dir=self.run_dir,
+                          checkpoint=saved_path or checkpoint.latest(self.ckpt_dir), stopped_early=stopped)
+        self._say(summary.line())
+        return summary
+
+    def _say(self, text: str) -> None:
+        if not self.quiet and self.is_chief:
+            import sys
+            print(text, file=sys.stderr, flush=True)
+
+
+def save_tokenizer(tokenizer, directory: Path) -> None:
+    """Save the run's tokenizer (for ``phalanx generate``) with its description."""
+    import json
+    directory.mkdir(parents=True, exist_ok=True)
+    entry = tokenizer.save(directory)
+    (directory / "entry.json").write_text(json.dumps(entry))
+
+
+def load_run_tokenizer(directory: Path):
+    import json
+    from phalanx.data.tokenize import load_tokenizer
+    return load_tokenizer(directory, json.loads((directory / "entry.json").read_text()))
+
+
+def _keras_policy(cfg: Config) -> str:
+    return cfg.precision.policy
+
+
+def _layout(cfg: Config, engine) -> dict:
+    p = cfg.parallel
+    return {"dp": engine.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero, "schedule": p.schedule,
+            "engine": type(engine).__name__}

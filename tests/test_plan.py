@@ -1,0 +1,240 @@
+"""`phalanx plan`: formulas against hand computations and published figures, memory, time, search, CLI."""
+
+from __future__ import annotations
+
+import doctest
+import json
+
+import pytest
+
+from phalanx.plan import arithmetic, cli, estimate as estimate_mod, layout as layout_mod, memory, search as search_mod
+from phalanx.plan import timing
+from phalanx.plan.arithmetic import ModelSpec, active_param_count, flops_per_token, param_count
+from phalanx.plan.estimate import estimate
+from phalanx.plan.hardware import GiB, get_hardware
+from phalanx.plan.layout import Layout, stage_layers
+from phalanx.plan.memory import layer_activation_bytes, memory_per_device
+from phalanx.plan.search import search
+
+# Narayanan et al. 2021, Table 1: (billions of params, heads, hidden, layers); V=51200, s=2048
+MEGATRON_TABLE1 = [(1.7, 24, 2304, 24), (3.6, 32, 3072, 30), (7.5, 32, 4096, 36), (18.4, 48, 6144, 40),
+                   (39.1, 64, 8192, 48), (76.1, 80, 10240, 60), (145.6, 96, 12288, 80),
+                   (310.1, 128, 16384, 96), (529.6, 128, 20480, 105), (1008.0, 160, 25600, 128)]
+
+
+def tiny() -> ModelSpec:
+    return ModelSpec(layers=2, d_model=8, heads=2, ffn=32, vocab=10, seq_len=4)
+
+
+def test_params_hand_computed():
+    d, f, V, T = 8, 32, 10, 4
+    layer = (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d) + 4 * d
+    assert param_count(tiny()) == 2 * layer + V * d + T * d + 2 * d
+    untied = ModelSpec(layers=2, d_model=8, heads=2, ffn=32, vocab=10, seq_len=4, tie_embeddings=False)
+    assert param_count(untied) == param_count(tiny()) + V * d
+
+
+def test_gpt3_175b():
+    gpt3 = ModelSpec(layers=96, d_model=12288, heads=96, vocab=50257, seq_len=2048)
+    assert param_count(gpt3) / 1e9 == pytest.approx(174.6, abs=0.05)
+
+
+@pytest.mark.parametrize("billions,heads,h,layers", MEGATRON_TABLE1)
+def test_megatron_table1_sizes(billions, heads, h, layers):
+    m = ModelSpec(layers=layers, d_model=h, heads=heads, vocab=51200, seq_len=2048)
+    assert param_count(m) / 1e9 == pytest.approx(billions, abs=0.051)
+    # and the paper's closed form exactly, plus the final LayerNorm (2h) that it leaves out
+    closed = 12 * layers * h * h * (1 + 13 / (12 * h) + (51200 + 2048) / (12 * layers * h)) + 2 * h
+    assert param_count(m) == pytest.approx(closed, rel=1e-12)
+
+
+def test_flops_per_token_papers():
+    l, h, s, V = 128, 25600, 2048, 51200
+    m = ModelSpec(layers=l, d_model=h, heads=160, vocab=V, seq_len=s)
+    assert flops_per_token(m, "none") == pytest.approx(72 * l * h * h * (1 + s / (6 * h) + V / (12 * l * h)))
+    assert flops_per_token(m, "full") == pytest.approx(96 * l * h * h * (1 + s / (6 * h) + V / (16 * l * h)))
+    assert flops_per_token(m, "selective") - flops_per_token(m, "none") == pytest.approx(4 * s * h * l)
+    # hand count on the tiny model: fwd = layers*(2*(4d^2+2df) + 4sd) + 2dV; training = 3x
+    t = tiny()
+    fwd = 2 * (2 * (4 * 64 + 2 * 8 * 32) + 4 * 4 * 8) + 2 * 8 * 10
+    assert flops_per_token(t) == 3 * fwd
+    with pytest.raises(ValueError, match="recompute"):
+        flops_per_token(t, "sometimes")
+
+
+def test_moe_params_and_flops():
+    dense = ModelSpec(layers=4, d_model=64, heads=4, vocab=100, seq_len=16)
+    moe = ModelSpec(layers=4, d_model=64, heads=4, vocab=100, seq_len=16, experts=8, top_k=2, moe_every=2)
+    mlp = arithmetic.mlp_params(dense)
+    assert param_count(moe) - param_count(dense) == 2 * (7 * mlp + 64 * 8)
+    assert active_param_count(moe) - param_count(dense) == 2 * (mlp + 64 * 8)
+    extra_fwd = 2 * (2 * 2 * 64 * 256 + 2 * 64 * 8)  # one more MLP and the router, in 2 layers
+    assert flops_per_token(moe) - flops_per_token(dense) == pytest.approx(3 * extra_fwd)
+    with pytest.raises(ValueError, match="top_k"):
+        ModelSpec(layers=2, d_model=8, heads=2, experts=4, top_k=5)
+
+
+def test_korthikanti_activations_per_layer():
+    s, b, h, a, t = 2048, 4, 12288, 96, 8
+    m = ModelSpec(layers=1, d_model=h, heads=a, seq_len=s, vocab=51200, dropout=0.1)
+    sbh = s * b * h
+    assert layer_activation_bytes(m, b) == pytest.approx(sbh * (34 + 5 * a * s / h))
+    assert layer_activation_bytes(m, b, tp=t) == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert layer_activation_bytes(m, b, tp=t, sequence_parallel=True) == pytest.approx(
+        sbh * (34 / t + 5 * a * s / (h * t)))
+    assert layer_activation_bytes(m, b, tp=t, sequence_parallel=True, recompute="selective") == pytest.approx(
+        sbh * 34 / t)
+    assert layer_activation_bytes(m, b, recompute="full") == pytest.approx(2 * sbh)
+
+
+def test_zero_paper_16_bytes_per_param_and_sharding():
+    # A model that fits one stage; mixed-precision Adam = 2 + 2 + 12 bytes/param (ZeRO paper, sec 3.1)
+    m = ModelSpec(layers=2, d_model=256, heads=4, vocab=1000, seq_len=64)
+    n = param_count(m)
+    base = memory_per_device(m, Layout(dp=8, policy="mixed_bfloat16"), overhead_fraction=0.0)
+    assert base.params == pytest.approx(n)
+    assert (base.weights, base.gradients, base.optimizer) == pytest.approx((2 * n, 2 * n, 12 * n))
+    z1 = memory_per_device(m, Layout(dp=8, zero=1), overhead_fraction=0.0)
+    z2 = memory_per_device(m, Layout(dp=8, zero=2), overhead_fraction=0.0)
+    z3 = memory_per_device(m, Layout(dp=8, zero=3), overhead_fraction=0.0)
+    assert z1.weights + z1.gradients + z1.optimizer == pytest.approx((4 + 12 / 8) * n)
+    assert z2.weights + z2.gradients + z2.optimizer == pytest.approx((2 + 14 / 8) * n)
+    assert z3.weights + z3.gradients + z3.optimizer == pytest.approx(16 * n / 8)
+    f32 = memory_per_device(m, Layout(policy="float32"), overhead_fraction=0.0)
+    assert (f32.weights, f32.gradients, f32.optimizer) == pytest.approx((4 * n, 4 * n, 8 * n))
+
+
+def test_pipeline_activation_memory_follows_schedule():
+    m = ModelSpec(layers=8, d_model=128, heads=4, vocab=256, seq_len=64)
+    per_layer = layer_activation_bytes(m, 2, elem_bytes=2)
+    one = memory_per_device(m, Layout(pp=4, microbatches=8, micro_batch=2, schedule="1f1b"), overhead_fraction=0)
+    gp = memory_per_device(m, Layout(pp=4, microbatches=8, micro_batch=2, schedule="gpipe"), overhead_fraction=0)
+    assert one.rank == 0 and one.in_flight == 4 and gp.in_flight == 8
+    assert one.activations == pytest.approx(4 * 2 * per_layer)      # 4 micro-batches x 2 layers
+    # GPipe: every rank holds all 8; the last rank also keeps 8 micro-batches' logits and is the peak
+    s, b, d, V, e = 64, 2, 128, 256, 2
+    assert gp.rank == 3
+    assert gp.activations == pytest.approx(8 * 2 * per_layer + 8 * (e * s * b * d + (e + 4) * s * b * V))
+
+
+def test_stage_layers_and_layout_validation():
+    assert stage_layers(10, 4) == [3, 3, 2, 2]
+    with pytest.raises(ValueError, match="cannot fill"):
+        stage_layers(3, 4)
+    with pytest.raises(ValueError, match="zero"):
+        Layout(zero=4)
+
+
+def test_time_model_consistency():
+    m = ModelSpec(layers=24, d_model=2048, heads=16, vocab=51200, seq_len=2048)
+    hw = get_hardware("a100-80gb")
+    lay = Layout(dp=1, microbatches=4, micro_batch=2, policy="mixed_bfloat16")
+    p = estimate(m, lay, hw, tokens=1e9, utilization=0.5)
+    # single device: step time is exactly the FLOPs over peak x utilisation
+    expected = flops_per_token(m) * lay.global_batch * m.seq_len / (312e12 * 0.5)
+    assert p.time.step_time_s == pytest.approx(expected, rel=1e-9)
+    assert p.days == pytest.approx(1e9 / p.tokens_per_s / 86400)
+    # a pipeline adds the simulated bubble
+    pp = estimate(m, Layout(pp=4, microbatches=8, micro_batch=1, policy="mixed_bfloat16"), hw)
+    # at least the equal-stage formula 3/11; more, since the last stage also computes the logits
+    assert 3 / 11 < pp.time.bubble_fraction < 0.45
+    # tensor parallelism across nodes is slower than within
+    fast = estimate(m, Layout(tp=8, microbatches=4, micro_batch=2), hw)
+    slow = estimate(m, Layout(tp=8, microbatches=4, micro_batch=2), get_hardware("a100-80gb", devices_per_node=4))
+    assert slow.time.step_time_s > fast.time.step_time_s
+
+
+def test_hardware_presets_and_overrides():
+    for name in ("a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb", "tpu-v4", "tpu-v5p"):
+        hw = get_hardware(name)
+        assert hw.memory_bytes > 30 * GiB and hw.peak_flops("bfloat16") > 1e14
+    hw = get_hardware("h100-80gb", peak_tflops=100, memory_gb=10, intra_node_gbps=1, inter_node_gbps=2)
+    assert (hw.peak_flops("float32"), hw.memory_bytes, hw.intra_node_bw, hw.inter_node_bw) == (1e14, 10 * GiB, 1e9, 2e9)
+    with pytest.raises(ValueError, match="unknown hardware"):
+        get_hardware("abacus")
+
+
+def _divides(m: ModelSpec, lay: Layout, devices: int, global_batch: int) -> bool:
+    return (lay.devices == devices and lay.global_batch == global_batch and m.heads % lay.tp == 0
+            and m.ffn_dim % lay.tp == 0 and lay.pp * lay.virtual_stages <= m.layers
+            and (lay.schedule != "interleaved" or lay.microbatches % lay.pp == 0))
+
+
+@pytest.mark.parametrize("devices,global_batch,mem_gb", [(16, 64, 40), (64, 256, 24), (24, 48, 80)])
+def test_search_returns_only_fitting_dividing_layouts(devices, global_batch, mem_gb):
+    m = ModelSpec(layers=24, d_model=4096, heads=32, vocab=51200, seq_len=2048)
+    hw = get_hardware("a100-80gb", memory_gb=mem_gb)
+    res = search(m, hw, devices, global_batch, top=10)
+    assert res.candidates
+    speeds = [c.tokens_per_s for c in res.candidates]
+    assert speeds == sorted(speeds, reverse=True)
+    for c in res.candidates:
+        assert c.fits and _divides(m, c.layout, devices, global_batch)
+        # re-estimating with the exact schedule table agrees: the result really fits
+        again = estimate(m, c.layout, hw)
+        assert again.memory.total <= hw.memory_bytes
+    assert res.rejections.counts  # and it explains what it dropped
+
+
+def test_search_reports_when_nothing_fits():
+    m = ModelSpec(layers=24, d_model=4096, heads=32, vocab=51200, seq_len=2048)
+    res = search(m, get_hardware("a100-40gb", memory_gb=1), 8, 8, top=3)
+    assert res.candidates == []
+    assert "does not fit in device memory" in res.rejections.counts
+    assert any("closest misfit" in ln for ln in res.rejections.lines())
+
+
+def test_one_trillion_on_3072_a100(capsys):
+    argv = ["model.layers=128", "model.d_model=25600", "model.heads=160", "model.vocab=51200", "model.seq_len=2048",
+            "model.ffn=0", "precision.policy=mixed_bfloat16", "--devices", "3072", "--hardware", "a100-80gb",
+            "--tokens", "450e9", "--search", "--top", "3", "--json"]
+    assert cli.main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert len(doc["candidates"]) == 3
+    for c in doc["candidates"]:
+        assert c["params"] == pytest.approx(1008.0e9, rel=1e-3)
+        assert c["memory_per_device_bytes"]["total"] <= 80 * GiB
+        lay = c["layout"]
+        assert lay["dp"] * lay["tp"] * lay["pp"] == 3072 and lay["tp"] <= 8
+        assert 10 < c["days"] < 1000
+
+
+REQUIRED = {"params", "flops_per_token", "memory_per_device_bytes", "step_time_s", "tokens_per_s", "days",
+            "bubble_fraction"}
+
+
+def test_json_keys_single_plan(capsys, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: {layers: 4, d_model: 128, heads: 4, ffn: 512, vocab: 256, seq_len: 64}\n"
+                   "parallel: {pp: 2, microbatches: 4, schedule: gpipe, recompute: selective}\n"
+                   "train: {global_batch: 16}\n")
+    assert cli.main([str(cfg), "parallel.dp=2", "--hardware", "h100-80gb", "--tokens", "1e9", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert REQUIRED <= set(doc)
+    assert set(doc["memory_per_device_bytes"]) == {"total", "weights", "gradients", "optimizer", "activations",
+                                                   "overhead"}
+    assert doc["layout"]["dp"] == 2 and doc["layout"]["pp"] == 2 and doc["layout"]["micro_batch"] == 2
+    assert doc["flops_per_token"] == pytest.approx(flops_per_token(
+        ModelSpec(layers=4, d_model=128, heads=4, ffn=512, vocab=256, seq_len=64), "selective"))
+    assert doc["bubble_fraction"] > 0
+
+
+def test_text_output(capsys):
+    assert cli.main(["model.layers=4", "--hardware", "a100-40gb", "--tokens", "1e9"]) == 0
+    out = capsys.readouterr().out
+    for word in ("weights", "gradients", "optimizer", "activations", "overhead", "total", "fits", "tokens/s", "days"):
+        assert word in out
+
+
+def test_config_errors_exit_2(capsys):
+    assert cli.main(["model.heads=3", "--hardware", "a100-40gb"]) == 2
+    assert "error: model.heads" in capsys.readouterr().err
+    assert cli.main(["parallel.dp=-1", "--hardware", "a100-40gb"]) == 2
+    assert "--devices" in capsys.readouterr().err
+    assert cli.main(["parallel.dp=2", "--devices", "8", "--hardware", "a100-40gb"]) == 2
+    assert "error: parallel.devices" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", [arithmetic, memory, layout_mod, timing, estimate_mod, search_mod])
+def test_doctests(module):
+    assert doctest.testmod(module).failed == 0
