@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from phalanx.cluster import strategies
 from phalanx.cluster.strategies import (check_batch, make_coordinator, make_strategy, resolve_strategy_name,
-                                        serve_if_server_task)
+                                        serve_if_server_task, setup_cluster)
 from phalanx.cluster.tf_config import ClusterInfo, local_tf_configs, parse_tf_config
 from phalanx.config import Config, ConfigError
 
@@ -110,6 +110,18 @@ def test_serve_if_server_task():
     assert calls[1] == "joined"
 
 
+def test_setup_cluster_one_process(devices):
+    setup = setup_cluster(Config().replace(parallel={"dp": 2}, train={"global_batch": 8}), SINGLE, devices[:2])
+    assert (setup.name, setup.data_index, setup.data_count, setup.local_batch) == ("mirrored", 0, 1, 8)
+    assert setup.is_chief and setup.coordinator is None and setup.strategy.num_replicas_in_sync == 2
+
+
+def test_setup_cluster_reports_config_errors_before_serving():
+    # A ps task with a wrong strategy must fail at once, not start serving forever.
+    with pytest.raises(ConfigError, match="multi_worker does not use parameter servers"):
+        setup_cluster(cfg("multi_worker"), info(2, 1, "ps:0"))
+
+
 def test_parameter_server_strategy_only_on_the_chief():
     with pytest.raises(RuntimeError, match="task worker:0 must call serve_if_server_task"):
         strategies.parameter_server_strategy(info(2, 1, "worker:0"))
@@ -130,13 +142,11 @@ MULTI_WORKER_SCRIPT = textwrap.dedent('''
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     from phalanx.config import Config
-    from phalanx.cluster.tf_config import cluster_info_from_env
-    from phalanx.cluster.strategies import make_strategy, check_batch
-    info = cluster_info_from_env()
+    from phalanx.cluster.strategies import setup_cluster
     cfg = Config().replace(parallel={"strategy": "multi_worker" if mode == "multi" else "mirrored", "dp": 2},
                            train={"global_batch": 8})
-    strategy = make_strategy(cfg, info)          # first: before any other TF op
-    rows = check_batch(cfg, strategy)            # this process's share of the global batch
+    setup = setup_cluster(cfg)                   # first: before any other TF op
+    strategy, rows = setup.strategy, setup.local_batch   # rows: this process's share of the global batch
     import keras
     rng = np.random.default_rng(0)
     X = rng.normal(size=(3, 8, 5)).astype("float32")
@@ -165,9 +175,9 @@ MULTI_WORKER_SCRIPT = textwrap.dedent('''
             strategy.extended.update(v, lambda var, g: var.assign_sub(0.1 * g), args=(g,), group=False)
         return strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None)
 
-    w = info.worker_index
+    w = setup.data_index
     losses = [float(step(X[k][w * rows:(w + 1) * rows], Y[k][w * rows:(w + 1) * rows])) for k in range(3)]
-    print("SETUP", strategy.num_replicas_in_sync, rows, type(strategy).__name__)
+    print("SETUP", strategy.num_replicas_in_sync, rows, type(strategy).__name__, setup.data_index, setup.data_count)
     print("LOSSES", json.dumps(losses))
 ''')
 
@@ -177,16 +187,12 @@ PARAMETER_SERVER_SCRIPT = textwrap.dedent('''
     import json
     import numpy as np
     from phalanx.config import Config
-    from phalanx.cluster.tf_config import cluster_info_from_env
-    from phalanx.cluster.strategies import (make_strategy, make_coordinator, per_worker_dataset,
-                                            serve_if_server_task, check_batch)
-    info = cluster_info_from_env()
-    serve_if_server_task(info)                   # worker and ps tasks serve from here on
-    import tensorflow as tf, keras
+    from phalanx.cluster.strategies import per_worker_dataset, setup_cluster
     cfg = Config().replace(parallel={"strategy": "parameter_server"}, train={"global_batch": 16})
-    strategy = make_strategy(cfg, info)
-    rows = check_batch(cfg, strategy)
-    coordinator = make_coordinator(strategy)
+    setup = setup_cluster(cfg)                   # worker and ps tasks serve in here, forever
+    strategy, coordinator, rows = setup.strategy, setup.coordinator, setup.local_batch
+    assert (setup.data_index, setup.data_count, setup.is_chief) == (0, 1, True)
+    import tensorflow as tf, keras
     rng = np.random.default_rng(0)
     X = rng.normal(size=(64, 4)).astype("float32")
     Y = X @ rng.normal(size=(4, 1)).astype("float32")
@@ -240,12 +246,12 @@ def test_two_workers_equal_mirrored_on_two_devices(tmp_path):
     script.write_text(MULTI_WORKER_SCRIPT)
     ref = subprocess.run([sys.executable, str(script), "mirrored"], capture_output=True, text=True, timeout=120)
     assert ref.returncode == 0, ref.stderr[-4000:]
-    assert tagged(ref.stdout, "SETUP") == ["2 8 MirroredStrategy"]
+    assert tagged(ref.stdout, "SETUP") == ["2 8 MirroredStrategy 0 1"]
     [expected] = [json.loads(x) for x in tagged(ref.stdout, "LOSSES")]
 
     out, pids = run_launch(["--workers", "2"], script, "multi")
     for w in (0, 1):
-        assert tagged(out.stdout, "SETUP", f"[worker:{w}] ") == ["2 4 CollectiveAllReduceStrategy"]  # MultiWorkerMirroredStrategy's class
+        assert tagged(out.stdout, "SETUP", f"[worker:{w}] ") == [f"2 4 CollectiveAllReduceStrategy {w} 2"]  # MultiWorkerMirroredStrategy's class
         [losses] = [json.loads(x) for x in tagged(out.stdout, "LOSSES", f"[worker:{w}] ")]
         np.testing.assert_allclose(losses, expected, rtol=1e-5)
     assert expected[0] != expected[1]  # the model does train (the steps are not no-ops)

@@ -199,6 +199,30 @@ def test_glob_source_is_cached_and_refreshed_when_files_change(tmp_path, monkeyp
     assert calls == [1, 1] and other_len.manifest.seq_len == 8
 
 
+def test_concurrent_starts_prepare_the_cache_once(tmp_path, monkeypatch):
+    # Several workers of one job start together; the file lock makes one prepare and the rest wait.
+    import threading
+
+    glob = write_corpus(tmp_path / "corpus", n_files=8)
+    calls = []
+    real = records.prepare_dataset
+
+    def slow_prepare(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(records, "prepare_dataset", slow_prepare)
+    found = []
+    threads = [threading.Thread(target=lambda: found.append(pipeline.resolve_source(config(tmp_path, glob),
+                                                                                     progress=False)))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(found) == 3 and len({m.directory for m in found}) == 1
+
+
 def test_prepared_directory_source(env, one):
     tmp, _ = env
     ds = make_datasets(config(tmp, str(one.directory)), progress=False)

@@ -50,7 +50,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
@@ -59,6 +59,9 @@ from phalanx.data import corpus as corpus_lib
 from phalanx.data import records
 from phalanx.data.records import MANIFEST, Manifest
 from phalanx.data.tokenize import Tokenizer
+
+if TYPE_CHECKING:  # TensorFlow is imported lazily: `phalanx data inspect` and config checks stay quick
+    import tensorflow as tf
 
 ITERATOR_FILE = "data_iterator.json"
 _INFINITE = 2**62  # steps; Dataset.range needs a bound
@@ -73,8 +76,8 @@ class Datasets:
     ``val``: finite, ``val_batches`` batches of the same shape.
     """
 
-    train: "object"  # tf.data.Dataset
-    val: "object"
+    train: "tf.data.Dataset"
+    val: "tf.data.Dataset"
     tokenizer: Tokenizer
     vocab_size: int
     manifest: Manifest
@@ -86,7 +89,7 @@ class Datasets:
     num_train_examples: int
     num_val_examples: int
     val_batches: int
-    _examples: "object"  # tf.Tensor [N, T+1], storage dtype, on the host CPU
+    _examples: "tf.Tensor"  # [N, T+1] training examples, storage dtype, on the host CPU
 
     @property
     def directory(self) -> Path:
@@ -96,7 +99,7 @@ class Datasets:
     def steps_per_epoch(self) -> float:
         return self.num_train_examples / self.global_batch
 
-    def train_from(self, step: int):
+    def train_from(self, step: int) -> "tf.data.Dataset":
         """The training stream starting at global batch ``step``."""
         return _train_stream(self._examples, self.seed, self.global_batch,
                              self.worker_index * self.batch_size, self.batch_size, step)
@@ -203,8 +206,9 @@ def restore_iterator(datasets: Datasets, directory: str | Path) -> TrainIterator
     """A :class:`TrainIterator` at the position saved in ``directory`` by :func:`save_iterator`.
 
     Raises ``FileNotFoundError`` if none was saved, and :class:`ConfigError` if the
-    position refers to other data, another global batch or another seed (resuming
-    would then neither repeat nor skip nothing in a meaningful sense).
+    position was saved for other data, another global batch or another seed: step
+    ``k`` would then name other examples, and the resumed run would repeat some and
+    skip others.
     """
     path = Path(directory) / ITERATOR_FILE
     state = json.loads(path.read_text())

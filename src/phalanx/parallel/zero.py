@@ -24,11 +24,12 @@ Example:
     ...                   place=lambda n, t, d: ["/device:CPU:0"])
     >>> opt = ShardedAdamW(p, TrainConfig(), zero=1, decays=lambda n: False)
     >>> opt.state_bytes_per_device()
-    {'/job:localhost/replica:0/task:0/device:CPU:0': 64}
+    {'/job:localhost/replica:0/task:0/device:CPU:0': 32}
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -37,6 +38,23 @@ import tensorflow as tf
 from phalanx.config import TrainConfig
 from phalanx.parallel.params import ShardedParams, ShardKey
 from phalanx.train import optim
+
+
+@dataclass(frozen=True)
+class Group:
+    """Shards that share devices (one per replica) and weight decay, flattened together.
+
+    ``keys[i]`` occupies ``[offsets[i], offsets[i] + sizes[i])`` of the flat buffer of
+    ``total`` elements (Rajbhandari et al.'s contiguous buffers: one Adam update and one
+    gather per group instead of one per tensor).
+    """
+
+    devices: tuple[str, ...]
+    decay: bool
+    keys: tuple[ShardKey, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    total: int
 
 
 class ShardedAdamW:
@@ -49,16 +67,29 @@ class ShardedAdamW:
         self.dp = params.dp
         with tf.device(next(iter(params.shards.values())).device(0)):
             self.step = tf.Variable(0, trainable=False, dtype=tf.int64, name="optimizer_step")
-        self.m: dict[ShardKey, list[tf.Variable]] = {}
-        self.v: dict[ShardKey, list[tf.Variable]] = {}
+        members: dict[tuple, list[ShardKey]] = {}
         for key, shard in params.shards.items():
-            shape = shard.shape if zero == 0 else (self.piece_size(shard.size),)
+            devices = tuple(shard.device(d) for d in range(self.dp))
+            members.setdefault((devices, bool(decays(shard.name))), []).append(key)
+        self.groups: list[Group] = []
+        self.where: dict[ShardKey, tuple[int, int]] = {}  # key -> (group index, position)
+        for (devices, decay), keys in members.items():
+            sizes = tuple(params.shards[k].size for k in keys)
+            offsets = tuple(int(x) for x in np.cumsum((0,) + sizes[:-1]))
+            for i, k in enumerate(keys):
+                self.where[k] = (len(self.groups), i)
+            self.groups.append(Group(devices, decay, tuple(keys), offsets, sizes, int(sum(sizes))))
+        self.m: list[list[tf.Variable]] = []
+        self.v: list[list[tf.Variable]] = []
+        for g in self.groups:
+            n = g.total if zero == 0 else self.piece_size(g.total)
             ms, vs = [], []
             for d in range(self.dp):
-                with tf.device(shard.device(d)):
-                    ms.append(tf.Variable(tf.zeros(shape), trainable=False, name="m"))
-                    vs.append(tf.Variable(tf.zeros(shape), trainable=False, name="v"))
-            self.m[key], self.v[key] = ms, vs
+                with tf.device(g.devices[d]):
+                    ms.append(tf.Variable(tf.zeros([n]), trainable=False, name="m"))
+                    vs.append(tf.Variable(tf.zeros([n]), trainable=False, name="v"))
+            self.m.append(ms)
+            self.v.append(vs)
 
     def piece_size(self, size: int) -> int:
         return -(-size // self.dp)
@@ -70,115 +101,135 @@ class ShardedAdamW:
 
         Returns ``(grad_norm, finite, lr)`` like StrategyEngine; updates every copy.
         """
-        reduced = {key: self._reduce(key, g) for key, g in grads.items()}
+        reduced = []
+        for g in self.groups:
+            per_replica = []
+            for d in range(self.dp):
+                with tf.device(g.devices[d]):
+                    per_replica.append(tf.concat([tf.reshape(grads[k][d], [-1]) for k in g.keys], 0))
+            reduced.append(self._reduce(g, per_replica))
         squares = []
-        for key, parts in reduced.items():
-            for d, g in enumerate(parts):
-                with tf.device(self.params.shards[key].device(d)):
-                    squares.append(tf.reduce_sum(tf.square(g)))
+        for g, parts in zip(self.groups, reduced):
+            for d, part in enumerate(parts):
+                with tf.device(g.devices[d]):
+                    squares.append(tf.reduce_sum(tf.square(part)))
         norm = tf.sqrt(tf.add_n(squares)) / scale
         finite = tf.math.is_finite(norm)
         factor = optim.clip_factor(norm, self.cfg.clip_norm) / scale
         lr = optim.learning_rate(self.step, self.cfg)
         t = self.step + 1
-        for key, parts in reduced.items():
-            self._update(key, parts, factor, t, lr, finite)
+        for i, parts in enumerate(reduced):
+            self._update(i, parts, factor, t, lr, finite)
         self.step.assign_add(tf.cast(finite, tf.int64))
         return norm, finite, lr
 
-    def _reduce(self, key: ShardKey, per_replica: list[tf.Tensor]) -> list[tf.Tensor]:
-        """zero 0/1: ``[sum]`` (the all-reduced gradient, counted once in the norm);
-        zero 2: ``[piece_0, ..., piece_{dp-1}]`` each summed on its replica's device."""
-        shard = self.params.shards[key]
-        if self.zero < 2 or self.dp == 1:
-            if self.dp == 1:
-                total = per_replica[0]
-            else:
-                with tf.device(shard.device(0)):
-                    total = tf.add_n(per_replica)
-            return [total] if self.zero == 0 else self._pieces(total, shard.size, [shard.device(0)] * self.dp)
-        pieces_by_replica = [self._pieces(g, shard.size, [shard.device(d)] * self.dp)
-                             for d, g in enumerate(per_replica)]
+    def _reduce(self, g: Group, per_replica: list[tf.Tensor]) -> list[tf.Tensor]:
+        """zero 0: ``[sum]`` (all-reduce; counted once in the norm); zero 1: the pieces of
+        that sum; zero 2: ``[piece_0, ..., piece_{dp-1}]``, piece d summed on replica d
+        (reduce-scatter)."""
+        if self.dp == 1:
+            return [per_replica[0]]
+        if self.zero < 2:
+            with tf.device(g.devices[0]):
+                total = tf.add_n(per_replica)
+            return [total] if self.zero == 0 else self._pieces(total, g.total, g.devices[0])
+        by_replica = [self._pieces(x, g.total, g.devices[d]) for d, x in enumerate(per_replica)]
         out = []
         for d in range(self.dp):
-            with tf.device(shard.device(d)):
-                out.append(tf.add_n([pieces_by_replica[r][d] for r in range(self.dp)]))
+            with tf.device(g.devices[d]):
+                out.append(tf.add_n([by_replica[r][d] for r in range(self.dp)]))
         return out
 
-    def _pieces(self, g: tf.Tensor, size: int, devices: list[str]) -> list[tf.Tensor]:
+    def _pieces(self, flat: tf.Tensor, size: int, device: str) -> list[tf.Tensor]:
         n = self.piece_size(size)
-        with tf.device(devices[0]):
-            flat = tf.pad(tf.reshape(g, [-1]), [[0, n * self.dp - size]])
-        return [flat[d * n:(d + 1) * n] for d in range(self.dp)]
+        with tf.device(device):
+            flat = tf.pad(flat, [[0, n * self.dp - size]])
+            return [flat[d * n:(d + 1) * n] for d in range(self.dp)]
 
-    def _update(self, key, parts, factor, t, lr, finite):
-        shard = self.params.shards[key]
-        decay = self.decays(shard.name)
-        if self.zero == 0:
+    def _flat_params(self, g: Group, d: int) -> tf.Tensor:
+        return tf.concat([tf.reshape(self.params.shards[k].copies[d][0].read_value(), [-1]) for k in g.keys], 0)
+
+    def _update(self, i, parts, factor, t, lr, finite):
+        g = self.groups[i]
+        if self.zero == 0 or self.dp == 1:
             for d in range(self.dp):
-                with tf.device(shard.device(d)):
-                    var = shard.copies[d][0]
-                    new_p = self._adam(var.read_value(), parts[0], self.m[key][d], self.v[key][d],
-                                       factor, t, lr, finite, decay)
-                    for copy in shard.copies[d]:
-                        copy.assign(new_p)
+                with tf.device(g.devices[d]):
+                    new = self._adam(self._flat_params(g, d), parts[0], self.m[i][d], self.v[i][d],
+                                     factor, t, lr, finite, g.decay)
+                    self._assign(g, d, new)
             return
-        n, size = self.piece_size(shard.size), shard.size
+        n = self.piece_size(g.total)
         new_pieces = []
         for d in range(self.dp):
-            with tf.device(shard.device(d)):
-                flat = tf.pad(tf.reshape(shard.copies[d][0].read_value(), [-1]), [[0, n * self.dp - size]])
-                new_pieces.append(self._adam(flat[d * n:(d + 1) * n], parts[d], self.m[key][d],
-                                             self.v[key][d], factor, t, lr, finite, decay))
-        for d in range(self.dp):  # all-gather the updated pieces into every copy
-            with tf.device(shard.device(d)):
-                full = tf.reshape(tf.concat(new_pieces, 0)[:size], shard.shape)
-                for copy in shard.copies[d]:
-                    copy.assign(full)
+            with tf.device(g.devices[d]):
+                flat = tf.pad(self._flat_params(g, d), [[0, n * self.dp - g.total]])
+                new_pieces.append(self._adam(flat[d * n:(d + 1) * n], parts[d], self.m[i][d], self.v[i][d],
+                                             factor, t, lr, finite, g.decay))
+        for d in range(self.dp):  # all-gather the updated pieces into every replica's copies
+            with tf.device(g.devices[d]):
+                self._assign(g, d, tf.concat(new_pieces, 0)[: g.total])
 
-    def _adam(self, p, g, m, v, factor, t, lr, finite, decay):
-        new_p, new_m, new_v = optim.adamw_update(p, g * factor, m, v, t, lr, self.cfg, decay)
+    def _assign(self, g: Group, d: int, flat: tf.Tensor) -> None:
+        for k, piece in zip(g.keys, tf.split(flat, list(g.sizes))):
+            shard = self.params.shards[k]
+            value = tf.reshape(piece, shard.shape)
+            for copy in shard.copies[d]:
+                copy.assign(value)
+
+    def _adam(self, p, grad, m, v, factor, t, lr, finite, decay):
+        new_p, new_m, new_v = optim.adamw_update(p, grad * factor, m, v, t, lr, self.cfg, decay)
         m.assign(tf.where(finite, new_m, m))
         v.assign(tf.where(finite, new_v, v))
         return tf.where(finite, new_p, p)
 
     # -- state -------------------------------------------------------------------
 
+    def _flat_state(self, i: int, which: str) -> np.ndarray:
+        slots = (self.m if which == "m" else self.v)[i]
+        if self.zero == 0:
+            return slots[0].numpy()
+        return np.concatenate([s.numpy() for s in slots])[: self.groups[i].total]
+
     def logical_state(self, name: str, which: str) -> np.ndarray:
         """Whole logical ``m`` or ``v`` of weight ``name``."""
-        slots = self.m if which == "m" else self.v
         pieces = []
         for key in self.params.keys_of(name):
-            shard = self.params.shards[key]
-            if self.zero == 0:
-                pieces.append(slots[key][0].numpy())
-            else:
-                flat = np.concatenate([s.numpy() for s in slots[key]])[: shard.size]
-                pieces.append(flat.reshape(shard.shape))
+            i, pos = self.where[key]
+            g = self.groups[i]
+            flat = self._flat_state(i, which)[g.offsets[pos]: g.offsets[pos] + g.sizes[pos]]
+            pieces.append(flat.reshape(self.params.shards[key].shape))
         return self.params.splits[name].join(pieces)
 
-    def assign_logical_state(self, name: str, which: str, value: np.ndarray) -> None:
-        slots = self.m if which == "m" else self.v
-        value = np.asarray(value, np.float32)
-        if value.shape != self.params.full_shapes[name]:
-            raise ValueError(f"optimizer/{which}/{name} has shape {value.shape}, the model expects "
-                             f"{self.params.full_shapes[name]}")
-        pieces = self.params.splits[name].shard(value, self.params.tp)
-        for key, piece in zip(self.params.keys_of(name), pieces):
-            if self.zero == 0:
-                for var in slots[key]:
-                    var.assign(piece)
-            else:
-                n = self.piece_size(piece.size)
-                flat = np.pad(piece.reshape(-1), (0, n * self.dp - piece.size))
-                for d, var in enumerate(slots[key]):
+    def assign_logical_states(self, values: dict[str, dict[str, np.ndarray]]) -> None:
+        """Load ``values[which][name]`` (``which`` in ``m``, ``v``): whole logical tensors."""
+        for which, by_name in values.items():
+            flats = [self._flat_state(i, which).copy() for i in range(len(self.groups))]
+            for name, value in by_name.items():
+                value = np.asarray(value, np.float32)
+                if value.shape != self.params.full_shapes[name]:
+                    raise ValueError(f"optimizer/{which}/{name} has shape {value.shape}, the model expects "
+                                     f"{self.params.full_shapes[name]}")
+                for key, piece in zip(self.params.keys_of(name),
+                                      self.params.splits[name].shard(value, self.params.tp)):
+                    i, pos = self.where[key]
+                    g = self.groups[i]
+                    flats[i][g.offsets[pos]: g.offsets[pos] + g.sizes[pos]] = piece.reshape(-1)
+            for i, flat in enumerate(flats):
+                slots = (self.m if which == "m" else self.v)[i]
+                if self.zero == 0:
+                    for var in slots:
+                        var.assign(flat)
+                    continue
+                n = self.piece_size(self.groups[i].total)
+                flat = np.pad(flat, (0, n * self.dp - self.groups[i].total))
+                for d, var in enumerate(slots):
                     var.assign(flat[d * n:(d + 1) * n])
 
     def state_bytes_per_device(self) -> dict[str, int]:
         """Bytes of ``m`` and ``v`` held by each device."""
         out: dict[str, int] = {}
         for slots in (self.m, self.v):
-            for variables in slots.values():
+            for variables in slots:
                 for var in variables:
                     out[var.device] = out.get(var.device, 0) + int(np.prod(var.shape)) * var.dtype.size
         return out

@@ -2,7 +2,7 @@
 
 Builds the same engine ``phalanx train`` would (``phalanx.train.trainer.make_engine``),
 runs one step to trace and allocate the persistent state, resets TensorFlow's
-memory statistics, then times ``steps`` more steps on one fixed random batch and reads
+memory statistics where the device supports it (not the CPU in TF 2.21), then times ``steps`` more steps on one fixed random batch and reads
 the peak bytes of the first device with ``tf.config.experimental.get_memory_info``.
 
 Example (needs TensorFlow; runs real steps):
@@ -21,6 +21,11 @@ def calibrate(cfg, plan, steps: int = 3) -> dict:
     """Predicted vs measured peak memory (device 0) and step time; errors are (predicted - measured) / measured."""
     if steps < 1:
         raise ValueError(f"--calibrate-steps must be >= 1, got {steps}")
+    import os
+    import sys
+
+    if "tensorflow" not in sys.modules:
+        os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")  # CPU memory stats need the BFC allocator
     import numpy as np
     import tensorflow as tf
 
@@ -33,7 +38,10 @@ def calibrate(cfg, plan, steps: int = 3) -> dict:
                         dtype=tf.int32)
     float(engine.train_step(batch)["loss"])  # trace, allocate weights and optimizer states
     device = _first_device(tf)
-    tf.config.experimental.reset_memory_stats(device)
+    try:
+        tf.config.experimental.reset_memory_stats(device)
+    except ValueError:
+        pass  # not supported on CPU in TF 2.21: the peak then also covers the first (tracing) step
     times = []
     for _ in range(steps):
         start = time.perf_counter()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -98,6 +99,10 @@ def _explicit_global_batch(path: str | None, overrides: list[str]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.calibrate:
+        # TensorFlow keeps CPU allocator statistics only with its BFC allocator, chosen at
+        # import time: set it before anything (the matmul probe included) imports TensorFlow.
+        os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
     try:
         return _run(args)
     except ConfigError as err:

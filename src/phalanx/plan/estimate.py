@@ -83,6 +83,6 @@ def estimate(m: ModelSpec, lay: Layout, hw: Hardware, tokens: float | None = Non
              utilization: float = DEFAULT_UTILIZATION, overhead_fraction: float = DEFAULT_OVERHEAD_FRACTION,
              dp_overlap: float = 0.0, exact_schedule: bool = True) -> Plan:
     """Memory and time of ``lay`` for model ``m`` on ``hw``."""
-    mem = memory_per_device(m, lay, hw.overhead_bytes, overhead_fraction, exact_schedule)
+    mem = memory_per_device(m, lay, hw.overhead_bytes, overhead_fraction, exact_schedule, hw.fused_kernels)
     t = step_time(m, lay, hw, utilization, dp_overlap, exact_schedule)
     return Plan(m, lay, hw, mem, t, tokens, utilization)

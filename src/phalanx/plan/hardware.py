@@ -42,6 +42,7 @@ class Hardware:
     inter_node_bw: float = 0.0                 # network, per device
     overhead_bytes: float = 0.0                # runtime context, communication buffers, workspace
     notes: str = ""
+    fused_kernels: bool = True                 # activations as fused kernels keep them (else unfused TF ops)
 
     def peak_flops(self, policy_or_dtype: str) -> float:
         """Peak FLOP/s for a precision policy (``mixed_bfloat16``) or dtype (``bfloat16``)."""
@@ -115,7 +116,8 @@ def _this_cpu(devices: int, measure: bool) -> Hardware:
         peak = {dt: measure_matmul_peak(dt) for dt in ("float32", "bfloat16")}
         peak["float16"] = peak["float32"] / 2  # no AVX512-FP16 here: oneDNN falls back to slow paths
     return Hardware("this-cpu", peak, ram / max(devices, 1), max(devices, 1), 20e9, 20e9, 0.0,
-                    notes=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, measured")
+                    notes=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, measured",
+                    fused_kernels=False)
 
 
 # ---------------------------------------------------------------------------

@@ -71,12 +71,21 @@ class Memory:
 
 
 def layer_activation_bytes(m: ModelSpec, micro_batch: int, tp: int = 1, recompute: str = "none",
-                           sequence_parallel: bool = False, elem_bytes: int = 2, moe: bool = False) -> float:
+                           sequence_parallel: bool = False, elem_bytes: int = 2, moe: bool = False,
+                           fused: bool = True) -> float:
     """Activation bytes one transformer block keeps for its backward, for one micro-batch.
 
     >>> m = ModelSpec(layers=1, d_model=64, heads=4, seq_len=32, vocab=100)
     >>> layer_activation_bytes(m, 1, recompute="full", elem_bytes=4) == 32 * 64 * 4
     True
+
+    ``fused=False`` counts what TensorFlow's autodiff keeps for phalanx's GPT ops
+    without kernel fusion (no XLA), as on ``this-cpu``: per token, each LayerNorm keeps
+    its input, ``x - mean``, the normalised value and its output (4h each); Q, K, V after
+    the head transpose (3h) and the merged heads (h); the MLP keeps the GELU input, the
+    tanh-approximation intermediates and the GELU output (about 6f); attention keeps the
+    scaled scores and the softmax output (2 a s). Checked against
+    ``get_memory_info`` with ``phalanx plan --calibrate``.
     """
     s, b, h, a, e = m.seq_len, micro_batch, m.d_model, m.heads, elem_bytes
     sbh = s * b * h
@@ -85,6 +94,13 @@ def layer_activation_bytes(m: ModelSpec, micro_batch: int, tp: int = 1, recomput
     if recompute == "full":  # only the block's input survives the forward
         return e * sbh / (t if sequence_parallel else 1)
     mlp_width = m.ffn_dim / h * (m.top_k if moe else 1)
+    if not fused:
+        unsplit = 8 * e * sbh
+        split = (4 * e + 6 * e * mlp_width) * sbh
+        core = 0.0 if recompute == "selective" else 2 * e * a * s * s * b
+        if sequence_parallel:
+            return (unsplit + split + core) / t
+        return unsplit + (split + core) / t
     # Not split by tp (unless sequence parallel): the two LayerNorm inputs, the inputs of
     # the QKV and MLP-in matmuls, and the two post-block dropout masks.
     unsplit = (4 * e + 2 * mask) * sbh
@@ -159,12 +175,15 @@ def stage_kinds(m: ModelSpec, pp: int, virtual_stages: int) -> tuple[tuple[int, 
 
 
 def memory_per_device(m: ModelSpec, lay: Layout, overhead_bytes: float = 0.0,
-                      overhead_fraction: float = DEFAULT_OVERHEAD_FRACTION, exact_schedule: bool = True) -> Memory:
+                      overhead_fraction: float = DEFAULT_OVERHEAD_FRACTION, exact_schedule: bool = True,
+                      fused: bool = True) -> Memory:
     """Peak bytes on the most loaded device of layout ``lay``.
 
     ``overhead_bytes`` (runtime context, communication buffers) plus ``overhead_fraction``
     of everything else (allocator fragmentation, temporaries) make the overhead line.
     ``exact_schedule=False`` uses closed-form in-flight counts (fast, for the search).
+    ``fused``: activations as fused GPU/TPU kernels keep them (Korthikanti et al.), or as
+    unfused TensorFlow ops do (see :func:`layer_activation_bytes`).
     """
     w_b, g_b, o_b = STATE_BYTES[lay.policy]
     e = ACTIVATION_BYTES[lay.policy]
@@ -180,8 +199,8 @@ def memory_per_device(m: ModelSpec, lay: Layout, overhead_bytes: float = 0.0,
     head = 2 * d + (m.vocab * d / tp if (not m.tie_embeddings or lay.pp > 1) else 0)
     dense_layer, _ = _layer_param_split(m, tp, ep, False)
     moe_dense, moe_expert = _layer_param_split(m, tp, ep, True) if m.experts else (0.0, 0.0)
-    act_dense = layer_activation_bytes(m, b, tp, lay.recompute, lay.sequence_parallel, e, False)
-    act_moe = layer_activation_bytes(m, b, tp, lay.recompute, lay.sequence_parallel, e, True) if m.experts else 0.0
+    act_dense = layer_activation_bytes(m, b, tp, lay.recompute, lay.sequence_parallel, e, False, fused)
+    act_moe = layer_activation_bytes(m, b, tp, lay.recompute, lay.sequence_parallel, e, True, fused) if m.experts else 0.0
     kinds = stage_kinds(m, lay.pp, v)
     best: Memory | None = None
     # Rank 0 holds the most blocks (earlier stages take the remainder), the embedding and

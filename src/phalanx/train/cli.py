@@ -38,25 +38,22 @@ def main_train(argv: list[str]) -> int:
     ns = parser.parse_args(argv)
     path, overrides = _split_config_args(ns.args)
     cfg = load_config(path, overrides)
-    cluster = _cluster_info(cfg)
-    _devices_first(cfg)
+    cluster = _runtime_first(cfg)
     from phalanx.train.trainer import Trainer
-    summary = Trainer(cfg, cluster=cluster, quiet=ns.quiet).fit()
+    Trainer(cfg, cluster=cluster, quiet=ns.quiet).fit()
     return 0
 
 
-def _cluster_info(cfg: Config):
-    if cfg.parallel.strategy not in ("multi_worker", "parameter_server"):
-        return None
-    from phalanx.cluster.tf_config import cluster_from_env
-    return cluster_from_env()
-
-
-def _devices_first(cfg: Config) -> None:
-    """Logical CPUs must be configured before TensorFlow starts its runtime."""
+def _runtime_first(cfg: Config):
+    """Set up what TensorFlow only accepts before its runtime starts: the cluster's
+    collectives (multi-process strategies; server tasks serve here and never return)
+    or the logical CPU devices. Returns the cluster set-up, or None for one process."""
+    if cfg.parallel.strategy in ("multi_worker", "parameter_server"):
+        from phalanx.cluster.strategies import setup_cluster
+        return setup_cluster(cfg)
     from phalanx.mesh import build_mesh
-    if cfg.parallel.strategy not in ("multi_worker", "parameter_server"):
-        build_mesh(cfg)
+    build_mesh(cfg)
+    return None
 
 
 def _load_run(run_dir: str, overrides: list[str]) -> Config:

@@ -145,12 +145,25 @@ class StrategyEngine:
             loss_sum += loss
         return grads, loss_sum / norm
 
-    def _train_step(self, batch):
+    def _reduced_grads(self, batch):
+        """Gradients of the mean loss (still multiplied by the loss scale), summed over replicas."""
         grads, loss = self.strategy.run(self._replica_grads, args=(batch,))
         variables = [self.variables[n] for n in self.names]
         grads = self.strategy.extended.batch_reduce_to(
             tf.distribute.ReduceOp.SUM, list(zip(grads, variables)))
-        loss = self.strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None)
+        return grads, self.strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None)
+
+    def gradients(self, batch) -> dict[str, np.ndarray]:
+        """The (unscaled) gradients of the mean loss over ``batch``, by name; changes nothing."""
+        if not hasattr(self, "_grad_fn"):
+            self._grad_fn = tf.function(lambda b: self._reduced_grads(b)[0])
+        grads = self._grad_fn(batch)
+        scale = float(self.loss_scale.scale.numpy())
+        return {n: np.asarray(tf.convert_to_tensor(g)) / scale for n, g in zip(self.names, grads)}
+
+    def _train_step(self, batch):
+        variables = [self.variables[n] for n in self.names]
+        grads, loss = self._reduced_grads(batch)
         scale = self.loss_scale.scale.read_value()
         norm = optim.global_norm(grads) / scale
         finite = tf.math.is_finite(norm)

@@ -64,9 +64,8 @@ def make_engine(cfg: Config, task, cluster=None):
     from phalanx.mesh import build_mesh
     from phalanx.train.engine import StrategyEngine, default_strategy
 
-    if cfg.parallel.strategy in ("multi_worker", "parameter_server"):
-        from phalanx.cluster.strategies import make_strategy
-        return StrategyEngine(cfg, task, make_strategy(cfg, cluster))
+    if cluster is not None:  # a multi-process strategy, built first (cluster.strategies.setup_cluster)
+        return StrategyEngine(cfg, task, cluster.strategy)
     mesh = build_mesh(cfg)
     if uses_mesh_engine(cfg):
         from phalanx.parallel.apply import make_mesh_engine
@@ -114,8 +113,9 @@ class Trainer:
         self.task = task
         self._datasets = datasets
         self.is_chief = cluster is None or cluster.is_chief
-        self.worker_index = 0 if cluster is None else cluster.worker_index
-        self.num_workers = 1 if cluster is None else cluster.num_workers
+        # which rows of each global batch this process feeds (worker i of N under multi_worker)
+        self.worker_index = 0 if cluster is None else cluster.data_index
+        self.num_workers = 1 if cluster is None else cluster.data_count
 
     # -- building ---------------------------------------------------------------
 

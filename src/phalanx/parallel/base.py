@@ -1,0 +1,169 @@
+"""The step shared by every hand-placed engine (GPT on the mesh, split Keras models).
+
+A subclass says what a stage computes (:meth:`PipelinedEngine.forward`), which
+variables each stage reads (``stage_keys``) and how a batch is cut into micro-batches;
+this class runs the step in :class:`~phalanx.train.engine.StrategyEngine`'s order
+(per-replica pipelines -> sum over copies and replicas -> unscale, global norm, clip,
+skip on non-finite -> AdamW, ZeRO-sharded when asked) and converts state to and from
+whole logical tensors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from phalanx.config import Config, ConfigError
+from phalanx.mesh import Mesh
+from phalanx.parallel.params import ShardedParams, ShardKey
+from phalanx.parallel.pipeline import PipelineTrace, run_schedule
+from phalanx.parallel.schedules import build_schedule
+from phalanx.parallel.zero import ShardedAdamW
+from phalanx.train.engine import LossScale
+
+COMPUTE_DTYPES = {"float32": tf.float32, "mixed_bfloat16": tf.bfloat16, "mixed_float16": tf.float16}
+
+
+class PipelinedEngine:
+    """Base of the mesh engines; see the module docstring. Subclasses call :meth:`_setup`."""
+
+    cfg: Config
+    mesh: Mesh
+    params: ShardedParams
+    stage_keys: list[list[tuple[ShardKey, int]]]  # per stage: (shard key, copy index)
+
+    def _init_schedule(self, cfg: Config, mesh: Mesh) -> None:
+        p = cfg.parallel
+        self.cfg, self.mesh = cfg, mesh
+        self.dp, self.pp, self.tp = mesh.dp, mesh.pp, mesh.tp
+        self.accum, self.microbatches = cfg.train.grad_accum, p.microbatches
+        if cfg.train.global_batch % (self.dp * self.accum * self.microbatches):
+            raise ConfigError("train.global_batch",
+                              f"{cfg.train.global_batch} is not divisible by dp x grad_accum x microbatches = "
+                              f"{self.dp} x {self.accum} x {self.microbatches}")
+        virtual = p.virtual_stages if p.schedule == "interleaved" else 1
+        try:
+            self.schedule = build_schedule(p.schedule, self.pp, self.microbatches, virtual)
+        except ValueError as err:
+            raise ConfigError("parallel.schedule", str(err)) from None
+        self.chunks = self.schedule.num_stages
+        self.compute_dtype = COMPUTE_DTYPES[cfg.precision.policy]
+
+    def _setup(self, params: ShardedParams, decays) -> None:
+        self.params = params
+        self.optimizer = ShardedAdamW(params, self.cfg.train, self.cfg.parallel.zero, decays)
+        with tf.device(self.mesh.device(0, 0, 0)):
+            self.loss_scale = LossScale(self.cfg)
+        self.traces: list[PipelineTrace] = [PipelineTrace() for _ in range(self.dp)]
+        # Plain Python control flow builds the graph; autograph would only slow tracing.
+        self._train_fn = tf.function(self._train_step, autograph=False)
+        self._eval_fn = tf.function(self._eval_step, autograph=False)
+
+    # -- to be provided ------------------------------------------------------------
+
+    def forward(self, replica: int, stage: int, x, micro):
+        """Stage output for one micro-batch (``x`` is None on stage 0); the float32 mean
+        loss on the last stage."""
+        raise NotImplementedError
+
+    # -- placement helpers -------------------------------------------------------------
+
+    def stage_devices(self, replica: int, stage: int) -> list[str]:
+        rank = stage % self.pp
+        return [self.mesh.device(replica, rank, t) for t in range(self.tp)]
+
+    def stage_variables(self, replica: int, stage: int) -> list[tf.Variable]:
+        return [self.params.shards[key].copies[replica][c] for key, c in self.stage_keys[stage]]
+
+    def micro_batches(self, batch, replica: int, parts: int) -> list:
+        """Replica ``replica``'s rows of ``batch`` (any nest of tensors) in ``parts`` pieces."""
+        rows = tf.nest.flatten(batch)[0].shape[0] // self.dp
+        per = rows // parts
+        with tf.device(self.mesh.device(replica, 0, 0)):
+            return [tf.nest.map_structure(lambda t, i=i: t[replica * rows + i * per: replica * rows + (i + 1) * per],
+                                          batch) for i in range(parts)]
+
+    # -- the step ---------------------------------------------------------------------
+
+    def train_step(self, batch) -> dict[str, tf.Tensor]:
+        return self._train_fn(batch)
+
+    def eval_step(self, batch) -> tf.Tensor:
+        return self._eval_fn(batch)
+
+    def _train_step(self, batch):
+        rows = tf.nest.flatten(batch)[0].shape[0]
+        micro_total = self.dp * self.accum * self.microbatches
+        if rows % micro_total:
+            raise ValueError(f"a batch of {rows} rows is not divisible by dp x grad_accum x microbatches = "
+                             f"{self.dp} x {self.accum} x {self.microbatches}")
+        scale = self.loss_scale.scale.read_value()
+        weight = scale / float(micro_total)
+        grads: dict[ShardKey, list] = {key: [None] * self.dp for key in self.params.shards}
+        losses = []
+        for d in range(self.dp):
+            micro = self.micro_batches(batch, d, self.accum * self.microbatches)
+            variables = [self.stage_variables(d, s) for s in range(self.chunks)]
+            for a in range(self.accum):
+                group = micro[a * self.microbatches:(a + 1) * self.microbatches]
+                stage_grads, loss_sum = run_schedule(
+                    self.schedule, lambda s, i, x, _d=d, _g=group: self.forward(_d, s, x, _g[i]),
+                    variables, weight, trace=self.traces[d] if a == 0 else None, prefix=f"dp{d}_acc{a}")
+                losses.append(loss_sum)
+                for s in range(self.chunks):
+                    for (key, _), g in zip(self.stage_keys[s], stage_grads[s]):
+                        with tf.device(self.params.shards[key].device(d)):
+                            prev = grads[key][d]
+                            grads[key][d] = g if prev is None else prev + g
+        with tf.device(self.mesh.device(0, 0, 0)):
+            loss = tf.add_n(losses) / float(micro_total)
+        norm, finite, lr = self.optimizer.apply(grads, scale)
+        self.loss_scale.update(finite)
+        return {"loss": loss, "grad_norm": norm, "skipped": 1.0 - tf.cast(finite, tf.float32),
+                "loss_scale": scale, "lr": lr}
+
+    def _eval_step(self, batch):
+        rows = tf.nest.flatten(batch)[0].shape[0] // self.dp
+        parts = self.microbatches if rows % self.microbatches == 0 else 1
+        losses = []
+        for d in range(self.dp):
+            for micro in self.micro_batches(batch, d, parts):
+                x = None
+                for s in range(self.chunks):
+                    x = self.forward(d, s, x, micro)
+                losses.append(x)
+        with tf.device(self.mesh.device(0, 0, 0)):
+            return tf.add_n(losses) / float(len(losses))
+
+    # -- state ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        state = {name: self.params.logical(name) for name in self.params.names}
+        state["optimizer/step"] = np.asarray(self.optimizer.step.numpy())
+        for name in self.params.names:
+            state[f"optimizer/m/{name}"] = self.optimizer.logical_state(name, "m")
+            state[f"optimizer/v/{name}"] = self.optimizer.logical_state(name, "v")
+        state.update({k: np.asarray(v.numpy()) for k, v in self.loss_scale.state().items()})
+        return state
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        expected = set(self.params.names) | {"optimizer/step"} | set(self.loss_scale.state())
+        expected |= {f"optimizer/{s}/{n}" for s in ("m", "v") for n in self.params.names}
+        missing = sorted(expected - set(state))
+        if missing:
+            raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}; "
+                           f"was it written for a different model?")
+        for name in self.params.names:
+            self.params.assign_logical(name, state[name])
+        self.optimizer.assign_logical_states({s: {n: state[f"optimizer/{s}/{n}"] for n in self.params.names}
+                                              for s in ("m", "v")})
+        self.optimizer.step.assign(int(state["optimizer/step"]))
+        for key, var in self.loss_scale.state().items():
+            var.assign(np.asarray(state[key]).astype(var.dtype.as_numpy_dtype))
+
+    def num_params(self) -> int:
+        return self.params.num_params()
+
+    def weights(self) -> dict[str, np.ndarray]:
+        """Whole logical weights by name."""
+        return {name: self.params.logical(name) for name in self.params.names}

@@ -1,0 +1,110 @@
+"""The tf.distribute engine: gradient accumulation equals one big batch; dp=2 on two
+logical CPUs equals dp=1; mixed precision and float16 loss scaling behave."""
+
+import numpy as np
+import pytest
+
+from phalanx.config import Config
+from phalanx.train.engine import StrategyEngine, default_strategy
+from phalanx.train.task import GPTTask
+
+TINY = {"layers": 2, "d_model": 32, "heads": 4, "ffn": 64, "vocab": 256, "seq_len": 16}
+
+
+def tiny_cfg(**train):
+    return Config().replace(model=TINY, train={"global_batch": 8, "warmup": 1, "steps": 10, **train})
+
+
+def batches(n=3, b=8, t=16, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, [b, t + 1]).astype(np.int32) for _ in range(n)]
+
+
+def engine(cfg, devices, policy="float32"):
+    cfg = cfg.replace(precision={"policy": policy})
+    return StrategyEngine(cfg, GPTTask(cfg.model, policy, cfg.train.seed), default_strategy(devices))
+
+
+def train(e, data):
+    return [float(e.train_step(b)["loss"]) for b in data], e.weights()
+
+
+def assert_weights_close(a, b, rtol=1e-4, atol=1e-5):
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=rtol, atol=atol, err_msg=k)
+
+
+@pytest.fixture(scope="module")
+def reference(devices):
+    data = batches()
+    return data, train(engine(tiny_cfg(), devices[:1]), data)
+
+
+def test_grad_accum_gradients_equal_big_batch(devices):
+    data = batches(1)[0]
+    big = engine(tiny_cfg(), devices[:1]).gradients(data)
+    acc = engine(tiny_cfg(grad_accum=4), devices[:1]).gradients(data)
+    for name in big:
+        np.testing.assert_allclose(acc[name], big[name], rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def test_grad_accum_training_matches(reference, devices):
+    data, (losses, weights) = reference
+    acc_losses, acc_weights = train(engine(tiny_cfg(grad_accum=4), devices[:1]), data)
+    np.testing.assert_allclose(acc_losses, losses, rtol=1e-5)
+    assert_weights_close(acc_weights, weights)
+
+
+def test_dp2_matches_dp1(reference, devices):
+    data, (losses, weights) = reference
+    dp_losses, dp_weights = train(engine(tiny_cfg(), devices[:2]), data)
+    np.testing.assert_allclose(dp_losses, losses, rtol=1e-5)
+    assert_weights_close(dp_weights, weights)
+
+
+def test_dp2_with_accum_matches_dp1(reference, devices):
+    data, (losses, weights) = reference
+    l2, w2 = train(engine(tiny_cfg(grad_accum=2), devices[:2]), data)
+    np.testing.assert_allclose(l2, losses, rtol=1e-5)
+    assert_weights_close(w2, weights)
+
+
+def test_state_dict_round_trip_continues_identically(reference, devices):
+    data, (losses, weights) = reference
+    first = engine(tiny_cfg(), devices[:1])
+    train(first, data[:2])
+    second = engine(tiny_cfg(), devices[:2])  # another layout
+    second.load_state_dict(first.state_dict())
+    last_loss, last_weights = train(second, data[2:])
+    np.testing.assert_allclose(last_loss, losses[2:], rtol=1e-5)
+    assert_weights_close(last_weights, weights)
+
+
+def test_state_dict_rejects_other_model(devices):
+    small = engine(tiny_cfg(), devices[:1]).state_dict()
+    other = Config().replace(model={**TINY, "d_model": 64}, train={"global_batch": 8})
+    with pytest.raises(ValueError, match="has shape"):
+        engine(other, devices[:1]).load_state_dict(small)
+
+
+def test_bfloat16_close_to_float32_and_falls(reference, devices):
+    data, (losses, _) = reference
+    bf_losses, _ = train(engine(tiny_cfg(), devices[:1], "mixed_bfloat16"), data)
+    np.testing.assert_allclose(bf_losses, losses, rtol=2e-2)
+
+
+def test_float16_overflow_step_is_skipped_and_counted(devices):
+    cfg = tiny_cfg().replace(precision={"policy": "mixed_float16", "loss_scale_init": 1e10})
+    e = StrategyEngine(cfg, GPTTask(cfg.model, "mixed_float16"), default_strategy(devices[:1]))
+    before = e.weights()
+    out = e.train_step(batches(1)[0])
+    assert float(out["skipped"]) == 1.0
+    state = e.state_dict()
+    assert state["loss_scale/skipped"] == 1 and state["loss_scale/scale"] == pytest.approx(5e9)
+    assert state["optimizer/step"] == 0
+    assert_weights_close(e.weights(), before, rtol=0, atol=0)
+    # the scale halves until the gradients fit in float16, then training proceeds
+    for b in batches(30, seed=1):
+        out = e.train_step(b)
+    assert float(out["skipped"]) == 0.0 and e.state_dict()["optimizer/step"] > 0
