@@ -238,3 +238,21 @@ def test_config_errors_exit_2(capsys):
 @pytest.mark.parametrize("module", [arithmetic, memory, layout_mod, timing, estimate_mod, search_mod])
 def test_doctests(module):
     assert doctest.testmod(module).failed == 0
+
+
+def test_calibrate_memory_within_tolerance(tmp_path):
+    """Real steps in a fresh process: TensorFlow keeps CPU allocator statistics only when its
+    BFC allocator is chosen before import, which the already-initialised test process cannot do."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", HOME=str(tmp_path))  # fresh probe cache: no shared state
+    argv = [sys.executable, "-m", "phalanx.plan.cli", "model.layers=2", "model.d_model=128", "model.heads=4",
+            "model.ffn=512", "model.seq_len=128", "train.global_batch=8", "--hardware", "this-cpu",
+            "--calibrate", "--calibrate-steps", "2", "--json"]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cal = json.loads(proc.stdout)["calibration"]
+    assert cal["measured_memory_bytes"] > 0 and cal["measured_step_time_s"] > 0
+    assert abs(cal["memory_error"]) <= 0.10, cal

@@ -142,13 +142,14 @@ class DataConfig:
     ``source``: ``stdlib`` (the running interpreter's own .py sources, prepared once
     and cached under ``cache_dir``), a directory of prepared TFRecord shards (from
     ``phalanx data prepare``), or a glob of text files to prepare on the fly.
+    Every epoch is a full seeded permutation of the training examples (no shuffle
+    buffer to size); ``max_bytes`` caps the text read (0: all of it).
     """
 
     source: str = "stdlib"
     tokenizer: str = "bytes"
     bpe_vocab: int = 4096
     val_fraction: float = 0.02
-    shuffle_buffer: int = 10000
     cache_dir: str = "~/.cache/phalanx"
     max_bytes: int = 0
 
@@ -392,7 +393,6 @@ def validate(cfg: Config) -> None:
     d = cfg.data
     _one_of("data.tokenizer", d.tokenizer, TOKENIZERS)
     _require(0.0 < d.val_fraction < 1.0, "data.val_fraction", f"must be in (0, 1), got {d.val_fraction}")
-    _require(d.shuffle_buffer >= 1, "data.shuffle_buffer", f"must be >= 1, got {d.shuffle_buffer}")
     _require(d.bpe_vocab >= 257, "data.bpe_vocab", f"must be >= 257, got {d.bpe_vocab}")
     _require(d.max_bytes >= 0, "data.max_bytes", f"must be >= 0 (0: no limit), got {d.max_bytes}")
     if d.tokenizer == "bytes":

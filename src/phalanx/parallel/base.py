@@ -61,7 +61,7 @@ class PipelinedEngine:
 
     # -- to be provided ------------------------------------------------------------
 
-    def forward(self, replica: int, stage: int, x, micro):
+    def forward(self, replica: int, stage: int, x, micro, training: bool = True):
         """Stage output for one micro-batch (``x`` is None on stage 0); the float32 mean
         loss on the last stage."""
         raise NotImplementedError
@@ -130,7 +130,7 @@ class PipelinedEngine:
             for micro in self.micro_batches(batch, d, parts):
                 x = None
                 for s in range(self.chunks):
-                    x = self.forward(d, s, x, micro)
+                    x = self.forward(d, s, x, micro, training=False)
                 losses.append(x)
         with tf.device(self.mesh.device(0, 0, 0)):
             return tf.add_n(losses) / float(len(losses))

@@ -103,7 +103,7 @@ class MeshEngine(PipelinedEngine):
 
     # -- the model on the mesh ----------------------------------------------------
 
-    def forward(self, replica: int, stage: int, x, tokens):
+    def forward(self, replica: int, stage: int, x, tokens, training: bool = True):
         """Stage ``stage`` of replica ``replica``: activations, or the mean loss on the last stage."""
         m = self.cfg.model
         devices = self.stage_devices(replica, stage)

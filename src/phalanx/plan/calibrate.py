@@ -60,6 +60,8 @@ def calibrate(cfg, plan, steps: int = 3) -> dict:
         "predicted_step_time_s": predicted_t,
         "measured_step_time_s": measured_t,
         "step_time_error": (predicted_t - measured_t) / measured_t,
+        # the --utilization that would have predicted the measured time
+        "implied_utilization": plan.utilization * predicted_t / measured_t,
         "predicted_breakdown": plan.memory.to_dict(),
     }
 

@@ -284,7 +284,8 @@ def _calibration_text(cal: dict) -> str:
             f"  peak memory  predicted {cal['predicted_memory_bytes'] / GiB:.3f} GiB, measured "
             f"{cal['measured_memory_bytes'] / GiB:.3f} GiB ({cal['memory_error']:+.1%})\n"
             f"  step time    predicted {cal['predicted_step_time_s']:.4g} s, measured "
-            f"{cal['measured_step_time_s']:.4g} s ({cal['step_time_error']:+.1%})")
+            f"{cal['measured_step_time_s']:.4g} s ({cal['step_time_error']:+.1%}); "
+            f"--utilization {cal['implied_utilization']:.3f} would match it")
 
 
 if __name__ == "__main__":

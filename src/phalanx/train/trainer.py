@@ -65,6 +65,9 @@ def make_engine(cfg: Config, task, cluster=None):
     from phalanx.train.engine import StrategyEngine, default_strategy
 
     if cluster is not None:  # a multi-process strategy, built first (cluster.strategies.setup_cluster)
+        if cluster.coordinator is not None:  # cluster: parameter servers, steps scheduled on the workers
+            from phalanx.cluster.ps_engine import ParameterServerEngine
+            return ParameterServerEngine(cfg, task, cluster.strategy, cluster.coordinator, cluster.info.num_workers)
         return StrategyEngine(cfg, task, cluster.strategy)
     mesh = build_mesh(cfg)
     if uses_mesh_engine(cfg):
@@ -207,6 +210,10 @@ class Trainer:
         window_losses, window_start, window_steps = [], time.monotonic(), 0
         saved_path = None
         step = start
+        # cluster: under multi_worker all workers must stop at the same step (one tiny all-reduce of the
+        # SIGTERM flag per step, phalanx.cluster.preemption); one process just reads its own flag.
+        from phalanx.cluster.preemption import stop_agreement
+        agree_stop = stop_agreement(self.cluster)
         with RunOutput(self.run_dir, t.steps, start, self.interactive, self.quiet or not self.is_chief) as out, \
                 _StopFlag() as stop:
             while step < t.steps:
@@ -231,9 +238,10 @@ class Trainer:
                     if self.is_chief:
                         out.log(row)
                     window_losses, window_start, window_steps = [], time.monotonic(), 0
-                if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == t.steps or stop.set:
+                stopping = agree_stop(stop.set)  # cluster: every worker calls it once per step
+                if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == t.steps or stopping:
                     saved_path = self._save(step, iterator) or saved_path
-                if stop.set:
+                if stopping:
                     stopped = True
                     out.message(f"signal received: checkpoint saved at step {step}, stopping")
                     break

@@ -1,0 +1,154 @@
+"""Training under ``ParameterServerStrategy``: steps scheduled on the workers by the chief.
+
+:class:`ParameterServerEngine` is the :class:`~phalanx.train.engine.StrategyEngine`
+step (same loss, clipping, loss scaling, AdamW, same ``state_dict`` names), run the
+parameter-server way:
+
+* every variable (weights, AdamW moments, step, loss scale) is created in the
+  strategy's scope and so lives on a ps task (whole, round-robin over the ps tasks);
+* the chief runs the training loop; :meth:`train_step` hands the step to the
+  :class:`~tf.distribute.experimental.coordinator.ClusterCoordinator`, which runs it
+  on whichever worker is free: the worker reads the weights from the ps tasks,
+  computes the gradients of the whole global batch and applies AdamW to the ps
+  variables. It returns at once: up to ``max_in_flight`` steps run concurrently on
+  different workers, each on the weights it read (asynchronous training, as
+  parameter servers do it), so losses are not bit-identical from run to run;
+* the data: the chief feeds batch ``k`` of the deterministic global stream to step
+  ``k`` (:mod:`phalanx.data.pipeline`), sent to the worker with the step. Every
+  example is seen exactly once per epoch across the workers, whichever worker runs
+  the step, and the checkpointed position resumes exactly. (Per-worker datasets
+  (``strategies.per_worker_dataset``) save that transfer but make each worker read
+  its own stream, which TensorFlow gives no worker index to shard, and cannot resume
+  at a position.)
+* :meth:`state_dict` first waits for every scheduled step (``coordinator.join``), then
+  reads the ps variables: the chief writes an ordinary checkpoint that any layout,
+  e.g. one process (``phalanx eval RUN_DIR``), loads.
+
+The values :meth:`train_step` returns are fetched when converted with ``float()``
+(the trainer does that at log boundaries), so the chief does not wait for each step.
+
+Example (inside a ``phalanx launch --workers 2 --ps 1`` chief)::
+
+    setup = setup_cluster(cfg)            # worker/ps tasks serve in here
+    engine = ParameterServerEngine(cfg, GPTTask(cfg.model), setup.strategy, setup.coordinator)
+    out = engine.train_step(batch)        # scheduled; float(out["loss"]) waits for it
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from phalanx.config import Config
+from phalanx.train.engine import StrategyEngine
+
+
+class RemoteScalar:
+    """One float of a scheduled step's result; ``float()`` waits for the step."""
+
+    def __init__(self, remote: Any, key: str):
+        self._remote, self._key = remote, key
+
+    def numpy(self) -> np.ndarray:
+        return np.asarray(self._remote.fetch()[self._key])
+
+    def __float__(self) -> float:
+        return float(self.numpy())
+
+    def __array__(self, dtype=None, copy=None):
+        value = self.numpy()
+        return value.astype(dtype) if dtype is not None else value
+
+    def __repr__(self) -> str:
+        return f"RemoteScalar({self._key!r})"
+
+
+class ParameterServerEngine(StrategyEngine):
+    """The StrategyEngine step, scheduled on the workers of a parameter-server cluster."""
+
+    def __init__(self, cfg: Config, task, strategy: tf.distribute.Strategy, coordinator: Any,
+                 num_workers: int = 1, max_in_flight: int | None = None):
+        if not isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+            raise TypeError(f"ParameterServerEngine needs a ParameterServerStrategy, got {type(strategy).__name__}")
+        super().__init__(cfg, task, strategy)
+        self.coordinator = coordinator
+        # A step is one replica (one CPU worker) over the whole global batch: dp stays
+        # strategy.num_replicas_in_sync (1), and the loss needs no split across replicas.
+        self.local_replicas = 1
+        # Two steps per worker in flight keep every worker busy while the chief feeds the next.
+        self.max_in_flight = max_in_flight or 2 * max(1, num_workers)
+        self._pending: list[Any] = []
+
+    def _local_rows(self, batch):
+        return batch  # the whole global batch: one worker runs the whole step
+
+    def _reduced_grads(self, batch):
+        # One replica: nothing to reduce across replicas (and batch_reduce_to would move
+        # the gradients to the ps devices for no purpose).
+        grads, loss = self.strategy.run(self._replica_grads, args=(batch,))
+        return grads, loss
+
+    def _train_step(self, batch):
+        variables = [self.variables[n] for n in self.names]
+        from phalanx.train import optim
+
+        grads, loss = self._reduced_grads(batch)
+        scale = self.loss_scale.scale.read_value()
+        norm = optim.global_norm(grads) / scale
+        finite = tf.math.is_finite(norm)
+        factor = optim.clip_factor(norm, self.cfg.train.clip_norm) / scale
+        lr = optim.learning_rate(self.step, self.cfg.train)
+        t = self.step + 1
+        # The update runs on the worker and writes the ps variables (no per-device copies here).
+        for name, var, grad in zip(self.names, variables, grads):
+            self._apply_one(var, grad, self.m[name], self.v[name], factor, t, lr, finite, self.task.decays(name))
+        self.step.assign_add(tf.cast(finite, tf.int64))
+        self.loss_scale.update(finite)
+        return {"loss": loss, "grad_norm": norm, "skipped": 1.0 - tf.cast(finite, tf.float32),
+                "loss_scale": scale, "lr": lr}
+
+    def train_step(self, batch) -> dict[str, RemoteScalar]:
+        # Bound the steps in flight (and the batches held for them) without waiting for each step.
+        self._pending = [r for r in self._pending if not _done(r)]
+        while len(self._pending) >= self.max_in_flight:
+            self._pending.pop(0).fetch()
+        remote = self.coordinator.schedule(self._train_fn, args=(batch,))
+        self._pending.append(remote)
+        return {k: RemoteScalar(remote, k) for k in ("loss", "grad_norm", "skipped", "loss_scale", "lr")}
+
+    def _replica_eval(self, batch):
+        return self.task.loss(self.model, batch, training=False)
+
+    def _eval_step(self, batch):
+        return self.strategy.run(self._replica_eval, args=(batch,))
+
+    def eval_step(self, batch) -> tf.Tensor:
+        return tf.constant(self.coordinator.schedule(self._eval_fn, args=(batch,)).fetch(), tf.float32)
+
+    def gradients(self, batch) -> dict[str, np.ndarray]:
+        raise NotImplementedError("gradients() is not available under ParameterServerStrategy")
+
+    def join(self) -> None:
+        """Wait until every scheduled step has run (errors of a step are raised here)."""
+        self.coordinator.join()
+        self._pending = []
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        self.join()
+        return super().state_dict()
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        self.join()
+        super().load_state_dict(state)
+
+    def weights(self) -> dict[str, np.ndarray]:
+        self.join()
+        return super().weights()
+
+
+def _done(remote: Any) -> bool:
+    status = getattr(remote, "_status", None)
+    # RemoteValue has no public "is it ready" query; fall back to "not done" (kept until fetched).
+    return status is not None and getattr(status, "name", "") in ("READY", "ABORTED")

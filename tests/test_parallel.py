@@ -1,0 +1,266 @@
+"""The mesh engine against single-device training, on 8 logical CPUs (tests/conftest.py).
+
+Every layout runs three float32 AdamW steps on a tiny GPT and must reproduce the
+single-device StrategyEngine's losses and final weights. Engines are traced once and
+shared between tests (tracing dominates the run time).
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from phalanx.config import Config, ConfigError
+from phalanx.mesh import Mesh
+from phalanx.parallel.apply import make_mesh_engine, needs_mesh_engine, parallelize
+from phalanx.parallel.keras_pipeline import UncuttableModelError, split_model
+from phalanx.parallel.mesh_engine import MeshEngine
+from phalanx.parallel.pipeline import check_graph_order, partition
+from phalanx.parallel.schedules import peak_in_flight
+from phalanx.train.engine import StrategyEngine
+from phalanx.train.task import GPTTask, KerasTask
+
+STEPS, MORE = 3, 2
+MODEL = dict(layers=4, d_model=32, heads=4, ffn=64, vocab=256, seq_len=16)
+# Adam normalises each element's gradient, so an element whose true gradient is ~0
+# (a cancellation sum, e.g. the key bias) moves by float noise x lr. A wrong
+# gradient moves weights by ~lr = 1e-3 per step: 5e-5 still catches every real bug.
+W_RTOL, W_ATOL = 1e-4, 5e-5
+
+
+def make_cfg(layers: int = 4, **parallel) -> Config:
+    return Config().replace(model={**MODEL, "layers": layers},
+                            train={"global_batch": 8, "warmup": 1, "steps": 10, "lr": 1e-3}, parallel=parallel)
+
+
+def batches(n: int, rows: int = 8) -> list[np.ndarray]:
+    rng = np.random.default_rng(1)
+    return [rng.integers(0, 256, size=(rows, 17)).astype(np.int32) for _ in range(n)]
+
+
+def mesh_of(devices, dp=1, pp=1, tp=1) -> Mesh:
+    return Mesh.from_devices(devices[: dp * pp * tp], dp, pp, tp)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Single-device StrategyEngine: losses of STEPS + MORE steps, weights after STEPS."""
+    out = {}
+    for layers in (4, 8):
+        cfg = make_cfg(layers)
+        engine = StrategyEngine(cfg, GPTTask(cfg.model))
+        data = batches(STEPS + MORE)
+        losses = [float(engine.train_step(b)["loss"]) for b in data[:STEPS]]
+        weights = engine.weights()
+        losses += [float(engine.train_step(b)["loss"]) for b in data[STEPS:]]
+        out[layers] = (losses, weights)
+    return out
+
+
+LAYOUTS = {  # id: (dp, tp, pp, extra parallel keys)
+    "dp2": (2, 1, 1, {}),
+    "tp2": (1, 2, 1, {}),
+    "tp4": (1, 4, 1, {}),
+    "pp2-gpipe": (1, 1, 2, {"schedule": "gpipe", "microbatches": 2}),
+    "pp4-1f1b": (1, 1, 4, {"schedule": "1f1b", "microbatches": 4}),
+    "pp4-interleaved": (1, 1, 4, {"schedule": "interleaved", "virtual_stages": 2, "microbatches": 4}),
+    "dp2-tp2-pp2-1f1b": (2, 2, 2, {"schedule": "1f1b", "microbatches": 2}),
+    "dp2-pp4-1f1b-zero1": (2, 1, 4, {"schedule": "1f1b", "microbatches": 2, "zero": 1}),
+}
+
+
+@pytest.fixture(scope="module")
+def trained(devices):
+    """Each layout's engine after STEPS steps, with its losses (built lazily, once)."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            dp, tp, pp, extra = LAYOUTS[name]
+            layers = 8 if extra.get("virtual_stages", 1) > 1 else 4
+            cfg = make_cfg(layers, dp=dp, tp=tp, pp=pp, **extra)
+            engine = MeshEngine(cfg, mesh_of(devices, dp, pp, tp), GPTTask(cfg.model))
+            losses = [float(engine.train_step(b)["loss"]) for b in batches(STEPS)]
+            cache[name] = (engine, losses, layers)
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_device(name, trained, reference):
+    engine, losses, layers = trained(name)
+    ref_losses, ref_weights = reference[layers]
+    np.testing.assert_allclose(losses, ref_losses[:STEPS], rtol=1e-4, atol=1e-5)
+    weights = engine.weights()
+    assert set(weights) == set(ref_weights)
+    for n, w in weights.items():
+        np.testing.assert_allclose(w, ref_weights[n], rtol=W_RTOL, atol=W_ATOL, err_msg=n)
+
+
+def test_1f1b_runs_in_1f1b_order(trained):
+    engine, _, _ = trained("pp4-1f1b")
+    trace = engine.traces[0]
+    expected = [[str(a) for a in rank] for rank in engine.schedule.per_stage]
+    assert trace.order == expected
+    # 1F1B, not GPipe: rank r never holds more than pp - r micro-batches.
+    assert peak_in_flight(engine.schedule) == [4, 3, 2, 1]
+    for r, order in enumerate(trace.order):
+        held = peak = 0
+        for a in order:
+            held += 1 if a.startswith("F") else -1
+            peak = max(peak, held)
+        assert peak == engine.pp - r
+    assert trace.order[1] == ["F0", "F1", "F2", "B0", "F3", "B1", "B2", "B3"]
+    # The traced graph makes every action wait for its predecessor on the same rank.
+    graph = engine._train_fn.get_concrete_function(tf.TensorSpec([8, 17], tf.int32)).graph
+    assert check_graph_order(graph, trace) > 0
+
+
+def test_graph_order_check_detects_a_missing_dependency(trained):
+    engine, _, _ = trained("pp4-1f1b")
+    trace = engine.traces[0]
+    graph = engine._train_fn.get_concrete_function(tf.TensorSpec([8, 17], tf.int32)).graph
+    broken = type(trace)(order=[list(o) for o in trace.order], scopes=[list(s) for s in trace.scopes],
+                         markers=[list(m) for m in trace.markers])
+    broken.scopes[0][1], broken.scopes[0][2] = broken.scopes[0][2], broken.scopes[0][1]
+    broken.markers[0][0], broken.markers[0][1] = broken.markers[0][1], broken.markers[0][0]
+    with pytest.raises(AssertionError, match="does not wait"):
+        check_graph_order(graph, broken)
+
+
+def test_zero1_shards_optimizer_state_over_data(trained):
+    engine, _, _ = trained("dp2-pp4-1f1b-zero1")
+    opt = engine.optimizer
+    per_device = opt.state_bytes_per_device()
+    assert len(per_device) == 8
+    # m and v, float32: what one unsharded replica would hold on each device
+    unsharded: dict[str, int] = {}
+    for g in opt.groups:
+        for dev in g.devices:
+            unsharded[dev] = unsharded.get(dev, 0) + 2 * 4 * g.total
+    assert sum(2 * 4 * g.total for g in opt.groups) == 2 * 4 * engine.num_params()
+    assert sorted(per_device) == sorted(unsharded)
+    for dev, nbytes in per_device.items():
+        assert nbytes == unsharded[dev] // engine.dp, dev
+
+
+def test_checkpoint_moves_between_layouts(trained, reference, devices):
+    """state_dict at dp2-tp2-pp2 continues with the single-device losses at dp1 and at dp4."""
+    engine, _, _ = trained("dp2-tp2-pp2-1f1b")
+    state = engine.state_dict()
+    ref_losses, ref_weights = reference[4]
+    assert int(state["optimizer/step"]) == STEPS
+    for n, w in ref_weights.items():
+        np.testing.assert_allclose(state[n], w, rtol=W_RTOL, atol=W_ATOL)
+    more = batches(STEPS + MORE)[STEPS:]
+    for dp in (1, 4):
+        cfg = make_cfg(dp=dp)
+        target = MeshEngine(cfg, mesh_of(devices, dp=dp), GPTTask(cfg.model))
+        target.load_state_dict(state)
+        losses = [float(target.train_step(b)["loss"]) for b in more]
+        np.testing.assert_allclose(losses, ref_losses[STEPS:], rtol=1e-4, atol=1e-5)
+        again = target.state_dict()
+        assert int(again["optimizer/step"]) == STEPS + MORE
+    with pytest.raises(KeyError, match="lacks"):
+        target.load_state_dict({k: v for k, v in state.items() if not k.startswith("optimizer/m/")})
+
+
+def test_recompute_lowers_peak_memory_and_keeps_the_math(devices):
+    cfg_kw = dict(layers=12, d_model=64, heads=4, ffn=256, vocab=256, seq_len=128)
+    rng = np.random.default_rng(0)
+    batch = rng.integers(0, 256, size=(16, 129)).astype(np.int32)
+    peaks, losses = {}, {}
+    for mode in ("none", "full", "selective"):
+        cfg = Config().replace(model=cfg_kw, train={"global_batch": 16, "warmup": 1}, parallel={"recompute": mode})
+        engine = MeshEngine(cfg, mesh_of(devices), GPTTask(cfg.model))
+        engine.train_step(batch)  # trace and warm up outside the measurement
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        losses[mode] = float(engine.eval_step(batch))
+        engine.train_step(batch)
+        peaks[mode] = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    assert peaks["full"] < 0.7 * peaks["none"], peaks
+    assert peaks["selective"] < peaks["none"], peaks
+    np.testing.assert_allclose(losses["full"], losses["none"], rtol=1e-5)
+    np.testing.assert_allclose(losses["selective"], losses["none"], rtol=1e-5)
+
+
+# -- Keras chain models -------------------------------------------------------------
+
+
+def _mlp():
+    # Explicit names: checkpoint keys are Keras paths, which must not depend on build order.
+    return keras.Sequential([keras.Input((12,))]
+                            + [keras.layers.Dense(16, activation="tanh", name=f"d{i}") for i in range(5)]
+                            + [keras.layers.Dense(3, name="out")], name="mlp")
+
+
+def _keras_task():
+    keras.utils.set_random_seed(3)
+    return KerasTask(_mlp, keras.losses.MeanSquaredError())
+
+
+def test_keras_sequential_split_trains_like_unsplit(devices):
+    rng = np.random.default_rng(2)
+    data = [(rng.normal(size=(8, 12)).astype(np.float32), rng.normal(size=(8, 3)).astype(np.float32))
+            for _ in range(STEPS)]
+    cfg = Config().replace(train={"global_batch": 8, "warmup": 1, "lr": 1e-2})
+    ref = StrategyEngine(cfg, _keras_task())
+    ref_losses = [float(ref.train_step(b)["loss"]) for b in data]
+    ref_state = ref.state_dict()
+    for pp, schedule in ((2, "gpipe"), (4, "1f1b")):
+        cfg_pp = cfg.replace(parallel={"pp": pp, "microbatches": 4, "schedule": schedule})
+        engine = make_mesh_engine(cfg_pp, mesh_of(devices, pp=pp), _keras_task())
+        assert [len(s) for s in engine.split.stages] and len(engine.split.stages) == pp
+        losses = [float(engine.train_step(b)["loss"]) for b in data]
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+        state = engine.state_dict()
+        assert set(state) == set(ref_state)
+        for k, v in ref_state.items():
+            np.testing.assert_allclose(state[k], v, rtol=W_RTOL, atol=W_ATOL, err_msg=k)
+        devices_used = {v.device for s in engine.params.shards.values() for v in s.copies[0]}
+        assert len(devices_used) == pp
+
+
+def test_functional_chain_cuts_only_at_single_tensor_points():
+    inp = keras.Input((8,))
+    x = keras.layers.Dense(8)(inp)
+    y = keras.layers.Dense(8)(x)
+    x = keras.layers.Add()([x, y])      # residual inside a piece: not a cut point
+    x = keras.layers.Dense(8)(x)
+    out = keras.layers.Dense(2)(x)
+    model = keras.Model(inp, out)
+    split = split_model(model, 3)
+    assert len(split.stages) == 3
+    with pytest.raises(UncuttableModelError, match="cut-able pieces"):
+        split_model(model, 5)
+    # A skip connection from the input to the output leaves no cut point at all.
+    inp = keras.Input((8,))
+    h = keras.layers.Dense(8)(keras.layers.Dense(8)(inp))
+    skip = keras.Model(inp, keras.layers.Add()([inp, h]))
+    with pytest.raises(UncuttableModelError, match="only 1 cut-able"):
+        split_model(skip, 2)
+
+
+# -- small pieces -----------------------------------------------------------------------
+
+
+def test_partition_balances_cost_with_embedding_and_head():
+    assert partition([1.0] * 4, 2) == [(0, 2), (2, 4)]
+    assert partition([1.0] * 4, 2, last_extra=2.0) == [(0, 3), (3, 4)]
+    assert partition([1.0] * 8, 4, first_extra=1.0, last_extra=1.0)[0] == (0, 1)
+    with pytest.raises(ValueError, match="non-empty"):
+        partition([1.0] * 3, 4)
+
+
+def test_errors_name_the_key(devices):
+    cfg = make_cfg(tp=1)
+    with pytest.raises(ConfigError, match="parallel.tp"):
+        MeshEngine(cfg, mesh_of(devices, tp=8), GPTTask(cfg.model))
+    assert needs_mesh_engine(make_cfg(pp=2, microbatches=2)) and not needs_mesh_engine(make_cfg(dp=2))
+    with pytest.raises(TypeError, match="GPTTask or a KerasTask"):
+        make_mesh_engine(cfg, mesh_of(devices), object())
+    engine = parallelize(cfg.model, mesh_of(devices), cfg)
+    assert engine.num_params() == sum(int(np.prod(w.shape)) for w in engine.weights().values())
