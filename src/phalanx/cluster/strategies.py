@@ -182,7 +182,36 @@ def serve_if_server_task(info: ClusterInfo, start_server: Callable[..., Any] | N
     start_server = start_server or tf.distribute.Server
     server = start_server(tf.train.ClusterSpec(info.cluster_spec_dict()), job_name=info.task_type,
                           task_index=info.task_index, protocol=info.rpc_layer, start=True)
-    server.join()
+    _join_until_sigterm(server)
+
+
+def _join_until_sigterm(server: Any) -> None:
+    """``server.join()``, except that SIGTERM ends the process with status 0.
+
+    A server task has no state of its own to save (the chief checkpoints the ps
+    variables), so being stopped -- by the launcher once the chief is done, or by a
+    preemption notice -- is a clean exit. ``server.join()`` blocks in C++, where Python
+    signal handlers never run, so it is joined in a thread and the main thread waits.
+    """
+    import signal
+    import sys
+    import threading
+
+    def stop(signum, frame):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # the gRPC server's threads would keep a normal interpreter exit waiting
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, stop) if main else None
+    joined = threading.Event()
+    threading.Thread(target=lambda: (server.join(), joined.set()), daemon=True, name="server-join").start()
+    try:
+        while not joined.wait(1.0):
+            pass
+    finally:  # only reached when join() returns (a stopped or fake server)
+        if main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def make_coordinator(strategy: tf.distribute.Strategy) -> Any:

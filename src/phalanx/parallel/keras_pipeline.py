@@ -65,20 +65,26 @@ def chain_pieces(model) -> list[Any]:
         raise UncuttableModelError(f"model {model.name!r} has {len(model.inputs)} inputs and "
                                    f"{len(model.outputs)} outputs; only single-input, single-output chains can be cut")
     ops = [op for op in model.operations if not isinstance(op, keras.layers.InputLayer)]
+    # Only this model's call of each layer counts (sub-models add nodes to shared layers).
+    own = getattr(model, "_nodes", None)
+    nodes = {}
     for op in ops:
-        if len(op._inbound_nodes) != 1:
-            raise UncuttableModelError(f"layer {op.name!r} is called {len(op._inbound_nodes)} times; a shared "
+        # Keras keys a model's nodes as "<id(layer)>_ib-<index of the call>".
+        mine = [n for i, n in enumerate(op._inbound_nodes) if own is None or f"{id(op)}_ib-{i}" in own]
+        if len(mine) != 1:
+            raise UncuttableModelError(f"layer {op.name!r} is called {len(mine)} times; a shared "
                                        f"layer would live on several stages at once")
+        nodes[id(op)] = mine[0]
     # tensor id -> index of the last operation that reads it
     last_use: dict[int, int] = {}
     for i, op in enumerate(ops):
-        for t in op._inbound_nodes[0].input_tensors:
+        for t in nodes[id(op)].input_tensors:
             last_use[id(t)] = i
     out_id = id(model.outputs[0])
     cuts = [model.inputs[0]]
     live = {id(model.inputs[0]): model.inputs[0]}
     for i, op in enumerate(ops):
-        for t in op._inbound_nodes[0].output_tensors:
+        for t in nodes[id(op)].output_tensors:
             live[id(t)] = t
         live = {k: t for k, t in live.items() if last_use.get(k, -1) > i or k == out_id}
         if len(live) == 1 and i < len(ops) - 1:
