@@ -53,7 +53,7 @@ class ModelConfig:
     layers: int = 4
     d_model: int = 256
     heads: int = 4
-    ffn: int = 1024
+    ffn: int = 0
     vocab: int = 256
     seq_len: int = 128
     dropout: float = 0.0
