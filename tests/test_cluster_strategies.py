@@ -3,6 +3,7 @@ runs through `phalanx launch` (slow; every one bounded by a subprocess timeout).
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -95,19 +96,19 @@ def test_serve_if_server_task():
         def __init__(self, spec, job_name, task_index, protocol, start):
             calls.append((spec.as_dict(), job_name, task_index, protocol, start))
 
-        def join(self):
-            calls.append("joined")
+    def wait(server, chief):
+        calls.append(("served until the chief left", chief))
 
-    serve_if_server_task(info(2, 1, "chief:0"), start_server=FakeServer)  # the coordinator returns at once
-    serve_if_server_task(info(2, 0, "worker:1"), start_server=FakeServer)  # collective workers too
-    serve_if_server_task(SINGLE, start_server=FakeServer)
+    serve_if_server_task(info(2, 1, "chief:0"), start_server=FakeServer, wait=wait)  # the coordinator returns at once
+    serve_if_server_task(info(2, 0, "worker:1"), start_server=FakeServer, wait=wait)  # collective workers too
+    serve_if_server_task(SINGLE, start_server=FakeServer, wait=wait)
     assert calls == []
-    serve_if_server_task(info(2, 1, "ps:0"), start_server=FakeServer)
+    serve_if_server_task(info(2, 1, "ps:0"), start_server=FakeServer, wait=wait)
     spec, job, index, protocol, start = calls[0]
     assert (job, index, protocol, start) == ("ps", 0, "grpc", True)
     assert spec == {"chief": ["127.0.0.1:9000"], "worker": ["127.0.0.1:9001", "127.0.0.1:9002"],
                     "ps": ["127.0.0.1:9003"]}
-    assert calls[1] == "joined"
+    assert calls[1] == ("served until the chief left", "127.0.0.1:9000")
 
 
 def test_setup_cluster_one_process(devices):
@@ -130,100 +131,71 @@ def test_parameter_server_strategy_only_on_the_chief():
 # ---------------------------------------------------------------------------
 # Multi-process (slow)
 
-# A stand-alone custom loop: a 2-layer Keras model, hand-written SGD, 3 steps, global
-# batch 8. "multi": one replica per worker process, each feeding its 4 rows; "mirrored":
-# one process, MirroredStrategy on 2 logical CPUs fed all 8 rows.
+# Any Keras 3 model through phalanx's engines (KerasTask), 3 steps of global batch 8.
+# "multi": MultiWorkerMirroredStrategy, one replica per worker process, each feeding its
+# 4 rows; "mirrored": one process, MirroredStrategy on 2 logical CPUs fed all 8 rows.
 MULTI_WORKER_SCRIPT = textwrap.dedent('''
     import json, sys
     import numpy as np
     import tensorflow as tf
-    mode = sys.argv[1]
-    if mode == "mirrored":
-        cpu = tf.config.list_physical_devices("CPU")[0]
-        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-    from phalanx.config import Config
-    from phalanx.cluster.strategies import setup_cluster
-    cfg = Config().replace(parallel={"strategy": "multi_worker" if mode == "multi" else "mirrored", "dp": 2},
-                           train={"global_batch": 8})
-    setup = setup_cluster(cfg)                   # first: before any other TF op
-    strategy, rows = setup.strategy, setup.local_batch   # rows: this process's share of the global batch
-    import keras
-    rng = np.random.default_rng(0)
-    X = rng.normal(size=(3, 8, 5)).astype("float32")
-    Y = rng.normal(size=(3, 8, 1)).astype("float32")
-    keras.utils.set_random_seed(0)
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(16, activation="tanh"),
-                                  keras.layers.Dense(1)])
-    variables = [v.value for v in model.trainable_variables]  # the tf.Variables under Keras's wrappers
-    local = len(strategy.extended.worker_devices)
 
-    def replica_grads(x, y):
-        ctx = tf.distribute.get_replica_context()
-        n = tf.shape(x)[0] // local
-        i = ctx.replica_id_in_sync_group % local
-        x, y = x[i * n:(i + 1) * n], y[i * n:(i + 1) * n]
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(tf.square(model(x) - y)) / 8.0   # mean over the GLOBAL batch
-        return loss, tape.gradient(loss, variables)
 
-    @tf.function
-    def step(x, y):
-        loss, grads = strategy.run(replica_grads, args=(x, y))
-        grads = strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, list(zip(grads, variables)))
-        for v, g in zip(variables, grads):
-            strategy.extended.update(v, lambda var, g: var.assign_sub(0.1 * g), args=(g,), group=False)
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None)
+    def train(mode):
+        from phalanx.config import Config
+        from phalanx.cluster.strategies import setup_cluster
+        cfg = Config().replace(parallel={"strategy": "multi_worker" if mode == "multi" else "mirrored", "dp": 2},
+                               train={"global_batch": 8, "lr": 0.05, "warmup": 0})
+        setup = setup_cluster(cfg)                   # first: before any other TF op
+        strategy, rows = setup.strategy, setup.local_batch   # rows: this process's share of the global batch
+        import keras
+        from phalanx.train.engine import StrategyEngine
+        from phalanx.train.task import KerasTask
+        rng = np.random.default_rng(0)
+        X = rng.normal(size=(3, 8, 5)).astype("float32")
+        Y = rng.normal(size=(3, 8, 1)).astype("float32")
+        keras.utils.set_random_seed(0)
+        task = KerasTask(lambda: keras.Sequential([keras.Input((5,)), keras.layers.Dense(16, activation="tanh"),
+                                                   keras.layers.Dense(1)]), keras.losses.MeanSquaredError())
+        engine = StrategyEngine(cfg, task, strategy)
+        w = setup.data_index
+        losses = [float(engine.train_step((X[k][w * rows:(w + 1) * rows], Y[k][w * rows:(w + 1) * rows]))["loss"])
+                  for k in range(3)]
+        setup_line = (strategy.num_replicas_in_sync, rows, type(strategy).__name__, setup.data_index, setup.data_count)
+        return setup_line, losses
 
-    w = setup.data_index
-    losses = [float(step(X[k][w * rows:(w + 1) * rows], Y[k][w * rows:(w + 1) * rows])) for k in range(3)]
-    print("SETUP", strategy.num_replicas_in_sync, rows, type(strategy).__name__, setup.data_index, setup.data_count)
-    print("LOSSES", json.dumps(losses))
+
+    if __name__ == "__main__":
+        setup_line, losses = train(sys.argv[1])
+        print("SETUP", *setup_line)
+        print("LOSSES", json.dumps(losses))
 ''')
 
-# The chief trains a linear regression on the ps-held variables: 12 steps fed by the
-# chief (exactly-once data), then 8 steps from per-worker datasets.
+# A Keras linear regression through the ParameterServerEngine: variables on the ps task,
+# 20 steps scheduled on the workers by the chief (asynchronously), fed by the chief.
 PARAMETER_SERVER_SCRIPT = textwrap.dedent('''
     import json
     import numpy as np
     from phalanx.config import Config
-    from phalanx.cluster.strategies import per_worker_dataset, setup_cluster
-    cfg = Config().replace(parallel={"strategy": "parameter_server"}, train={"global_batch": 16})
-    setup = setup_cluster(cfg)                   # worker and ps tasks serve in here, forever
-    strategy, coordinator, rows = setup.strategy, setup.coordinator, setup.local_batch
+    from phalanx.cluster.strategies import setup_cluster
+    cfg = Config().replace(parallel={"strategy": "parameter_server"},
+                           train={"global_batch": 16, "lr": 0.3, "warmup": 0, "weight_decay": 0.0, "steps": 20})
+    setup = setup_cluster(cfg)                   # worker and ps tasks serve in here, then exit 0
     assert (setup.data_index, setup.data_count, setup.is_chief) == (0, 1, True)
-    import tensorflow as tf, keras
+    import keras
+    from phalanx.cluster.ps_engine import ParameterServerEngine
+    from phalanx.train.task import KerasTask
     rng = np.random.default_rng(0)
     X = rng.normal(size=(64, 4)).astype("float32")
     Y = X @ rng.normal(size=(4, 1)).astype("float32")
     keras.utils.set_random_seed(0)
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-    variables = [v.value for v in model.trainable_variables]
-
-    @tf.function
-    def train_step(x, y):
-        def replica(x, y):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(tf.square(model(x) - y))
-            for v, g in zip(variables, tape.gradient(loss, variables)):
-                v.assign_sub(0.2 * g)
-            return loss
-        return strategy.run(replica, args=(x, y))
-
-    @tf.function
-    def iterator_step(it):
-        x, y = next(it)
-        return train_step(x, y)
-
-    losses = [float(coordinator.schedule(train_step, args=(X[i:i + rows], Y[i:i + rows])).fetch())
-              for i in [(k * rows) % 64 for k in range(12)]]
-    it = iter(per_worker_dataset(coordinator, strategy,
-                                 lambda ctx: tf.data.Dataset.from_tensor_slices((X, Y)).repeat().batch(rows)))
-    remote = [coordinator.schedule(iterator_step, args=(it,)) for _ in range(8)]
-    coordinator.join()
-    losses += [float(r.fetch()) for r in remote]
-    print("DEVICE", variables[0].device)
+    task = KerasTask(lambda: keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]),
+                     keras.losses.MeanSquaredError())
+    engine = ParameterServerEngine(cfg, task, setup.strategy, setup.coordinator, setup.info.num_workers)
+    results = [engine.train_step((X[i:i + 16], Y[i:i + 16])) for i in [(k * 16) % 64 for k in range(20)]]
+    losses = [float(r["loss"]) for r in results]
+    state = engine.state_dict()
+    print("DEVICE", engine.variables[engine.names[0]].device)
+    print("STEP", int(state["optimizer/step"]))
     print("LOSSES", json.dumps(losses))
 ''')
 
@@ -244,10 +216,12 @@ def tagged(text, tag, prefix=""):
 def test_two_workers_equal_mirrored_on_two_devices(tmp_path):
     script = tmp_path / "multi_worker_loop.py"
     script.write_text(MULTI_WORKER_SCRIPT)
-    ref = subprocess.run([sys.executable, str(script), "mirrored"], capture_output=True, text=True, timeout=120)
-    assert ref.returncode == 0, ref.stderr[-4000:]
-    assert tagged(ref.stdout, "SETUP") == ["2 8 MirroredStrategy 0 1"]
-    [expected] = [json.loads(x) for x in tagged(ref.stdout, "LOSSES")]
+    # The reference in this process (MirroredStrategy on 2 of the session's logical CPUs), the
+    # same code as the workers run.
+    namespace = {}
+    exec(compile(MULTI_WORKER_SCRIPT, str(script), "exec"), namespace)
+    setup_line, expected = namespace["train"]("mirrored")
+    assert setup_line == (2, 8, "MirroredStrategy", 0, 1)
 
     out, pids = run_launch(["--workers", "2"], script, "multi")
     for w in (0, 1):
@@ -262,11 +236,12 @@ def test_two_workers_equal_mirrored_on_two_devices(tmp_path):
 def test_parameter_server_training_converges(tmp_path):
     script = tmp_path / "ps_loop.py"
     script.write_text(PARAMETER_SERVER_SCRIPT)
-    out, pids = run_launch(["--workers", "1", "--ps", "1"], script)
+    out, pids = run_launch(["--workers", "2", "--ps", "1"], script)
     assert tagged(out.stdout, "DEVICE", "[chief:0] ") == ["/job:ps/replica:0/task:0/device:CPU:0"]
+    assert tagged(out.stdout, "STEP", "[chief:0] ") == ["20"]
     [losses] = [json.loads(x) for x in tagged(out.stdout, "LOSSES", "[chief:0] ")]
     assert len(losses) == 20 and all(np.isfinite(losses))
-    assert max(losses[-4:]) < 0.05 * losses[0]
+    assert np.mean(losses[-4:]) < 0.2 * np.mean(losses[:4])  # the 4 batches' losses differ: compare cycles
     _assert_gone(pids)
 
 
@@ -283,3 +258,71 @@ def _assert_gone(pids):
     while any(running(p) for p in pids) and time.monotonic() < end:
         time.sleep(0.1)
     assert not [p for p in pids if running(p)], "processes left behind"
+
+
+# ---------------------------------------------------------------------------
+# A mesh across workers (in-process parts; the real run is in test_cluster_train.py)
+
+
+def test_needs_cluster():
+    from phalanx.cluster.strategies import needs_cluster
+    assert not needs_cluster(cfg(), SINGLE)
+    assert needs_cluster(cfg("multi_worker"), SINGLE)
+    assert needs_cluster(cfg(pp=2), info(2))             # auto + TF_CONFIG: the mesh spans the workers
+    assert needs_cluster(cfg("mesh"), info(2))
+    assert not needs_cluster(cfg("mirrored"), info(1))   # a one-worker TF_CONFIG is one process
+
+
+@pytest.mark.parametrize("parallel, workers, expected", [
+    ({"pp": 2}, 2, 1), ({"dp": 2, "pp": 2}, 2, 2), ({"pp": 2, "tp": 2}, 2, 2), ({"pp": 4}, 2, 2),
+    ({"dp": -1, "pp": 2, "devices": "cpu:2"}, 2, 2),
+])
+def test_devices_per_task(parallel, workers, expected):
+    from phalanx.cluster.mesh_cluster import devices_per_task
+    assert devices_per_task(Config().replace(parallel=parallel), workers) == expected
+
+
+@pytest.mark.parametrize("parallel, fragment", [
+    ({"pp": 3}, "cannot be spread evenly over the 2 workers"),
+    ({"pp": 2, "tp": 2, "devices": "cpu:4"}, "use parallel.devices=cpu:2 or auto"),
+    ({"dp": -1, "pp": 2}, "needs the devices of each worker"),
+])
+def test_devices_per_task_errors(parallel, fragment):
+    from phalanx.cluster.mesh_cluster import devices_per_task
+    with pytest.raises(ConfigError, match=fragment):
+        devices_per_task(Config().replace(parallel=parallel), 2)
+
+
+def test_mesh_tasks_order_and_no_ps():
+    from phalanx.cluster.mesh_cluster import mesh_tasks
+    chief = parse_tf_config({"cluster": {"chief": ["h:1"], "worker": ["h:2", "h:3"]}, "task": {"type": "chief", "index": 0}})
+    assert mesh_tasks(chief) == [("chief", 0), ("worker", 0), ("worker", 1)]
+    with pytest.raises(ConfigError, match="mesh does not use parameter servers"):
+        mesh_tasks(info(2, 1))
+
+
+def test_serving_task_exits_0_when_the_chief_has_gone(tmp_path):
+    # A serving task in a subprocess: the "chief" is a listening socket here; closing it ends the task.
+    import socket as socket_lib
+    chief = socket_lib.socket()
+    chief.bind(("127.0.0.1", 0))
+    chief.listen(8)
+    port = chief.getsockname()[1]
+    code = ("from phalanx.cluster.mesh_cluster import serve_until_chief_exits\n"
+            f"serve_until_chief_exits(object(), '127.0.0.1:{port}', poll_s=0.1)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        import time
+        chief.settimeout(30)
+        chief.accept()[0].close()  # the task polls the chief: its SIGTERM handler is in place
+        proc.send_signal(signal.SIGTERM)  # the variables may live here: SIGTERM waits for the chief
+        time.sleep(1.0)
+        assert proc.poll() is None  # the chief is there: keep serving
+        chief.close()
+        out, _ = proc.communicate(timeout=20)
+        assert proc.returncode == 0 and "has exited; stopping this task" in out
+    finally:
+        chief.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

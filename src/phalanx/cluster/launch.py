@@ -258,16 +258,18 @@ class Launcher:
             if deadline is not None and time.monotonic() > deadline:
                 self.status(f"--timeout {self.timeout:g} s reached; stopping the cluster")
                 return EXIT_TIMEOUT, False
+            # Success first: once the chief is done, server tasks leave by themselves (they
+            # watch the chief), and that must not be taken for a failure.
+            finishing = [t for t in tasks if not t.server]
+            if all(t.returncode == 0 for t in finishing):
+                self.status(f"{'the chief' if self.ps else 'all workers'} finished with status 0")
+                return 0, False
             for t in tasks:
                 code = t.returncode
                 if code is not None and (code != 0 or t.server):
                     why = status_text(code) + (" (a server task must run until the chief is done)" if code == 0 else "")
                     self.status(f"{t.name} {why}; stopping the cluster")
                     return (exit_code(code) or 1), True
-            finishing = [t for t in tasks if not t.server]
-            if all(t.returncode == 0 for t in finishing):
-                self.status(f"{'the chief' if self.ps else 'all workers'} finished with status 0")
-                return 0, False
 
     def _on_signal(self, tasks: list[Task], sel: selectors.BaseSelector) -> int:
         signum = self._signal

@@ -16,10 +16,9 @@ parameter-server way:
 * the data: the chief feeds batch ``k`` of the deterministic global stream to step
   ``k`` (:mod:`phalanx.data.pipeline`), sent to the worker with the step. Every
   example is seen exactly once per epoch across the workers, whichever worker runs
-  the step, and the checkpointed position resumes exactly. (Per-worker datasets
-  (``strategies.per_worker_dataset``) save that transfer but make each worker read
-  its own stream, which TensorFlow gives no worker index to shard, and cannot resume
-  at a position.)
+  the step, and the checkpointed position resumes exactly. (TensorFlow's per-worker
+  datasets, ``coordinator.create_per_worker_dataset``, would save that transfer, but
+  give the dataset function no worker index to shard by and no position to resume at.)
 * :meth:`state_dict` first waits for every scheduled step (``coordinator.join``), then
   reads the ps variables: the chief writes an ordinary checkpoint that any layout,
   e.g. one process (``phalanx eval RUN_DIR``), loads.

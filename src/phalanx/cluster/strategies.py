@@ -13,7 +13,9 @@
   (:func:`serve_if_server_task`);
 * ``auto`` -- ``parameter_server`` when TF_CONFIG has ps tasks, ``multi_worker`` when
   it names several workers, ``mesh`` when ``parallel.tp``/``pp`` > 1, else ``mirrored``;
-* ``mesh`` -- built by the mesh engine (phalanx.parallel), not here.
+* ``mesh`` -- built by the mesh engine (phalanx.parallel), not here; under a TF_CONFIG
+  cluster :func:`setup_cluster` joins it and names the mesh's devices on every task
+  (:mod:`phalanx.cluster.mesh_cluster`).
 
 Keras 3 ``model.fit`` fails under both multi-process strategies (keras-team/keras#20585,
 #18624); phalanx trains with a custom loop (``strategy.run`` + cross-replica sums),
@@ -170,10 +172,13 @@ def parameter_server_strategy(info: ClusterInfo, variable_partitioner: Any = Non
                                                               variable_partitioner=variable_partitioner)
 
 
-def serve_if_server_task(info: ClusterInfo, start_server: Callable[..., Any] | None = None) -> None:
+def serve_if_server_task(info: ClusterInfo, start_server: Callable[..., Any] | None = None,
+                         wait: Callable[[Any, str], None] | None = None) -> None:
     """In a parameter-server cluster, turn a worker or ps task into a gRPC server that
-    runs what the chief schedules; never returns there (the launcher or the cluster
-    manager stops it). Returns at once in any other task.
+    runs what the chief schedules; there it never returns: the process exits 0 once the
+    chief has gone (:func:`phalanx.cluster.mesh_cluster.serve_until_chief_exits`; SIGTERM
+    waits for that too, since the chief reads the ps variables to checkpoint). Returns at
+    once in any other task. ``start_server``/``wait`` replace the server and the waiting (tests).
     """
     if not info.is_server_task:
         return
@@ -182,36 +187,9 @@ def serve_if_server_task(info: ClusterInfo, start_server: Callable[..., Any] | N
     start_server = start_server or tf.distribute.Server
     server = start_server(tf.train.ClusterSpec(info.cluster_spec_dict()), job_name=info.task_type,
                           task_index=info.task_index, protocol=info.rpc_layer, start=True)
-    _join_until_sigterm(server)
-
-
-def _join_until_sigterm(server: Any) -> None:
-    """``server.join()``, except that SIGTERM ends the process with status 0.
-
-    A server task has no state of its own to save (the chief checkpoints the ps
-    variables), so being stopped -- by the launcher once the chief is done, or by a
-    preemption notice -- is a clean exit. ``server.join()`` blocks in C++, where Python
-    signal handlers never run, so it is joined in a thread and the main thread waits.
-    """
-    import signal
-    import sys
-    import threading
-
-    def stop(signum, frame):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)  # the gRPC server's threads would keep a normal interpreter exit waiting
-
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, stop) if main else None
-    joined = threading.Event()
-    threading.Thread(target=lambda: (server.join(), joined.set()), daemon=True, name="server-join").start()
-    try:
-        while not joined.wait(1.0):
-            pass
-    finally:  # only reached when join() returns (a stopped or fake server)
-        if main:
-            signal.signal(signal.SIGTERM, previous)
+    if wait is None:
+        from phalanx.cluster.mesh_cluster import serve_until_chief_exits as wait
+    wait(server, info.cluster["chief"][0])
 
 
 def make_coordinator(strategy: tf.distribute.Strategy) -> Any:
@@ -219,23 +197,6 @@ def make_coordinator(strategy: tf.distribute.Strategy) -> Any:
     if not isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
         return None
     return tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
-
-
-def per_worker_dataset(coordinator: Any, strategy: tf.distribute.Strategy,
-                       dataset_fn: Callable[[tf.distribute.InputContext], tf.data.Dataset]) -> Any:
-    """A dataset created on every worker of a parameter-server cluster; ``iter()`` of it
-    gives per-worker iterators to pass to ``coordinator.schedule(step_fn, args=(it,))``.
-
-    TensorFlow treats the workers as interchangeable: ``dataset_fn`` runs unchanged on
-    each worker (it cannot learn its worker's index), so each worker reads the whole
-    stream, shuffled by its own seed when the shuffle is unseeded. Make it repeat
-    forever and schedule a fixed number of steps. For exactly-once visitation of the
-    data, feed batches from the chief instead: ``coordinator.schedule(step_fn,
-    args=(batch,))`` with batch k of the (deterministic) global stream.
-    """
-    def per_worker_fn():
-        return strategy.distribute_datasets_from_function(dataset_fn)
-    return coordinator.create_per_worker_dataset(per_worker_fn)
 
 
 def check_batch(cfg: Any, strategy: tf.distribute.Strategy) -> int:
@@ -294,19 +255,44 @@ class ClusterSetup:
     data_index: int
     data_count: int
     local_batch: int
+    #: mesh across workers (chief only): the mesh's device names, on every task of the cluster
+    devices: tuple[str, ...] | None = None
 
     @property
     def is_chief(self) -> bool:
         return self.info.is_chief
 
 
+def needs_cluster(cfg: Any, info: ClusterInfo | None = None) -> bool:
+    """Whether this process is part of a multi-process run, so that :func:`setup_cluster`
+    must come first: a multi-process strategy is asked for, or TF_CONFIG names a cluster
+    (``auto`` and ``mesh`` then span its tasks).
+
+    >>> from phalanx.config import Config
+    >>> needs_cluster(Config(), ClusterInfo.single_process())
+    False
+    """
+    info = cluster_info_from_env() if info is None else info
+    if cfg.parallel.strategy in (MULTI_WORKER, PARAMETER_SERVER):
+        return True
+    return cfg.parallel.strategy in ("auto", MESH) and info.is_distributed and (info.num_workers > 1 or info.num_ps > 0)
+
+
 def setup_cluster(cfg: Any, info: ClusterInfo | None = None, devices: Sequence[str] | None = None) -> ClusterSetup:
-    """Serve (ps-mode worker/ps tasks: never returns), then build and check the strategy.
+    """Serve (ps-mode worker/ps tasks, and non-chief tasks of a mesh across workers: never
+    returns), then build and check the strategy (or, for ``mesh``, join the cluster and
+    name the mesh's devices in ``ClusterSetup.devices``).
 
     Call it first in a training process, before any other TensorFlow op.
     """
     info = cluster_info_from_env() if info is None else info
     name = resolve_strategy_name(cfg, info)  # config errors before a server starts
+    if name == MESH and info.is_distributed:
+        # The mesh engine's devices span the tasks; non-chief tasks serve in here and never return.
+        from phalanx.cluster.mesh_cluster import setup_mesh_cluster
+        devices = setup_mesh_cluster(cfg, info)
+        return ClusterSetup(info=info, strategy=None, coordinator=None, name=name, data_index=0, data_count=1,
+                            local_batch=cfg.train.global_batch, devices=tuple(devices))
     serve_if_server_task(info)
     strategy = make_strategy(cfg, info, devices)
     local_batch = check_batch(cfg, strategy)

@@ -91,13 +91,23 @@ class PipelinedEngine:
     def eval_step(self, batch) -> tf.Tensor:
         return self._eval_fn(batch)
 
-    def _train_step(self, batch):
-        rows = tf.nest.flatten(batch)[0].shape[0]
+    def gradients(self, batch) -> dict[str, np.ndarray]:
+        """The (unscaled) gradients of the mean loss over ``batch`` as whole logical
+        tensors, summed over replicas and tied copies; changes nothing."""
+        if not hasattr(self, "_grad_fn"):
+            def grads_only(b):
+                grads, _ = self._replica_grads(b, self.loss_scale.scale.read_value())
+                return {f"{k[0]}@{k[1]}": tf.add_n(per) if len(per) > 1 else per[0] for k, per in grads.items()}
+            self._grad_fn = tf.function(grads_only, autograph=False)
+        flat = {k: v.numpy() for k, v in self._grad_fn(batch).items()}
+        scale = float(self.loss_scale.scale.numpy())
+        return {n: self.params.splits[n].join([flat[f"{n}@{t}"] for _, t in self.params.keys_of(n)]) / scale
+                for n in self.params.names}
+
+    def _replica_grads(self, batch, scale):
+        """Per shard key, each replica's gradient of ``sum of micro-batch losses x scale /
+        micro-batch count`` (summed over that replica's copies); and the list of losses."""
         micro_total = self.dp * self.accum * self.microbatches
-        if rows % micro_total:
-            raise ValueError(f"a batch of {rows} rows is not divisible by dp x grad_accum x microbatches = "
-                             f"{self.dp} x {self.accum} x {self.microbatches}")
-        scale = self.loss_scale.scale.read_value()
         weight = scale / float(micro_total)
         grads: dict[ShardKey, list] = {key: [None] * self.dp for key in self.params.shards}
         losses = []
@@ -115,6 +125,16 @@ class PipelinedEngine:
                         with tf.device(self.params.shards[key].device(d)):
                             prev = grads[key][d]
                             grads[key][d] = g if prev is None else prev + g
+        return grads, losses
+
+    def _train_step(self, batch):
+        rows = tf.nest.flatten(batch)[0].shape[0]
+        micro_total = self.dp * self.accum * self.microbatches
+        if rows % micro_total:
+            raise ValueError(f"a batch of {rows} rows is not divisible by dp x grad_accum x microbatches = "
+                             f"{self.dp} x {self.accum} x {self.microbatches}")
+        scale = self.loss_scale.scale.read_value()
+        grads, losses = self._replica_grads(batch, scale)
         with tf.device(self.mesh.device(0, 0, 0)):
             loss = tf.add_n(losses) / float(micro_total)
         norm, finite, lr = self.optimizer.apply(grads, scale)

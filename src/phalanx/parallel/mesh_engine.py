@@ -140,3 +140,6 @@ class MeshEngine(PipelinedEngine):
 
     def eval_step(self, batch) -> tf.Tensor:
         return self._eval_fn(tf.convert_to_tensor(batch, tf.int32))
+
+    def gradients(self, batch) -> dict[str, np.ndarray]:
+        return super().gradients(tf.convert_to_tensor(batch, tf.int32))

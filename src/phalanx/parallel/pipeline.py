@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -77,6 +78,7 @@ class PipelineTrace:
     order: list[list[str]] = field(default_factory=list)
     scopes: list[list[str]] = field(default_factory=list)
     markers: list[list[list[str]]] = field(default_factory=list)
+    ops: list[list[list[str]]] = field(default_factory=list)  # names of the ops each action created
 
 
 # forward(stage, microbatch, x_in) -> activation (or, on the last stage, the float32 loss)
@@ -103,7 +105,10 @@ def run_schedule(schedule: Schedule, forward: StageForward, params: Sequence[Seq
         trace.order = [[] for _ in range(schedule.pp)]
         trace.scopes = [[] for _ in range(schedule.pp)]
         trace.markers = [[] for _ in range(schedule.pp)]
+        trace.ops = [[] for _ in range(schedule.pp)]
+    graph = tf.compat.v1.get_default_graph()
     for rank, action in iter_actions(schedule):
+        first_op = len(graph.get_operations()) if trace is not None else 0
         stage, mb = schedule.model_stage(rank, action), action.microbatch
         scope = f"{prefix}_r{rank}_{action}"
         with tf.control_dependencies(previous.get(rank, [])), tf.name_scope(scope) as full_scope:
@@ -138,6 +143,9 @@ def run_schedule(schedule: Schedule, forward: StageForward, params: Sequence[Seq
             trace.order[rank].append(str(action))
             trace.scopes[rank].append(full_scope)
             trace.markers[rank].append([t.op.name for t in marker])
+            # Gradient ops are named after the forward op ("gradient_tape/<F scope>/..."),
+            # not after the B scope, so an action's ops are recorded by creation order.
+            trace.ops[rank].append([op.name for op in graph.get_operations()[first_op:]])
     grads = [[g if g is not None else tf.zeros_like(v) for g, v in zip(row, p)] for row, p in zip(acc, params)]
     return grads, tf.add_n(losses)
 
@@ -146,26 +154,23 @@ def check_graph_order(graph: tf.Graph, trace: PipelineTrace) -> int:
     """Verify in a traced graph that each action waits for the previous one on its rank.
 
     For every rank and every pair of consecutive actions ``(a, b)``, each *root* op of
-    ``b`` (an op of ``b``'s scope none of whose data inputs come from ``b``'s scope)
-    must have every marker op of ``a`` as a control input or a data input. Then no op
-    of ``b`` can start before ``a``'s results exist. Returns the number of edges
-    checked; raises ``AssertionError`` naming the first violation.
+    ``b`` (an op ``b`` created none of whose data inputs ``b`` created) must have every
+    marker op of ``a`` (its outputs) as a control or data input. Then no op of ``b`` can
+    start before ``a``'s results exist. Returns the number of root ops checked; raises
+    ``AssertionError`` naming the first violation.
     """
-    ops_by_scope: dict[str, list] = {}
-    for op in graph.get_operations():
-        for scopes in trace.scopes:
-            for s in scopes:
-                if op.name.startswith(s):
-                    ops_by_scope.setdefault(s, []).append(op)
+    by_name = {op.name: op for op in graph.get_operations()}
     checked = 0
-    for rank, scopes in enumerate(trace.scopes):
-        for k in range(1, len(scopes)):
-            scope, markers = scopes[k], set(trace.markers[rank][k - 1])
-            ops = ops_by_scope.get(scope, [])
-            if not ops:
-                raise AssertionError(f"rank {rank}: no ops found for action {trace.order[rank][k]} ({scope})")
-            for op in ops:
-                if any(i.op.name.startswith(scope) for i in op.inputs):
+    for rank, per_action in enumerate(trace.ops):
+        for k in range(1, len(per_action)):
+            names, markers = set(per_action[k]), set(trace.markers[rank][k - 1])
+            if not names:
+                raise AssertionError(f"rank {rank}: no ops recorded for action {trace.order[rank][k]}")
+            for name in per_action[k]:
+                op = by_name.get(name)
+                if op is None:
+                    raise AssertionError(f"op {name} of {trace.order[rank][k]} is not in the graph")
+                if any(i.op.name in names for i in op.inputs):
                     continue
                 before = {c.name for c in op.control_inputs} | {i.op.name for i in op.inputs}
                 if not markers <= before:
@@ -174,3 +179,113 @@ def check_graph_order(graph: tf.Graph, trace: PipelineTrace) -> int:
                         f"{trace.order[rank][k - 1]} (missing {sorted(markers - before)[:3]})")
                 checked += 1
     return checked
+
+
+# ---------------------------------------------------------------------------
+# Runtime record: what the TensorFlow executor actually ran, from a profiler trace.
+
+_ACTION_RE = re.compile(r"((?:[A-Za-z0-9]+_)*?r(\d+)_([FBW]\d+(?:c\d+)?))(?:_\d+)?/")
+_GRAD_PREFIX = "gradient_tape/"
+
+
+@dataclass
+class ExecutedAction:
+    """One action as executed: its scope, rank, name and op time span (picoseconds)."""
+
+    scope: str
+    rank: int
+    action: str
+    start: int
+    end: int
+    intervals: list[tuple[int, int]]
+
+
+def profile_actions(logdir: str, prefix: str = "dp0_acc0") -> list[ExecutedAction]:
+    """Read the newest ``*.xplane.pb`` under ``logdir`` (written by ``tf.profiler.experimental``)
+    and group the executed ops by the pipeline action whose scope they carry.
+
+    Only scopes starting with ``prefix`` (replica 0, first accumulation step) are kept.
+    """
+    import glob
+    import os
+
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    files = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
+    if not files:
+        raise FileNotFoundError(f"no *.xplane.pb profile under {logdir!r}; run the step under "
+                                f"tf.profiler.experimental.start/stop first")
+    space = xplane_pb2.XSpace()
+    with open(files[-1], "rb") as fh:
+        space.ParseFromString(fh.read())
+    spans: dict[str, ExecutedAction] = {}
+    for plane in space.planes:
+        meta = plane.event_metadata
+        for line in plane.lines:
+            base = line.timestamp_ns * 1000
+            for event in line.events:
+                name = meta[event.metadata_id].name
+                # "<op name>:<op type>". Transfers (_Send/_Recv) are named after the producer
+                # but run on the consumer's side and start early to wait: not compute.
+                if name.rpartition(":")[2].startswith("_"):
+                    continue
+                # Gradient ops carry their forward op's scope: they are the backward's work.
+                backward = name.startswith(_GRAD_PREFIX)
+                if backward:
+                    name = name[len(_GRAD_PREFIX):]
+                if not name.startswith(prefix):
+                    continue
+                match = _ACTION_RE.match(name)
+                if match is None:
+                    continue
+                scope, action = match.group(1), match.group(3)
+                if backward and action.startswith("F"):
+                    action = "B" + action[1:]
+                    scope = scope[: match.start(3)] + action
+                start = base + event.offset_ps
+                end = start + event.duration_ps
+                item = spans.get(scope)
+                if item is None:
+                    spans[scope] = ExecutedAction(scope, int(match.group(2)), action, start, end,
+                                                  [(start, end)])
+                else:
+                    item.start, item.end = min(item.start, start), max(item.end, end)
+                    item.intervals.append((start, end))
+    return sorted(spans.values(), key=lambda a: a.start)
+
+
+def executed_order(actions: list[ExecutedAction], pp: int) -> list[list[str]]:
+    """Per rank, action names in the order they completed (their last op ended).
+
+    Completion, not first start: Grappler rewrites a few cheap gradient ops (e.g. parts
+    of the GELU derivative that only read forward values) so that they may start as soon
+    as the forward is done, ahead of the control dependency; the work that produces an
+    action's outputs still follows the table.
+    """
+    order: list[list[str]] = [[] for _ in range(pp)]
+    for a in sorted(actions, key=lambda a: a.end):
+        order[a.rank].append(a.action)
+    return order
+
+
+def measured_bubble(actions: list[ExecutedAction], pp: int) -> float:
+    """Mean over ranks of the fraction of the step's pipeline span in which the rank ran
+    no op of any action (the union of its ops' execution intervals is its busy time)."""
+    if not actions:
+        return 0.0
+    t0, t1 = min(a.start for a in actions), max(a.end for a in actions)
+    idle = []
+    for r in range(pp):
+        intervals = sorted(i for a in actions if a.rank == r for i in a.intervals)
+        busy, cur_s, cur_e = 0, None, None
+        for s, e in intervals:
+            if cur_e is None or s > cur_e:
+                if cur_e is not None:
+                    busy += cur_e - cur_s
+                cur_s, cur_e = s, e
+            else:
+                cur_e = max(cur_e, e)
+        if cur_e is not None:
+            busy += cur_e - cur_s
+        idle.append(1.0 - busy / max(t1 - t0, 1))
+    return sum(idle) / pp

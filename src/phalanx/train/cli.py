@@ -48,8 +48,8 @@ def _runtime_first(cfg: Config):
     """Set up what TensorFlow only accepts before its runtime starts: the cluster's
     collectives (multi-process strategies; server tasks serve here and never return)
     or the logical CPU devices. Returns the cluster set-up, or None for one process."""
-    if cfg.parallel.strategy in ("multi_worker", "parameter_server"):
-        from phalanx.cluster.strategies import setup_cluster
+    from phalanx.cluster.strategies import needs_cluster, setup_cluster
+    if needs_cluster(cfg):  # an explicit multi-process strategy, or TF_CONFIG naming several tasks
         return setup_cluster(cfg)
     from phalanx.mesh import build_mesh
     build_mesh(cfg)

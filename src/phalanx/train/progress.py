@@ -27,9 +27,10 @@ class RunOutput:
 
     def __init__(self, run_dir: str | Path, total_steps: int, start_step: int = 0,
                  interactive: bool | None = None, quiet: bool = False, tensorboard: bool = True,
-                 prefix: str = ""):
+                 prefix: str = "", write: bool = True):
+        # write=False: a non-chief worker of a multi-process run, which shows and writes nothing
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.write = write
         self.total, self.start = total_steps, start_step
         self.interactive = sys.stderr.isatty() if interactive is None else interactive
         self.quiet, self.prefix = quiet, prefix
@@ -41,6 +42,10 @@ class RunOutput:
         self._t0 = time.monotonic()
 
     def __enter__(self) -> "RunOutput":
+        if not self.write:
+            self.quiet = True
+            return self
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         self._metrics = open(self.run_dir / "metrics.jsonl", "a")
         if self._tb_enabled:
             import tensorflow as tf
@@ -70,6 +75,8 @@ class RunOutput:
 
     def log(self, row: dict) -> None:
         """Record one logged step (keys: step, loss, lr, tokens_per_s, mfu, step_time_s, ...)."""
+        if not self.write:
+            return
         row = {k: (float(v) if hasattr(v, "__float__") and not isinstance(v, (int, bool)) else v)
                for k, v in row.items()}
         self._metrics.write(json.dumps(row) + "\n")

@@ -64,6 +64,9 @@ def make_engine(cfg: Config, task, cluster=None):
     from phalanx.mesh import build_mesh
     from phalanx.train.engine import StrategyEngine, default_strategy
 
+    if getattr(cluster, "devices", None):  # cluster: a mesh whose devices span the workers
+        from phalanx.parallel.apply import make_mesh_engine
+        return make_mesh_engine(cfg, build_mesh(cfg, list(cluster.devices)), task)
     if cluster is not None:  # a multi-process strategy, built first (cluster.strategies.setup_cluster)
         if cluster.coordinator is not None:  # cluster: parameter servers, steps scheduled on the workers
             from phalanx.cluster.ps_engine import ParameterServerEngine
@@ -214,7 +217,8 @@ class Trainer:
         # SIGTERM flag per step, phalanx.cluster.preemption); one process just reads its own flag.
         from phalanx.cluster.preemption import stop_agreement
         agree_stop = stop_agreement(self.cluster)
-        with RunOutput(self.run_dir, t.steps, start, self.interactive, self.quiet or not self.is_chief) as out, \
+        with RunOutput(self.run_dir, t.steps, start, self.interactive, self.quiet,
+                       write=self.is_chief) as out, \
                 _StopFlag() as stop:
             while step < t.steps:
                 batch = next(iterator)

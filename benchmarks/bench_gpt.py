@@ -1,0 +1,304 @@
+"""Reference GPT benchmark: phalanx against keras-hub's GPT2CausalLM, in one run.
+
+The reference GPT (issue 2, item 12): 12 layers, d_model 768, 12 heads, ffn 3072,
+vocab 8192, seq_len 512, batch 8, AdamW. For each precision policy it builds
+
+* phalanx: :class:`phalanx.train.engine.StrategyEngine` on one device with
+  :class:`phalanx.train.task.GPTTask` (the step the trainer runs), and
+* the peer a user would otherwise pick: keras-hub ``GPT2CausalLM`` (same shapes,
+  random init, ``preprocessor=None``, dropout 0) trained with ``model.fit`` and
+  Keras AdamW, under the same dtype policy,
+
+then times them in alternating rounds (the order flips every round) on the same
+synthetic random token batch, so both see the same machine load. The numbers
+reported are medians over the measured steps; the ratios are what to trust on a
+shared machine. MFU = 6 x params x tokens (+ attention) / step time / the measured
+matmul peak of the same compute dtype (:func:`phalanx.plan.hardware.measure_matmul_peak`).
+
+The peer is optional (``--no-peer``). Install it next to phalanx without its
+tensorflow-text dependency, which would pull the CUDA TensorFlow wheel::
+
+    pip install --no-deps keras-hub && pip install regex
+
+Usage::
+
+    python benchmarks/bench_gpt.py                       # full run, writes benchmarks/results/gpt.md
+    python benchmarks/bench_gpt.py --rounds 2 --steps 2  # quicker
+    python benchmarks/bench_gpt.py --layers 2 --no-peer --output -   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from phalanx.config import Config, ConfigError, validate  # noqa: E402
+from phalanx.train.engine import StrategyEngine  # noqa: E402
+from phalanx.train.task import GPTTask, gpt_training_flops_per_token  # noqa: E402
+
+POLICIES = ("float32", "mixed_bfloat16")
+COMPUTE_DTYPE = {"float32": "float32", "mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}
+RESULTS = Path(__file__).resolve().parent / "results" / "gpt.md"
+
+
+@dataclass
+class Timings:
+    """Per-step wall times (seconds) of one contender, by round."""
+
+    name: str
+    rounds: list[list[float]] = field(default_factory=list)
+
+    def all(self) -> list[float]:
+        return [t for r in self.rounds for t in r]
+
+    def median(self) -> float:
+        return statistics.median(self.all())
+
+
+# ---------------------------------------------------------------------------
+# Contenders
+
+
+class PhalanxRunner:
+    """The phalanx training step on one device, exactly as the trainer drives it."""
+
+    def __init__(self, model_cfg: dict, batch: int, policy: str, lr: float, batch_data: np.ndarray):
+        self.cfg = Config().replace(model=model_cfg, train={"global_batch": batch, "lr": lr, "warmup": 0},
+                                    precision={"policy": policy})
+        self.engine = StrategyEngine(self.cfg, GPTTask(self.cfg.model, policy))
+        self.batch = tf.constant(batch_data, tf.int32)
+        self.last_loss = float("nan")
+
+    def run(self, steps: int) -> list[float]:
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            out = self.engine.train_step(self.batch)
+            self.last_loss = float(out["loss"])  # waits for the step
+            times.append(time.perf_counter() - start)
+        return times
+
+
+class PeerRunner:
+    """keras-hub GPT2CausalLM trained with ``model.fit`` (Keras AdamW), timed per batch."""
+
+    def __init__(self, model_cfg: dict, batch: int, policy: str, lr: float, batch_data: np.ndarray):
+        import keras
+        import keras_hub
+
+        self.keras = keras
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=model_cfg["vocab"], num_layers=model_cfg["layers"], num_heads=model_cfg["heads"],
+            hidden_dim=model_cfg["d_model"], intermediate_dim=model_cfg["ffn"], dropout=0.0,
+            max_sequence_length=model_cfg["seq_len"], dtype=policy)
+        self.model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+        # No accuracy metric: the peer does the least work a user could ask of it.
+        self.model.compile(optimizer=keras.optimizers.AdamW(learning_rate=lr, weight_decay=0.1),
+                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                           weighted_metrics=[])
+        x = {"token_ids": batch_data[:, :-1], "padding_mask": np.ones_like(batch_data[:, :-1], dtype=bool)}
+        self.data = tf.data.Dataset.from_tensors((x, batch_data[:, 1:])).repeat()
+        self.last_loss = float("nan")
+
+    def run(self, steps: int) -> list[float]:
+        times: list[float] = []
+        keras = self.keras
+        runner = self
+
+        class StepTimer(keras.callbacks.Callback):
+            # model.fit calls the compiled train function between these two hooks;
+            # on CPU that call returns when the step is done.
+            def on_train_batch_begin(self, batch, logs=None):
+                self.start = time.perf_counter()
+
+            def on_train_batch_end(self, batch, logs=None):
+                times.append(time.perf_counter() - self.start)
+                if logs and "loss" in logs:
+                    runner.last_loss = float(logs["loss"])
+
+        self.model.fit(self.data, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[StepTimer()])
+        return times
+
+
+# ---------------------------------------------------------------------------
+# Measurement
+
+
+def matmul_peak(policy: str) -> float:
+    """The same-dtype matmul peak (the project's probe; cached per machine)."""
+    from phalanx.plan.hardware import measure_matmul_peak
+
+    return measure_matmul_peak(COMPUTE_DTYPE[policy])
+
+
+def load_average() -> str:
+    try:
+        return "/".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def measure_policy(policy: str, args, model_cfg: dict, batch_data: np.ndarray, log) -> dict[str, Timings]:
+    contenders = {"phalanx": PhalanxRunner}
+    if not args.no_peer:
+        contenders["keras-hub"] = PeerRunner
+    runners, timings = {}, {}
+    for name, cls in contenders.items():
+        start = time.perf_counter()
+        runners[name] = cls(model_cfg, args.batch, policy, args.lr, batch_data)
+        warm = runners[name].run(args.warmup)  # the first step traces the graph
+        log(f"  {policy:15s} {name:10s} built + {args.warmup} warm-up steps in "
+            f"{time.perf_counter() - start:.0f}s (last {warm[-1]:.2f}s/step)")
+        timings[name] = Timings(name)
+    names = list(runners)
+    for r in range(args.rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            t = runners[name].run(args.steps)
+            timings[name].rounds.append(t)
+            log(f"  {policy:15s} round {r + 1}/{args.rounds} {name:10s} "
+                f"{' '.join(f'{x:.2f}' for x in t)} s/step  loss {runners[name].last_loss:.3f}  "
+                f"load {load_average()}")
+    del runners
+    return timings
+
+
+def round_ratios(a: Timings, b: Timings) -> list[float]:
+    """Per-round speed ratio a/b (median step time of b over that of a): same-load pairs."""
+    return [statistics.median(tb) / statistics.median(ta) for ta, tb in zip(a.rounds, b.rounds)]
+
+
+def build_table(results: dict, args, model_cfg: dict, peaks: dict, loads: list[str]) -> str:
+    tokens = args.batch * model_cfg["seq_len"]
+    cfg = Config().replace(model=model_cfg)
+    flops_per_step = gpt_training_flops_per_token(cfg.model) * tokens
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    machine = f"{cpu}, {os.cpu_count()} cores, TF {tf.__version__}"
+    date = datetime.date.today().isoformat()
+    shape = (f"{model_cfg['layers']} layers, d_model {model_cfg['d_model']}, {model_cfg['heads']} heads, "
+             f"ffn {model_cfg['ffn']}, vocab {model_cfg['vocab']}, seq_len {model_cfg['seq_len']}, "
+             f"batch {args.batch}, AdamW")
+    lines = [
+        f"GPT training throughput ({shape}); {args.rounds} alternating rounds x {args.steps} steps after "
+        f"{args.warmup} warm-up steps, medians; load average (1/5/15 min) during the run: {', '.join(loads)}.",
+        "",
+        "| date | machine | dtype | phalanx tokens/s | phalanx MFU | matmul peak GFLOP/s | "
+        "keras-hub tokens/s | keras-hub MFU | phalanx / keras-hub | vs phalanx float32 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    own_fp32 = results.get("float32", {}).get("phalanx")
+    for policy, timings in results.items():
+        ours = timings["phalanx"]
+        peak = peaks[policy]
+        tps = tokens / ours.median()
+        mfu = flops_per_step / ours.median() / peak
+        peer = timings.get("keras-hub")
+        if peer is not None:
+            peer_tps = f"{tokens / peer.median():.0f}"
+            peer_mfu = f"{flops_per_step / peer.median() / peak:.1%}"
+            ratio = f"{statistics.median(round_ratios(ours, peer)):.2f}x"
+        else:
+            peer_tps = peer_mfu = ratio = "n/a"
+        if own_fp32 is not None and policy != "float32":
+            # Different phases of the run: a ratio of medians, not of same-load pairs.
+            own = f"{own_fp32.median() / ours.median():.2f}x"
+        else:
+            own = "1.00x" if policy == "float32" else "n/a"
+        lines.append(f"| {date} | {machine} | {policy} | {tps:.0f} | {mfu:.1%} | {peak / 1e9:.0f} | "
+                     f"{peer_tps} | {peer_mfu} | {ratio} | {own} |")
+    lines += ["", "phalanx / keras-hub is the median over rounds of the same-round speed ratio; "
+              "targets (issue 2): float32 >= 1.00x, mixed_bfloat16 >= 1.15x and >= 1.40x phalanx float32."]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help="comma-separated precision policies (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating measurement rounds (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=3, help="measured steps per contender per round")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up steps per contender (the first traces)")
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--d-model", type=int, default=768)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--ffn", type=int, default=3072)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-peer", action="store_true", help="time phalanx only (keras-hub not needed)")
+    p.add_argument("--output", default=str(RESULTS), help="markdown file to write, '-' for none")
+    args = p.parse_args(argv)
+    args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    for pol in args.policies:
+        if pol not in COMPUTE_DTYPE:
+            p.error(f"--policies: unknown policy {pol!r}; valid: {', '.join(COMPUTE_DTYPE)}")
+    for key in ("rounds", "steps", "warmup", "layers", "batch"):
+        if getattr(args, key) < 1:
+            p.error(f"--{key}: must be >= 1, got {getattr(args, key)}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if not args.no_peer:
+        try:
+            import keras_hub  # noqa: F401
+        except ImportError as exc:
+            print(f"error: keras-hub is not importable ({exc}); install it with "
+                  f"`pip install --no-deps keras-hub && pip install regex`, or pass --no-peer",
+                  file=sys.stderr)
+            return 2
+    model_cfg = {"layers": args.layers, "d_model": args.d_model, "heads": args.heads, "ffn": args.ffn,
+                 "vocab": args.vocab, "seq_len": args.seq_len}
+    try:
+        validate(Config().replace(model=model_cfg, train={"global_batch": args.batch}))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    batch_data = np.random.default_rng(args.seed).integers(
+        0, args.vocab, size=[args.batch, args.seq_len + 1]).astype(np.int32)
+
+    def log(msg):
+        print(msg, flush=True)
+
+    log(f"load average before: {load_average()}")
+    peaks = {pol: matmul_peak(pol) for pol in args.policies}
+    log("matmul peaks: " + ", ".join(f"{COMPUTE_DTYPE[p]} {v / 1e9:.0f} GFLOP/s" for p, v in peaks.items()))
+    results, loads = {}, []
+    for policy in args.policies:
+        results[policy] = measure_policy(policy, args, model_cfg, batch_data, log)
+        loads.append(f"{policy} {load_average()}")
+    table = build_table(results, args, model_cfg, peaks, loads)
+    print()
+    print(table)
+    if args.output != "-":
+        out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("# GPT benchmark\n\nWritten by `python benchmarks/bench_gpt.py`.\n\n" + table)
+        log(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

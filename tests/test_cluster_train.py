@@ -1,0 +1,321 @@
+"""`phalanx train` across processes: real runs through `phalanx launch` on loopback.
+
+Every subprocess is bounded twice (the launcher's --timeout and subprocess timeouts),
+killed in a finally block if a test fails early, and every test checks that no
+process it started is left behind. Tiny model, float32, one shared data cache.
+
+* multi_worker on 2 processes equals one process with dp=2 on 2 logical CPUs;
+* a worker SIGKILLed under --restarts 1: the cluster restarts within 30 s, resumes
+  from the last checkpoint, and the final losses equal the uninterrupted run's;
+* a worker crashing mid-run without --restarts: launch exits non-zero within 30 s;
+* pp=2 with one stage per worker equals pp=2 on 2 logical CPUs of one process;
+* SIGTERM (preemption) to one worker of two: both stop at the same step, the chief
+  saves a checkpoint, everything exits 0; the same for a single process;
+* parameter_server (chief + 2 workers + 1 ps): the loss falls and its checkpoint loads
+  in one process (`phalanx eval`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+PHALANX = [sys.executable, "-m", "phalanx.cli"]
+LAUNCH = [*PHALANX, "launch"]
+TINY = ["model.layers=1", "model.d_model=32", "model.heads=2", "model.ffn=64", "model.seq_len=32",
+        "data.max_bytes=300000", "train.global_batch=8", "train.log_every=1", "train.eval_every=0",
+        "precision.policy=float32", "train.warmup=5", "train.lr=3e-3"]
+STEPS = 150  # long enough to be interrupted between polls, still a few seconds
+
+
+def env() -> dict[str, str]:
+    e = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    e["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    return e
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("phalanx-cache"))
+
+
+def overrides(cache: str, run_dir: Path, *extra: str) -> list[str]:
+    return [*TINY, f"data.cache_dir={cache}", f"run.dir={run_dir}", f"train.steps={STEPS}", *extra]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """step -> loss from metrics.jsonl; a resumed run's rows replace the first attempt's."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def last_step(run_dir: Path) -> int:
+    try:
+        text = (run_dir / "metrics.jsonl").read_text()
+    except FileNotFoundError:
+        return 0
+    steps = [json.loads(line)["step"] for line in text.splitlines() if line.endswith("}")]
+    return max(steps, default=0)
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*"))
+
+
+def task_pids(stderr: str) -> dict[str, int]:
+    return {name: int(pid) for name, pid in re.findall(r"(\w+:\d+) \(pid (\d+)\)", stderr)}
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def assert_gone(pids) -> None:
+    end = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not [p for p in pids if alive(p)], "processes left behind"
+
+
+class Background:
+    """A command running in its own process group; output to files; always killed at exit."""
+
+    def __init__(self, cmd: list[str], logs: Path, timeout: float):
+        self.out, self.err = logs.with_suffix(".out"), logs.with_suffix(".err")
+        self.deadline = time.monotonic() + timeout
+        self.proc = subprocess.Popen(cmd, stdout=open(self.out, "w"), stderr=open(self.err, "w"), env=env(),
+                                     start_new_session=True)
+
+    def stderr(self) -> str:
+        return self.err.read_text()
+
+    def wait_for(self, condition, what: str) -> None:
+        while not condition():
+            assert self.proc.poll() is None, f"exited ({self.proc.returncode}) before {what}:\n{self.stderr()[-3000:]}"
+            assert time.monotonic() < self.deadline, f"timed out waiting for {what}:\n{self.stderr()[-3000:]}"
+            time.sleep(0.02)
+
+    def wait(self) -> int:
+        try:
+            return self.proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running at its deadline:\n{self.stderr()[-3000:]}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.kill()
+
+
+def launch_cmd(*args: str, timeout: int, grace: int = 5) -> list[str]:
+    return [*LAUNCH, *args, "--timeout", str(timeout), "--grace", str(grace), "--"]
+
+
+@pytest.fixture(scope="module")
+def reference(cache, tmp_path_factory) -> dict[int, float]:
+    """The uninterrupted single-process run: dp=2 on 2 of the session's logical CPUs (in this
+    process: no second TensorFlow start-up)."""
+    from phalanx.config import load_config
+    from phalanx.train.trainer import Trainer
+
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    cfg = load_config(None, overrides(cache, run_dir, "parallel.dp=2", "parallel.devices=cpu:2"))
+    Trainer(cfg, quiet=True).fit()
+    result = losses(run_dir)
+    assert sorted(result) == list(range(1, STEPS + 1))
+    assert result[STEPS] < result[1] - 1.0  # it trains
+    return result
+
+
+def assert_same_losses(got: dict[int, float], expected: dict[int, float]) -> None:
+    assert sorted(got) == sorted(expected)
+    steps = sorted(expected)
+    np.testing.assert_allclose([got[s] for s in steps], [expected[s] for s in steps], rtol=1e-5)
+
+
+def attempts(run_dir: Path) -> list[dict[int, float]]:
+    """metrics.jsonl split where the step goes back (a restarted cluster resuming)."""
+    runs: list[dict[int, float]] = [{}]
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if runs[-1] and row["step"] <= max(runs[-1]):
+            runs.append({})
+        runs[-1][row["step"]] = row["loss"]
+    return runs
+
+
+def test_two_workers_equal_one_process_and_resume_after_a_kill(cache, reference, tmp_path):
+    """multi_worker on 2 processes = dp=2 in one; a SIGKILLed worker under --restarts 1: the
+    cluster restarts within 30 s, resumes from the last checkpoint and ends with the
+    uninterrupted losses. (One run tests both, to keep the suite short.)"""
+    run_dir = tmp_path / "run"
+    cmd = launch_cmd("--workers", "2", "--restarts", "1", timeout=200) + [
+        *PHALANX, "train", "parallel.strategy=multi_worker", *overrides(cache, run_dir, "checkpoint.every=2")]
+    with Background(cmd, tmp_path / "launch", timeout=230) as run:
+        run.wait_for(lambda: last_step(run_dir) >= 3, "step 3")
+        worker1 = task_pids(run.stderr())["worker:1"]
+        os.kill(worker1, signal.SIGKILL)
+        killed_at = time.monotonic()
+        first_pids = set(task_pids(run.stderr()).values())
+        run.wait_for(lambda: "restarting the cluster" in run.stderr(), "the restart")
+        assert time.monotonic() - killed_at < 30
+        code = run.wait()
+        err = run.stderr()
+    assert code == 0, err[-3000:]
+    assert "layout dp=2" in err
+    first, second = attempts(run_dir)
+    # Before the kill: 2 workers with 1 device each = 1 process with 2 devices.
+    assert len(first) >= 3
+    assert_same_losses(first, {s: reference[s] for s in first})
+    resumed = re.search(r"resumed from \S+ \(step (\d+)\)", err)
+    assert resumed and 2 <= int(resumed.group(1)) == min(second) - 1, err[-3000:]
+    # After the restart: the steps from the checkpoint on are those of the uninterrupted run.
+    assert_same_losses(losses(run_dir), reference)
+    assert checkpoint_steps(run_dir)[-1] == STEPS
+    assert_gone(first_pids | set(task_pids(err).values()))
+
+
+def test_crashing_worker_makes_launch_fail_fast(cache, tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = launch_cmd("--workers", "2", timeout=120, grace=5) + [
+        *PHALANX, "train", "parallel.strategy=multi_worker", *overrides(cache, run_dir, "train.steps=100000")]
+    with Background(cmd, tmp_path / "launch", timeout=150) as run:
+        # Once the loop has started (the chief printed the model line), worker:1 dies: worker:0 is then
+        # in the first step's collectives, where only SIGKILL (after --grace) ends it.
+        run.wait_for(lambda: "[worker:0] model:" in run.stderr(), "the training loop")
+        os.kill(task_pids(run.stderr())["worker:1"], signal.SIGKILL)
+        crashed_at = time.monotonic()
+        code = run.wait()
+        elapsed = time.monotonic() - crashed_at
+        err = run.stderr()
+    assert code != 0 and elapsed < 30, (code, elapsed, err[-3000:])
+    assert "worker:1 was killed by signal 9" in err
+    assert_gone(task_pids(err).values())
+
+
+def test_sigterm_stops_all_workers_at_one_step_with_a_checkpoint(cache, tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = launch_cmd("--workers", "2", timeout=150) + [
+        *PHALANX, "train", "parallel.strategy=multi_worker", *overrides(cache, run_dir, "train.steps=100000")]
+    with Background(cmd, tmp_path / "launch", timeout=180) as run:
+        run.wait_for(lambda: last_step(run_dir) >= 3, "step 3")
+        os.kill(task_pids(run.stderr())["worker:1"], signal.SIGTERM)  # the notice reaches one worker only
+        code = run.wait()
+        err = run.stderr()
+    assert code == 0, err[-3000:]
+    stopped = re.search(r"\[worker:0\] signal received: checkpoint saved at step (\d+), stopping", err)
+    assert stopped, err[-3000:]
+    step = int(stopped.group(1))
+    assert checkpoint_steps(run_dir)[-1] == step == last_step(run_dir)
+    assert "all workers finished with status 0" in err
+    assert_gone(task_pids(err).values())
+
+
+def test_sigterm_single_process_saves_and_returns(cache, tmp_path):
+    """One process (in this one): SIGTERM -> checkpoint at the next step, normal return."""
+    import threading
+
+    from phalanx.config import load_config
+    from phalanx.train.trainer import Trainer
+
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, overrides(cache, run_dir, "train.steps=100000"))
+    done, late = threading.Event(), []
+
+    def preempt():
+        deadline = time.monotonic() + 120
+        while not done.is_set() and last_step(run_dir) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if not done.is_set():
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    # A safety net: a signal arriving after fit() restored the handlers must not end pytest.
+    previous = signal.signal(signal.SIGTERM, lambda *a: late.append(a))
+    watcher = threading.Thread(target=preempt, daemon=True)
+    try:
+        watcher.start()
+        summary = Trainer(cfg, quiet=True).fit()
+    finally:
+        done.set()
+        watcher.join(5)
+        signal.signal(signal.SIGTERM, previous)
+    assert summary.stopped_early and not late
+    assert 3 <= summary.steps < 100000
+    assert checkpoint_steps(run_dir)[-1] == summary.steps == last_step(run_dir)
+
+
+def test_parameter_server_trains_and_its_checkpoint_loads(cache, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    steps = 30
+    cmd = launch_cmd("--workers", "2", "--ps", "1", timeout=150) + [
+        *PHALANX, "train", "parallel.strategy=parameter_server",
+        *overrides(cache, run_dir, f"train.steps={steps}", "train.log_every=5", f"train.eval_every={steps}")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "the chief finished with status 0" in out.stderr
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(5, steps + 1, 5))
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.5, rows  # it trains (asynchronously: not bit-exact)
+    meta = json.loads((run_dir / "checkpoints" / f"step-{steps:08d}" / "meta.json").read_text())
+    assert meta["layout"]["engine"] == "ParameterServerEngine"
+    assert_gone(task_pids(out.stderr).values())
+
+    # One process (this one), no cluster: the chief's checkpoint loads and evaluates to the chief's own eval loss.
+    from phalanx.train.cli import main_eval
+
+    assert main_eval([str(run_dir), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["step"] == steps
+    np.testing.assert_allclose(result["eval_loss"], rows[-1]["eval_loss"], rtol=1e-4)
+
+
+# What `phalanx train` does first (train/cli.py): set up the cluster, then train with it.
+TRAIN_IN_CLUSTER = ("import sys; from phalanx.config import load_config; "
+                    "from phalanx.cluster.strategies import setup_cluster; cfg = load_config(None, sys.argv[1:]); "
+                    "setup = setup_cluster(cfg); from phalanx.train.trainer import Trainer; "
+                    "Trainer(cfg, cluster=setup).fit()")
+
+
+def test_pipeline_stages_on_two_workers_equal_local_pipeline(cache, tmp_path):
+    """pp=2 with stage 0 on worker:0 and stage 1 on worker:1 (remote placement over gRPC)
+    gives the losses of pp=2 on 2 logical CPUs of one process."""
+    from phalanx.config import load_config
+    from phalanx.train.trainer import Trainer
+
+    pp = ["parallel.pp=2", "parallel.microbatches=4", "model.layers=2", "train.steps=6"]
+    local_dir = tmp_path / "local"
+    Trainer(load_config(None, overrides(cache, local_dir, *pp, "parallel.devices=cpu:2")), quiet=True).fit()
+    expected = losses(local_dir)
+
+    run_dir = tmp_path / "run"
+    cmd = launch_cmd("--workers", "2", timeout=120) + [sys.executable, "-c", TRAIN_IN_CLUSTER,
+                                                       *overrides(cache, run_dir, *pp)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "layout dp=1 tp=1 pp=2" in out.stderr
+    assert "[worker:1] [phalanx.cluster] the chief at" in out.stdout  # worker:1 served, then left
+    meta = json.loads((run_dir / "checkpoints" / "step-00000006" / "meta.json").read_text())
+    assert meta["layout"]["engine"] == "MeshEngine"
+    assert_same_losses(losses(run_dir), expected)
+    assert_gone(task_pids(out.stderr).values())
