@@ -42,6 +42,24 @@ from pathlib import Path
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+
+def _onednn_from_argv(argv: list[str]) -> str:
+    """``--onednn`` must act before TensorFlow is imported, so it is read here first."""
+    for i, arg in enumerate(argv):
+        if arg.startswith("--onednn="):
+            return arg.split("=", 1)[1]
+        if arg == "--onednn" and i + 1 < len(argv):
+            return argv[i + 1]
+    return "default"
+
+
+ONEDNN = _onednn_from_argv(sys.argv[1:])
+if ONEDNN in ("on", "off"):
+    # TensorFlow turns oneDNN on by default only on CPUs with AVX512-VNNI/BF16 or AMX;
+    # elsewhere (e.g. AVX2-only CPUs) it stays off unless asked for. Both contenders
+    # run in this process, so both get the same setting.
+    os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1" if ONEDNN == "on" else "0"
+
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
@@ -60,6 +78,7 @@ class Timings:
 
     name: str
     rounds: list[list[float]] = field(default_factory=list)
+    cpu_rounds: list[list[float]] = field(default_factory=list)  # process CPU seconds per step
 
     def all(self) -> list[float]:
         return [t for r in self.rounds for t in r]
@@ -83,13 +102,14 @@ class PhalanxRunner:
         self.last_loss = float("nan")
 
     def run(self, steps: int) -> list[float]:
-        times = []
+        times, cpu = [], []
         for _ in range(steps):
-            start = time.perf_counter()
+            start, cpu0 = time.perf_counter(), time.process_time()
             out = self.engine.train_step(self.batch)
             self.last_loss = float(out["loss"])  # waits for the step
             times.append(time.perf_counter() - start)
-        return times
+            cpu.append(time.process_time() - cpu0)
+        return times, cpu
 
 
 class PeerRunner:
@@ -115,6 +135,7 @@ class PeerRunner:
 
     def run(self, steps: int) -> list[float]:
         times: list[float] = []
+        cpu: list[float] = []
         keras = self.keras
         runner = self
 
@@ -122,15 +143,16 @@ class PeerRunner:
             # model.fit calls the compiled train function between these two hooks;
             # on CPU that call returns when the step is done.
             def on_train_batch_begin(self, batch, logs=None):
-                self.start = time.perf_counter()
+                self.start, self.cpu0 = time.perf_counter(), time.process_time()
 
             def on_train_batch_end(self, batch, logs=None):
                 times.append(time.perf_counter() - self.start)
+                cpu.append(time.process_time() - self.cpu0)
                 if logs and "loss" in logs:
                     runner.last_loss = float(logs["loss"])
 
         self.model.fit(self.data, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[StepTimer()])
-        return times
+        return times, cpu
 
 
 # ---------------------------------------------------------------------------
@@ -138,10 +160,17 @@ class PeerRunner:
 
 
 def matmul_peak(policy: str) -> float:
-    """The same-dtype matmul peak (the project's probe; cached per machine)."""
+    """The same-dtype matmul peak, measured now with the project's probe.
+
+    Measured afresh into a scratch cache: the shared cache may hold a value taken
+    under another load or another oneDNN setting.
+    """
+    import tempfile
+
     from phalanx.plan.hardware import measure_matmul_peak
 
-    return measure_matmul_peak(COMPUTE_DTYPE[policy])
+    with tempfile.TemporaryDirectory() as scratch:
+        return measure_matmul_peak(COMPUTE_DTYPE[policy], seconds=1.5, cache_dir=scratch, refresh=True)
 
 
 def load_average() -> str:
@@ -159,7 +188,7 @@ def measure_policy(policy: str, args, model_cfg: dict, batch_data: np.ndarray, l
     for name, cls in contenders.items():
         start = time.perf_counter()
         runners[name] = cls(model_cfg, args.batch, policy, args.lr, batch_data)
-        warm = runners[name].run(args.warmup)  # the first step traces the graph
+        warm, _ = runners[name].run(args.warmup)  # the first step traces the graph
         log(f"  {policy:15s} {name:10s} built + {args.warmup} warm-up steps in "
             f"{time.perf_counter() - start:.0f}s (last {warm[-1]:.2f}s/step)")
         timings[name] = Timings(name)
@@ -167,8 +196,9 @@ def measure_policy(policy: str, args, model_cfg: dict, batch_data: np.ndarray, l
     for r in range(args.rounds):
         order = names if r % 2 == 0 else names[::-1]
         for name in order:
-            t = runners[name].run(args.steps)
+            t, cpu = runners[name].run(args.steps)
             timings[name].rounds.append(t)
+            timings[name].cpu_rounds.append(cpu)
             log(f"  {policy:15s} round {r + 1}/{args.rounds} {name:10s} "
                 f"{' '.join(f'{x:.2f}' for x in t)} s/step  loss {runners[name].last_loss:.3f}  "
                 f"load {load_average()}")
@@ -176,9 +206,14 @@ def measure_policy(policy: str, args, model_cfg: dict, batch_data: np.ndarray, l
     return timings
 
 
-def round_ratios(a: Timings, b: Timings) -> list[float]:
-    """Per-round speed ratio a/b (median step time of b over that of a): same-load pairs."""
-    return [statistics.median(tb) / statistics.median(ta) for ta, tb in zip(a.rounds, b.rounds)]
+def round_ratios(a: Timings, b: Timings, cpu: bool = False) -> list[float]:
+    """Per-round speed ratio a/b (median step time of b over that of a): same-load pairs.
+
+    ``cpu=True`` compares process CPU seconds per step instead of wall time: less
+    sensitive to other users of a shared machine (they take cores, not our CPU time).
+    """
+    ra, rb = (a.cpu_rounds, b.cpu_rounds) if cpu else (a.rounds, b.rounds)
+    return [statistics.median(tb) / statistics.median(ta) for ta, tb in zip(ra, rb)]
 
 
 def build_table(results: dict, args, model_cfg: dict, peaks: dict, loads: list[str]) -> str:
@@ -191,7 +226,7 @@ def build_table(results: dict, args, model_cfg: dict, peaks: dict, loads: list[s
             cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), cpu)
     except OSError:
         pass
-    machine = f"{cpu}, {os.cpu_count()} cores, TF {tf.__version__}"
+    machine = f"{cpu}, {os.cpu_count()} cores, TF {tf.__version__}, oneDNN {ONEDNN}"
     date = datetime.date.today().isoformat()
     shape = (f"{model_cfg['layers']} layers, d_model {model_cfg['d_model']}, {model_cfg['heads']} heads, "
              f"ffn {model_cfg['ffn']}, vocab {model_cfg['vocab']}, seq_len {model_cfg['seq_len']}, "
@@ -201,8 +236,8 @@ def build_table(results: dict, args, model_cfg: dict, peaks: dict, loads: list[s
         f"{args.warmup} warm-up steps, medians; load average (1/5/15 min) during the run: {', '.join(loads)}.",
         "",
         "| date | machine | dtype | phalanx tokens/s | phalanx MFU | matmul peak GFLOP/s | "
-        "keras-hub tokens/s | keras-hub MFU | phalanx / keras-hub | vs phalanx float32 |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "keras-hub tokens/s | keras-hub MFU | phalanx / keras-hub | same, by CPU time | vs phalanx float32 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     own_fp32 = results.get("float32", {}).get("phalanx")
     for policy, timings in results.items():
@@ -215,15 +250,16 @@ def build_table(results: dict, args, model_cfg: dict, peaks: dict, loads: list[s
             peer_tps = f"{tokens / peer.median():.0f}"
             peer_mfu = f"{flops_per_step / peer.median() / peak:.1%}"
             ratio = f"{statistics.median(round_ratios(ours, peer)):.2f}x"
+            cpu_ratio = f"{statistics.median(round_ratios(ours, peer, cpu=True)):.2f}x"
         else:
-            peer_tps = peer_mfu = ratio = "n/a"
+            peer_tps = peer_mfu = ratio = cpu_ratio = "n/a"
         if own_fp32 is not None and policy != "float32":
             # Different phases of the run: a ratio of medians, not of same-load pairs.
             own = f"{own_fp32.median() / ours.median():.2f}x"
         else:
             own = "1.00x" if policy == "float32" else "n/a"
         lines.append(f"| {date} | {machine} | {policy} | {tps:.0f} | {mfu:.1%} | {peak / 1e9:.0f} | "
-                     f"{peer_tps} | {peer_mfu} | {ratio} | {own} |")
+                     f"{peer_tps} | {peer_mfu} | {ratio} | {cpu_ratio} | {own} |")
     lines += ["", "phalanx / keras-hub is the median over rounds of the same-round speed ratio; "
               "targets (issue 2): float32 >= 1.00x, mixed_bfloat16 >= 1.15x and >= 1.40x phalanx float32."]
     return "\n".join(lines) + "\n"
@@ -247,7 +283,10 @@ def parse_args(argv):
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-peer", action="store_true", help="time phalanx only (keras-hub not needed)")
+    p.add_argument("--onednn", choices=("default", "on", "off"), default="default",
+                   help="TF_ENABLE_ONEDNN_OPTS for both contenders (default: TensorFlow's choice for this CPU)")
     p.add_argument("--output", default=str(RESULTS), help="markdown file to write, '-' for none")
+    p.add_argument("--append", action="store_true", help="append the table to --output instead of replacing it")
     args = p.parse_args(argv)
     args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     for pol in args.policies:
@@ -295,7 +334,9 @@ def main(argv=None) -> int:
     if args.output != "-":
         out = Path(args.output)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text("# GPT benchmark\n\nWritten by `python benchmarks/bench_gpt.py`.\n\n" + table)
+        previous = out.read_text() if out.is_file() and args.append else "# GPT benchmark\n\n"
+        out.write_text(previous + f"Written by `python benchmarks/bench_gpt.py {' '.join(sys.argv[1:])}`.\n\n"
+                       + table + "\n")
         log(f"wrote {out}")
     return 0
 

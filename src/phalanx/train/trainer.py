@@ -54,11 +54,6 @@ class Summary:
                 f"{self.checkpoint or 'no checkpoint'}")
 
 
-def uses_mesh_engine(cfg: Config) -> bool:
-    p = cfg.parallel
-    return p.tp != 1 or p.pp != 1 or p.zero > 0 or p.recompute != "none" or p.strategy == "mesh"
-
-
 def make_engine(cfg: Config, task, cluster=None):
     """The engine for ``cfg``: tf.distribute (dp only) or the mesh engine."""
     from phalanx.mesh import build_mesh
@@ -73,8 +68,8 @@ def make_engine(cfg: Config, task, cluster=None):
             return ParameterServerEngine(cfg, task, cluster.strategy, cluster.coordinator, cluster.info.num_workers)
         return StrategyEngine(cfg, task, cluster.strategy)
     mesh = build_mesh(cfg)
-    if uses_mesh_engine(cfg):
-        from phalanx.parallel.apply import make_mesh_engine
+    from phalanx.parallel.apply import make_mesh_engine, needs_mesh_engine
+    if mesh.tp > 1 or mesh.pp > 1 or needs_mesh_engine(cfg):  # (mesh: -1 degrees resolved)
         return make_mesh_engine(cfg, mesh, task)
     return StrategyEngine(cfg, task, default_strategy(mesh.devices))
 
