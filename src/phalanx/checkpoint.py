@@ -35,6 +35,8 @@ from urllib.parse import quote, unquote
 
 import numpy as np
 
+from phalanx.fsutil import fsync_dir, pid_alive
+
 PREFIX = "step-"
 FORMAT_VERSION = 1
 
@@ -83,7 +85,7 @@ def save(root: str | Path, step: int, tensors: dict[str, np.ndarray], meta: dict
         if final.exists():  # re-saving the same step (e.g. after a resume): replace it
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -114,7 +116,7 @@ def prune(root: str | Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
     for tmp in Path(root).glob(".tmp-*"):
         pid = tmp.name.split("-")[-2] if tmp.name.count("-") >= 3 else ""
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -157,22 +159,4 @@ def _fsync_tree(root: Path) -> None:
         for name in files:
             with open(os.path.join(dirpath, name), "rb") as f:
                 os.fsync(f.fileno())
-        _fsync_dir(Path(dirpath))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        fsync_dir(Path(dirpath))

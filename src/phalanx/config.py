@@ -222,6 +222,23 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
     return from_dict(raw)
 
 
+def split_config_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
+    """Command-line words ``[CONFIG.yaml] key=value ...`` -> (file or None, overrides).
+
+    >>> split_config_args(["my.yaml", "train.steps=5"])
+    ('my.yaml', ['train.steps=5'])
+    """
+    path, overrides = None, []
+    for a in args:
+        if "=" in a:
+            overrides.append(a)
+        elif path is None:
+            path = a
+        else:
+            raise ConfigError("config", f"only one config file may be given; got {path!r} and {a!r}")
+    return path, overrides
+
+
 def parse_override(item: str) -> tuple[str, Any]:
     """``"train.lr=3e-4"`` -> ``("train.lr", 0.0003)``; values are parsed as YAML scalars."""
     if "=" not in item:

@@ -89,24 +89,9 @@ class ParameterServerEngine(StrategyEngine):
         grads, loss = self.strategy.run(self._replica_grads, args=(batch,))
         return grads, loss
 
-    def _train_step(self, batch):
-        variables = [self.variables[n] for n in self.names]
-        from phalanx.train import optim
-
-        grads, loss = self._reduced_grads(batch)
-        scale = self.loss_scale.scale.read_value()
-        norm = optim.global_norm(grads) / scale
-        finite = tf.math.is_finite(norm)
-        factor = optim.clip_factor(norm, self.cfg.train.clip_norm) / scale
-        lr = optim.learning_rate(self.step, self.cfg.train)
-        t = self.step + 1
+    def _update_variable(self, var, args) -> None:
         # The update runs on the worker and writes the ps variables (no per-device copies here).
-        for name, var, grad in zip(self.names, variables, grads):
-            self._apply_one(var, grad, self.m[name], self.v[name], factor, t, lr, finite, self.task.decays(name))
-        self.step.assign_add(tf.cast(finite, tf.int64))
-        self.loss_scale.update(finite)
-        return {"loss": loss, "grad_norm": norm, "skipped": 1.0 - tf.cast(finite, tf.float32),
-                "loss_scale": scale, "lr": lr}
+        self._apply_one(var, *args)
 
     def train_step(self, batch) -> dict[str, RemoteScalar]:
         # Bound the steps in flight (and the batches held for them) without waiting for each step.

@@ -56,6 +56,7 @@ import numpy as np
 
 from phalanx.data.corpus import Corpus
 from phalanx.data.tokenize import BpeTokenizer, ByteTokenizer, Tokenizer, load_tokenizer
+from phalanx.fsutil import pid_alive
 
 FORMAT = "phalanx-tokens/1"
 MANIFEST = "manifest.json"
@@ -351,18 +352,8 @@ def _remove_stale_temps(output: Path) -> None:
         return
     for entry in output.parent.glob(f".{output.name}.tmp-*"):
         pid = entry.name.rsplit(".tmp-", 1)[1].split("-")[0]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(entry, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # ---------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import os
 import sys
 from pathlib import Path
 
-from phalanx.config import ConfigError, load_config, resolve_degrees
+from phalanx.config import ConfigError, load_config, resolve_degrees, split_config_args
 
 GiB = 2**30
 
@@ -74,18 +74,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
-    path, overrides = None, []
-    for a in args:
-        if "=" in a:
-            overrides.append(a)
-        elif path is None:
-            path = a
-        else:
-            raise ConfigError("config", f"only one config file may be given, got {path!r} and {a!r}")
-    return path, overrides
-
-
 def _explicit_global_batch(path: str | None, overrides: list[str]) -> bool:
     if any(o.split("=", 1)[0].strip() == "train.global_batch" for o in overrides):
         return True
@@ -122,7 +110,7 @@ def _run(args: argparse.Namespace) -> int:
     from phalanx.plan.search import search
     from phalanx.plan.timing import DEFAULT_UTILIZATION
 
-    path, overrides = _split_args(args.args)
+    path, overrides = split_config_args(args.args)
     cfg = load_config(path, overrides)
     p = cfg.parallel
     if args.devices is not None:

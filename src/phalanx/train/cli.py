@@ -14,20 +14,7 @@ import math
 import sys
 from pathlib import Path
 
-from phalanx.config import Config, ConfigError, load_config
-
-
-def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
-    """``[CONFIG.yaml] key=value ...``: the first argument without '=' is the file."""
-    path, overrides = None, []
-    for a in args:
-        if "=" in a:
-            overrides.append(a)
-        elif path is None:
-            path = a
-        else:
-            raise ConfigError("config", f"only one config file may be given; got {path!r} and {a!r}")
-    return path, overrides
+from phalanx.config import Config, ConfigError, load_config, split_config_args
 
 
 def main_train(argv: list[str]) -> int:
@@ -36,7 +23,7 @@ def main_train(argv: list[str]) -> int:
     parser.add_argument("args", nargs="*", help="[CONFIG.yaml] [section.key=value ...]")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     ns = parser.parse_args(argv)
-    path, overrides = _split_config_args(ns.args)
+    path, overrides = split_config_args(ns.args)
     cfg = load_config(path, overrides)
     cluster = _runtime_first(cfg)
     from phalanx.train.trainer import Trainer

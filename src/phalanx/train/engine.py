@@ -179,13 +179,16 @@ class StrategyEngine:
         lr = optim.learning_rate(self.step, self.cfg.train)
         t = self.step + 1
         for name, var, grad in zip(self.names, variables, grads):
-            self.strategy.extended.update(
-                var, self._apply_one, args=(grad, self.m[name], self.v[name], factor, t, lr, finite,
-                                            self.task.decays(name)), group=False)
+            self._update_variable(var, (grad, self.m[name], self.v[name], factor, t, lr, finite,
+                                        self.task.decays(name)))
         self.step.assign_add(tf.cast(finite, tf.int64))
         self.loss_scale.update(finite)
         return {"loss": loss, "grad_norm": norm, "skipped": 1.0 - tf.cast(finite, tf.float32),
                 "loss_scale": scale, "lr": lr}
+
+    def _update_variable(self, var, args) -> None:
+        """Apply AdamW to every device copy of ``var`` (cross-replica context)."""
+        self.strategy.extended.update(var, self._apply_one, args=args, group=False)
 
     def _apply_one(self, var, grad, m, v, factor, t, lr, finite, decay):
         # Runs once per device copy of `var`; m and v are that device's slot copies.
