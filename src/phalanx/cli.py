@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # TensorFlow leaves oneDNN off on CPUs without AVX512 (e.g. this AMD EPYC); with it on,
+    # matmuls ran 4-6x faster and the demo GPT 1.2x faster, with the same losses (measured).
+    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
     module_name, func, _ = COMMANDS[name]
     from phalanx.config import ConfigError
     try:
