@@ -22,8 +22,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --timeout=900
 
+# By hand, not in CI. keras-hub is the peer of bench_gpt.py; --no-deps because its
+# tensorflow-text dependency would pull the CUDA TensorFlow wheel (GPT-2 needs only regex).
 bench: $(STAMP)
-	$(BIN)/python benchmarks/bench_gpt.py
+	$(BIN)/python -m pip install --quiet --no-deps keras-hub regex
+	$(BIN)/python benchmarks/bench_gpt.py --onednn on
+	$(BIN)/python benchmarks/bench_parallel.py
+	$(BIN)/python benchmarks/bench_cluster.py
 
 clean:
 	rm -rf $(VENV) runs build src/*.egg-info
