@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import statistics
 import sys
 import time
@@ -220,12 +219,8 @@ def build_table(results: dict, args, model_cfg: dict, peaks: dict, loads: list[s
     tokens = args.batch * model_cfg["seq_len"]
     cfg = Config().replace(model=model_cfg)
     flops_per_step = gpt_training_flops_per_token(cfg.model) * tokens
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
+    from phalanx.plan.hardware import cpu_model
+    cpu = cpu_model()
     machine = f"{cpu}, {os.cpu_count()} cores, TF {tf.__version__}, oneDNN {ONEDNN}"
     date = datetime.date.today().isoformat()
     shape = (f"{model_cfg['layers']} layers, d_model {model_cfg['d_model']}, {model_cfg['heads']} heads, "

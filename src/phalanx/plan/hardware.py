@@ -128,15 +128,21 @@ def _cache_path(cache_dir: str | os.PathLike | None) -> Path:
     return Path(os.path.expanduser(str(cache_dir or "~/.cache/phalanx"))) / "matmul_peak.json"
 
 
-def _machine_key(dtype: str) -> str:
-    import tensorflow as tf
-
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo where there is one)."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as fh:
             cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), cpu)
     except OSError:
         pass
+    return cpu
+
+
+def _machine_key(dtype: str) -> str:
+    import tensorflow as tf
+
+    cpu = cpu_model()
     gpus = ",".join(d.name for d in tf.config.list_physical_devices("GPU"))
     onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "default")  # changes CPU matmul speed 4-6x
     return f"{platform.node()}|{cpu}|{os.cpu_count()}|{gpus}|tf{tf.__version__}|onednn={onednn}|{dtype}"
