@@ -1,14 +1,10 @@
 """phalanx: data, tensor and pipeline parallel training on TensorFlow 2 and Keras 3.
 
-The Python API in a few lines (any Keras 3 model and loss, through the same trainer
-as ``phalanx train``):
+Your compiled Keras model, the Keras way, on any layout:
 
-    >>> import keras, numpy as np, tensorflow as tf, phalanx           # doctest: +SKIP
-    >>> x = np.random.rand(256, 8).astype("float32"); y = x.sum(1, keepdims=True)
-    >>> data = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(32)
-    >>> summary = phalanx.fit(lambda: keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)]),
-    ...                       keras.losses.MeanSquaredError(), data,
-    ...                       overrides=["train.steps=50", "train.global_batch=32", "run.dir=/tmp/fit"])
+    >>> import phalanx                                                  # doctest: +SKIP
+    >>> cfg = phalanx.init("parallel.devices=cpu:2", "parallel.dp=2")   # first, before TensorFlow starts
+    >>> history = phalanx.fit(model, x, y, batch_size=64, epochs=3, config=cfg)
 
 Names are imported lazily so that ``import phalanx`` does not start TensorFlow.
 """
@@ -25,6 +21,9 @@ _LAZY = {
     "build_mesh": ("phalanx.mesh", "build_mesh"),
     "Trainer": ("phalanx.train.trainer", "Trainer"),
     "fit": ("phalanx.api", "fit"),
+    "init": ("phalanx.api", "init"),
+    "evaluate": ("phalanx.api", "evaluate"),
+    "predict": ("phalanx.api", "predict"),
     "parallelize": ("phalanx.parallel.apply", "parallelize"),
 }
 

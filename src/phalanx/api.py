@@ -1,65 +1,140 @@
-"""Train any Keras 3 model with phalanx's loop: :func:`fit`.
+"""The Python API: your compiled Keras 3 model, the Keras way, on any phalanx layout.
 
-Keras 3 ``model.fit`` fails as soon as a second worker joins
-(MultiWorkerMirroredStrategy, keras-team/keras#20585); this runs the same model
-through phalanx's custom training loop instead, with its data parallelism,
-gradient accumulation, mixed precision, AdamW, clipping, checkpoints and logs.
+    import phalanx
+    cfg = phalanx.init("parallel.devices=cpu:2", "parallel.dp=2")   # first, before any TensorFlow work
+    import keras, numpy as np
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+    x = np.random.rand(512, 8).astype("float32"); y = x.sum(1, keepdims=True)
+    history = phalanx.fit(model, x, y, batch_size=64, epochs=3, config=cfg)
+    phalanx.evaluate(model, x, y, config=cfg)
+
+:func:`init` makes the devices the layout needs (logical CPUs included) before
+TensorFlow starts; :func:`fit`, :func:`evaluate` and :func:`predict` take Keras's own
+arguments plus ``config=`` (from :func:`init`) or ``overrides=``. The model's compiled
+optimizer, loss and metrics rule; phalanx's config supplies the layout (``parallel.*``),
+precision (``precision.*``), ``train.grad_accum``, ``train.seed`` (shuffling), the run
+directory and checkpoints. Results equal Keras's own one-device ``model.fit`` (see
+``tests/test_keras_fit.py``).
 
 Example:
-    >>> import keras, numpy as np, tensorflow as tf
-    >>> x = np.random.default_rng(0).random((256, 8), dtype=np.float32)
-    >>> data = tf.data.Dataset.from_tensor_slices((x, x.sum(1, keepdims=True))).repeat().batch(32)
-    >>> import tempfile
-    >>> summary = fit(lambda: keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)]),
-    ...               keras.losses.MeanSquaredError(), data, quiet=True,
-    ...               overrides=["train.steps=30", "train.global_batch=32", "train.lr=0.05",
-    ...                          "train.eval_every=0", f"run.dir={tempfile.mkdtemp()}"])
-    >>> summary.steps
-    30
+    >>> import keras, numpy as np, tempfile
+    >>> cfg = init(f"run.dir={tempfile.mkdtemp()}")
+    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> x = np.ones([8, 3], "float32")
+    >>> history = fit(model, x, x[:, :1], batch_size=4, epochs=2, config=cfg, verbose=0)
+    >>> len(history.history["loss"])
+    2
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
-from phalanx.config import Config, load_config
-
-
-@dataclass
-class UserData:
-    """Datasets given by the user: ``train`` yields global batches ``(x, y)`` forever."""
-
-    train: Any
-    val: Any = None
+from phalanx.config import Config, ConfigError, load_config, parse_override
 
 
-def fit(model_fn: Callable[[], Any], loss: Callable, train_data, config: Config | None = None, *,
-        val_data=None, overrides: Sequence[str] = (), quiet: bool = False):
-    """Train the model built by ``model_fn`` on ``train_data`` (global batches of ``(x, y)``).
+def _config(config: Config | None, overrides: Sequence[str]) -> Config:
+    if isinstance(overrides, str):
+        overrides = [overrides]
+    if config is None:
+        return load_config(None, list(overrides))
+    if not isinstance(config, Config):
+        raise TypeError(f"config: expected a phalanx Config (from phalanx.init or load_config), got "
+                        f"{type(config).__name__}")
+    changes: dict[str, dict] = {}
+    for item in overrides:
+        key, value = parse_override(item)
+        section, _, name = key.partition(".")
+        changes.setdefault(section, {})[name] = value
+    return config.replace(**changes) if changes else config
 
-    ``model_fn`` is called inside the engine's distribution scope so that the
-    variables land on the right devices; ``loss`` is a Keras loss (or any
-    ``f(y_true, y_pred) -> scalar``). ``config`` (or ``overrides`` of the defaults)
-    sets the layout and the optimisation; ``train.global_batch`` must equal the
-    dataset's batch size. Returns the trainer's :class:`~phalanx.train.trainer.Summary`.
+
+def init(*overrides: str, config: Config | None = None) -> Config:
+    """Set up the devices of the layout (logical CPUs included) and return the Config.
+
+    Call it first, right after ``import phalanx``: TensorFlow fixes its devices the first
+    time anything (a dataset, a model, a tensor) touches it. Calling it again with the
+    same layout is harmless. Pass the returned Config to :func:`fit` and friends.
+
+    Example:
+        >>> cfg = init("parallel.devices=cpu:1")
+        >>> cfg.parallel.devices
+        'cpu:1'
     """
     from phalanx.mesh import build_mesh
-    from phalanx.train.task import KerasTask
-    from phalanx.train.trainer import Trainer
 
-    if config is None:
-        config = load_config(None, overrides)
-    elif overrides:
-        from phalanx.config import parse_override
-        changes: dict[str, dict] = {}
-        for item in overrides:
-            key, value = parse_override(item)
-            section, _, name = key.partition(".")
-            changes.setdefault(section, {})[name] = value
-        config = config.replace(**changes)
-    build_mesh(config)  # logical devices first, before the data touches TensorFlow
-    if config.train.eval_every and val_data is None:
-        config = config.replace(train={"eval_every": 0})
-    task = KerasTask(model_fn, loss)
-    return Trainer(config, task=task, datasets=UserData(train_data, val_data), quiet=quiet).fit()
+    cfg = _config(config, overrides)
+    try:
+        build_mesh(cfg)
+    except ConfigError as err:
+        if "already initialised" in str(err):
+            args = ", ".join(repr(o) for o in overrides) if overrides else "config=..."
+            raise ConfigError(err.key, f"{str(err).split(': ', 1)[-1]}. Move `phalanx.init({args})` to the top of your script, "
+                                       f"right after `import phalanx` and before any dataset, model or tensor is "
+                                       f"made") from None
+        raise
+    return cfg
+
+
+def _mesh(cfg: Config, overrides: Sequence[str]):
+    from phalanx.mesh import build_mesh
+
+    try:
+        return build_mesh(cfg)
+    except ConfigError as err:
+        if "already initialised" in str(err):
+            args = ", ".join(repr(o) for o in overrides) or "..."
+            raise ConfigError(err.key, f"{str(err).split(': ', 1)[-1]}. Call `cfg = phalanx.init({args})` as the first line after "
+                                       f"`import phalanx` and pass config=cfg") from None
+        raise
+
+
+def fit(model, x=None, y=None, *, batch_size=None, epochs=1, steps_per_epoch=None, validation_data=None,
+        validation_steps=None, validation_batch_size=None, validation_freq=1, initial_epoch=0, callbacks=None,
+        shuffle=True, sample_weight=None, overrides: Sequence[str] = (), config: Config | None = None,
+        verbose="auto"):
+    """Train a compiled Keras model like ``model.fit``, on the layout of ``config``.
+
+    ``model``: a compiled ``keras.Model`` (Sequential, Functional or subclassed), or a
+    function returning one (called under the precision policy). ``x``/``y``/
+    ``sample_weight``: NumPy arrays (or lists/dicts of them), or ``x`` a ``tf.data.Dataset``
+    of batches. Epochs, steps, validation and callbacks follow Keras's rules. Returns a
+    ``keras.callbacks.History``; the model object holds the trained weights, statistics
+    and optimizer state afterwards, on every layout.
+
+    Each call writes to its own run directory (``runs/fit-<time>``) unless ``run.dir`` is
+    set; fitting the same model into a ``run.dir`` that holds its checkpoints resumes after
+    the last finished epoch (another model there is an error).
+    """
+    from phalanx.train import keras_api
+
+    cfg = _config(config, overrides)
+    return keras_api.fit(model, cfg, _mesh(cfg, overrides), x, y, batch_size=batch_size, epochs=epochs,
+                         steps_per_epoch=steps_per_epoch, validation_data=validation_data,
+                         validation_steps=validation_steps, validation_batch_size=validation_batch_size,
+                         validation_freq=validation_freq, initial_epoch=initial_epoch, callbacks=callbacks,
+                         shuffle=shuffle, sample_weight=sample_weight, verbose=verbose)
+
+
+def evaluate(model, x=None, y=None, *, batch_size=None, steps=None, sample_weight=None, callbacks=None,
+             return_dict=False, overrides: Sequence[str] = (), config: Config | None = None, verbose="auto"):
+    """``model.evaluate`` on the layout of ``config``: the loss and compiled metrics."""
+    from phalanx.train import keras_api
+
+    cfg = _config(config, overrides)
+    return keras_api.evaluate(model, cfg, _mesh(cfg, overrides), x, y, batch_size=batch_size, steps=steps,
+                              sample_weight=sample_weight, callbacks=callbacks, return_dict=return_dict,
+                              verbose=verbose)
+
+
+def predict(model, x, *, batch_size=None, steps=None, callbacks=None, overrides: Sequence[str] = (),
+            config: Config | None = None, verbose="auto"):
+    """``model.predict`` on the layout of ``config``: NumPy outputs in the model's structure."""
+    from phalanx.train import keras_api
+
+    cfg = _config(config, overrides)
+    return keras_api.predict(model, cfg, _mesh(cfg, overrides), x, batch_size=batch_size, steps=steps,
+                             callbacks=callbacks, verbose=verbose)

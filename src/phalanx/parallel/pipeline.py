@@ -81,8 +81,21 @@ class PipelineTrace:
     ops: list[list[list[str]]] = field(default_factory=list)  # names of the ops each action created
 
 
-# forward(stage, microbatch, x_in) -> activation (or, on the last stage, the float32 loss)
-StageForward = Callable[[int, int, "tf.Tensor | None"], tf.Tensor]
+# forward(stage, microbatch, x_in) -> activation (or, on the last stage, the float32 loss).
+# An activation may be one tensor or a list of tensors (several tensors cross a cut when a
+# skip branch or a mask spans it); stage s+1 receives exactly what stage s returned.
+StageForward = Callable[[int, int, "tf.Tensor | list[tf.Tensor] | None"], "tf.Tensor | list[tf.Tensor]"]
+
+
+def _flat(value) -> list[tf.Tensor]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _differentiable(tensors: list[tf.Tensor]) -> list[tf.Tensor]:
+    # Integer or boolean tensors crossing a cut (token ids, masks) carry no gradient.
+    return [t for t in tensors if t.dtype.is_floating]
 
 
 def run_schedule(schedule: Schedule, forward: StageForward, params: Sequence[Sequence[tf.Variable]],
@@ -91,7 +104,9 @@ def run_schedule(schedule: Schedule, forward: StageForward, params: Sequence[Seq
 
     ``params[s]``: the variables stage ``s`` reads. ``grads[s][j]`` is the gradient of
     ``sum over micro-batches of loss_i x loss_weight`` w.r.t. ``params[s][j]``;
-    ``loss_sum`` is the sum of the (unweighted) micro-batch losses.
+    ``loss_sum`` is the sum of the (unweighted) micro-batch losses. Activations handed
+    between stages may be single tensors or lists; only their floating-point members
+    are differentiated.
     """
     if schedule.split_backward:
         raise ValueError(f"schedule {schedule.name!r} splits the backward into B and W; the executor runs "
@@ -114,25 +129,32 @@ def run_schedule(schedule: Schedule, forward: StageForward, params: Sequence[Seq
         with tf.control_dependencies(previous.get(rank, [])), tf.name_scope(scope) as full_scope:
             if action.kind == "F":
                 x_in = outputs.pop((stage - 1, mb)) if stage > 0 else None
+                watched = _differentiable(_flat(x_in))
                 with tf.GradientTape() as tape:
-                    if x_in is not None:
-                        tape.watch(x_in)
+                    for t in watched:
+                        tape.watch(t)
                     out = forward(stage, mb, x_in)
-                    target = out * tf.cast(loss_weight, out.dtype) if stage == last_stage else out
+                    if stage == last_stage:
+                        targets = [out * tf.cast(loss_weight, out.dtype)]
+                    else:
+                        targets = _differentiable(_flat(out))
                 if stage == last_stage:
                     losses.append(out)
                 else:
                     outputs[(stage, mb)] = out
-                saved[(stage, mb)] = (tape, x_in, target)
-                marker = [target]
+                saved[(stage, mb)] = (tape, watched, targets)
+                marker = targets or _flat(out)
             else:
-                tape, x_in, target = saved.pop((stage, mb))
-                sources = list(params[stage]) + ([x_in] if x_in is not None else [])
+                tape, watched, targets = saved.pop((stage, mb))
+                sources = list(params[stage]) + watched
                 upstream = grad_out.pop((stage, mb)) if stage < last_stage else None
-                grads = tape.gradient(target, sources, output_gradients=upstream,
-                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
-                if x_in is not None:
-                    grad_out[(stage - 1, mb)] = grads[-1]
+                if targets:
+                    grads = tape.gradient(targets, sources, output_gradients=upstream,
+                                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                else:  # nothing differentiable leaves this stage: its weights get no gradient
+                    grads = [tf.zeros_like(s) for s in sources]
+                if watched:
+                    grad_out[(stage - 1, mb)] = grads[len(params[stage]):]
                 for j, (var, g) in enumerate(zip(params[stage], grads)):
                     with tf.device(var.device):
                         g = tf.cast(tf.convert_to_tensor(g), tf.float32)  # gather grads are IndexedSlices

@@ -1,0 +1,191 @@
+"""Global batches for ``phalanx.fit / evaluate / predict`` from what Keras's ``fit`` takes.
+
+``x`` may be NumPy arrays (or a list, tuple or dict of them, with ``y`` and
+``sample_weight`` alike), or a ``tf.data.Dataset`` whose elements are whole batches
+``x``, ``(x, y)`` or ``(x, y, sample_weight)``. Epochs follow Keras's rules
+(``keras.src.trainers.epoch_iterator``): without ``steps_per_epoch`` an epoch is one pass
+over the data; with it, batches are drawn from one running iterator that is started
+again only once the data is used up, and an iterator that runs dry inside an epoch ends
+that epoch with a warning.
+
+Arrays are cut into batches of ``batch_size`` (default 32) rows, shuffled every pass by
+a seeded permutation when ``shuffle`` is on. A batch whose rows the layout cannot split
+evenly (``divisor`` = dp x grad_accum x micro-batches; only a last, partial batch can be
+one) is skipped with a warning that says how many samples it held.
+
+Example:
+    >>> import numpy as np
+    >>> batches = Batches(np.zeros([10, 3]), np.zeros([10]), batch_size=4)
+    >>> [b[0].shape[0] for b in batches.epoch()]
+    [4, 4, 2]
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Iterator
+
+import numpy as np
+import tensorflow as tf
+
+
+def _leaves(structure) -> list:
+    return [t for t in tf.nest.flatten(structure) if t is not None]
+
+
+def _as_arrays(value, name: str):
+    """Lists/tuples/dicts of array-likes -> the same structure of NumPy arrays, checked."""
+    def convert(leaf):
+        array = np.asarray(leaf)
+        if array.dtype == object or array.dtype.kind in "USV":
+            raise ValueError(f"{name}: arrays of dtype {array.dtype} cannot be fed to a model; convert them to "
+                             f"numbers (e.g. float32 features, int32 class ids)")
+        if array.ndim == 0:
+            raise ValueError(f"{name}: got a scalar; pass one row per sample (an array with a leading sample axis)")
+        return array
+    if isinstance(value, dict):
+        return {k: convert(v) for k, v in value.items()}
+    # A list or tuple of arrays is several inputs (or outputs); a list of numbers is one array.
+    if isinstance(value, (list, tuple)) and value and all(hasattr(v, "shape") for v in value):
+        return type(value)(convert(v) for v in value)
+    return convert(value)
+
+
+class Batches:
+    """Global batches ``(x, y, sample_weight)`` (see the module docstring)."""
+
+    def __init__(self, x, y=None, sample_weight=None, *, batch_size=None, steps_per_epoch=None, shuffle=False,
+                 seed: int = 0, divisor: int = 1, need_y: bool = True):
+        if x is None:
+            raise ValueError("x: no data given; pass NumPy arrays (with y) or a tf.data.Dataset of batches")
+        self.steps_per_epoch = steps_per_epoch
+        if steps_per_epoch is not None and (not isinstance(steps_per_epoch, int) or steps_per_epoch < 1):
+            raise ValueError(f"steps_per_epoch: {steps_per_epoch!r} is not a positive integer")
+        self.divisor, self.seed, self.shuffle = divisor, seed, shuffle
+        self._iterator = None
+        self._seen = 0
+        self._pass = 0
+        self.dropped_warned = False
+        if isinstance(x, tf.data.Dataset):
+            self._init_dataset(x, y, sample_weight, batch_size)
+        elif hasattr(x, "__next__") or type(x).__name__ in ("PyDataset", "Sequence", "generator"):
+            raise ValueError(f"x: a {type(x).__name__} is not supported; pass NumPy arrays or a tf.data.Dataset "
+                             f"(tf.data.Dataset.from_generator wraps a generator)")
+        else:
+            self._init_arrays(x, y, sample_weight, batch_size, need_y)
+
+    # -- sources ----------------------------------------------------------------------------
+
+    def _init_dataset(self, dataset, y, sample_weight, batch_size) -> None:
+        if y is not None:
+            raise ValueError("y: must be None when x is a tf.data.Dataset; the dataset yields (x, y) batches")
+        if sample_weight is not None:
+            raise ValueError("sample_weight: must be None when x is a tf.data.Dataset; yield (x, y, sample_weight)")
+        if batch_size is not None:
+            raise ValueError(f"batch_size: {batch_size} cannot be used with a tf.data.Dataset, whose elements are "
+                             f"already batches; batch the dataset instead")
+        self.dataset, self.arrays = dataset, None
+        cardinality = int(dataset.cardinality())
+        self.infinite = cardinality == int(tf.data.INFINITE_CARDINALITY)
+        self.num_batches = cardinality if cardinality >= 0 else None
+        if self.infinite and self.steps_per_epoch is None:
+            raise ValueError("steps_per_epoch: the dataset repeats forever, so say how many batches make an epoch "
+                             "(steps_per_epoch=N), or remove .repeat()")
+
+    def _init_arrays(self, x, y, sample_weight, batch_size, need_y) -> None:
+        if batch_size is None:
+            batch_size = 32  # Keras's default
+        if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise ValueError(f"batch_size: {batch_size!r} is not a positive integer")
+        x = _as_arrays(x, "x")
+        y = None if y is None else _as_arrays(y, "y")
+        sample_weight = None if sample_weight is None else _as_arrays(sample_weight, "sample_weight")
+        if need_y and y is None:
+            raise ValueError("y: no targets given; pass y=... with the arrays (or a dataset of (x, y) batches)")
+        counts = {}
+        for name, value in (("x", x), ("y", y), ("sample_weight", sample_weight)):
+            for leaf in _leaves(value):
+                counts.setdefault(name, set()).add(int(leaf.shape[0]))
+        for name, sizes in counts.items():
+            if len(sizes) > 1:
+                raise ValueError(f"{name}: its arrays have different numbers of samples {sorted(sizes)}")
+        sizes = {name: next(iter(s)) for name, s in counts.items()}
+        if len(set(sizes.values())) > 1:
+            described = ", ".join(f"{name} has {n}" for name, n in sizes.items())
+            raise ValueError(f"x and y must have the same number of samples: {described}")
+        self.samples = sizes["x"]
+        if self.samples == 0:
+            raise ValueError("x: has no samples")
+        self.arrays, self.dataset, self.infinite = (x, y, sample_weight), None, False
+        self.batch_size = int(batch_size)
+        self.num_batches = math.ceil(self.samples / self.batch_size)
+
+    # -- iteration ----------------------------------------------------------------------------
+
+    def _one_pass(self, advance: bool = True) -> Iterator:
+        if self.arrays is not None:
+            x, y, sw = self.arrays
+            order = np.arange(self.samples)
+            if self.shuffle:
+                order = np.random.default_rng([self.seed, self._pass]).permutation(self.samples)
+            self._pass += int(advance)
+            for start in range(0, self.samples, self.batch_size):
+                index = order[start:start + self.batch_size]
+                yield tf.nest.map_structure(lambda a: None if a is None else a[index], (x, y, sw))
+        else:
+            import keras
+            for element in self.dataset:
+                yield keras.utils.unpack_x_y_sample_weight(element)
+
+    def _usable(self, batch) -> bool:
+        rows = int(_leaves(batch[0])[0].shape[0])
+        if rows % self.divisor == 0:
+            return True
+        if not self.dropped_warned:
+            warnings.warn(f"a batch of {rows} samples cannot be split evenly over dp x grad_accum x microbatches = "
+                          f"{self.divisor}; it is skipped (Keras would train on it). Choose a batch_size and a "
+                          f"sample count that are multiples of {self.divisor} to use every sample", stacklevel=3)
+            self.dropped_warned = True
+        return False
+
+    def epoch(self) -> Iterator:
+        """The batches of the next epoch (Keras's rules, see the module docstring)."""
+        if self.steps_per_epoch is None:
+            for batch in self._one_pass():
+                if self._usable(batch):
+                    yield batch
+            return
+        for _ in range(self.steps_per_epoch):
+            if self._iterator is None:
+                self._iterator, self._seen = self._one_pass(), 0
+            if self.num_batches is not None and self._seen >= self.num_batches:
+                self._warn_ran_out()
+                self._iterator = None
+                return
+            try:
+                batch = next(self._iterator)
+            except StopIteration:
+                self._warn_ran_out()
+                self._iterator = None
+                return
+            self._seen += 1
+            if self._usable(batch):
+                yield batch
+        if self.num_batches is not None and self._seen >= self.num_batches:
+            self._iterator = None
+
+    def _warn_ran_out(self) -> None:
+        warnings.warn("your input ran out of data inside an epoch; the epoch ends early. Make sure the data "
+                      "holds at least steps_per_epoch x epochs batches (.repeat() a dataset)", stacklevel=3)
+
+    def first(self):
+        """One batch, to build the model's state before tracing (not consumed)."""
+        for batch in self._one_pass(advance=False):
+            return batch
+        raise ValueError("x: the dataset yields no batch")
+
+    @property
+    def steps(self) -> int | None:
+        """Batches per epoch, if known."""
+        return self.steps_per_epoch or self.num_batches

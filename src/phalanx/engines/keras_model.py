@@ -1,0 +1,480 @@
+"""Train a user's compiled Keras 3 model on a ``(data, pipe)`` mesh, the way Keras would.
+
+What the user compiled rules: ``model.optimizer`` (any Keras optimizer, with its
+learning-rate schedule, clipping and weight decay), ``model.loss`` (objects, strings,
+per-output losses, ``loss_weights``, plus the model's own regularisation losses) and the
+compiled metrics. The engine only decides *where* things run:
+
+* **Placement.** The model is cut into ``pp x virtual_stages`` stages by estimated FLOPs
+  (:func:`phalanx.parallel.keras_graph.split_keras_model`); with one stage, any model —
+  subclassed included — is that stage. Each stage's variables (the user's own
+  ``keras.Variable`` objects) are moved to the stage's device of data replica 0 and stay
+  there: the model object is trained in place, and the optimizer's slots, which Keras
+  creates next to each variable, live with the weights they update. Replicas 1..dp-1 hold
+  plain copies of the trainable weights, refreshed after every step.
+* **The step** (one ``tf.function``): every replica cuts its rows of the global batch into
+  ``grad_accum x microbatches`` micro-batches and runs the pipeline schedule
+  (:func:`phalanx.parallel.pipeline.run_schedule`); each stage runs *statelessly* on the
+  replica's weight values. The last stage computes the compiled loss plus the model's own
+  losses, updates the loss tracker and the compiled metrics, and weights the loss by
+  ``loss_scale / (dp x grad_accum x microbatches)``, so the summed gradient is the gradient
+  of the mean loss over the global batch, exactly as on one device. Gradients are summed
+  over replicas on each weight's device and applied by ``model.optimizer`` (a
+  ``LossScaleOptimizer`` under ``mixed_float16``, which unscales and skips non-finite
+  steps itself, as in Keras).
+* **State that is not trained** (BatchNormalization moving statistics, Dropout's seed
+  state) is threaded through the micro-batches in order — replica 0's micro-batches, then
+  replica 1's, and so on — as GPipe does: each micro-batch is normalised with its own batch
+  statistics and moves the averages once, and each draws its own dropout mask. With one
+  replica and one micro-batch this is exactly Keras's own step.
+
+Example:
+    >>> import keras, numpy as np
+    >>> from phalanx.config import Config
+    >>> from phalanx.mesh import Mesh
+    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> batch = (np.ones([4, 3], "float32"), np.zeros([4, 2], "float32"), None)
+    >>> engine = KerasModelEngine(model, Config(), Mesh.from_devices(["/device:CPU:0"], 1, 1, 1), batch)
+    >>> float(engine.train_step(batch)["loss"]) >= 0
+    True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from phalanx.config import Config, ConfigError
+from phalanx.mesh import Mesh
+from phalanx.parallel.pipeline import run_schedule
+from phalanx.parallel.schedules import build_schedule
+
+MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")
+
+
+# -- precision --------------------------------------------------------------------------
+
+
+def apply_precision(model, cfg: Config) -> None:
+    """Run ``model`` under ``precision.policy`` as if it had been built under it.
+
+    Layers still on the default ``float32`` policy take the mixed policy (float32
+    variables, bfloat16/float16 compute); layers the user set to another policy (e.g. a
+    float32 softmax head) keep theirs. Under ``mixed_float16`` the optimizer is wrapped in
+    a ``LossScaleOptimizer`` (as ``model.compile`` does under that policy), started at
+    ``precision.loss_scale_init`` and grown every ``precision.loss_scale_growth_interval``
+    good steps.
+    """
+    policy = cfg.precision.policy
+    if policy not in MIXED_POLICIES:
+        return
+    for layer in model._flatten_layers(include_self=True):
+        if layer.dtype_policy.name == "float32":
+            layer.dtype_policy = policy
+    optimizer = getattr(model, "optimizer", None)
+    if policy == "mixed_float16" and optimizer is not None and \
+            not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        if optimizer.built:
+            raise ValueError(f"model {model.name!r}: precision.policy=mixed_float16 needs a loss-scaling optimizer, "
+                             f"but {type(optimizer).__name__} was already used; compile the model again before fit")
+        model.optimizer = keras.optimizers.LossScaleOptimizer(
+            optimizer, initial_scale=cfg.precision.loss_scale_init,
+            dynamic_growth_steps=cfg.precision.loss_scale_growth_interval)
+
+
+# -- placement ----------------------------------------------------------------------------
+
+
+def _same_device(a: str, b: str) -> bool:
+    sa, sb = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
+    same = (sa.device_type or "CPU").upper() == (sb.device_type or "CPU").upper() and \
+        (sa.device_index or 0) == (sb.device_index or 0)
+    for field in ("job", "replica", "task"):
+        x, y = getattr(sa, field), getattr(sb, field)
+        if x is not None and y is not None and x != y and not (field == "job" and "localhost" in (x, y)):
+            same = False
+    return same
+
+
+def place_variable(variable, device: str) -> bool:
+    """Move a ``keras.Variable``'s storage to ``device``, keeping the object, name and value.
+
+    Returns whether it moved. The Keras object stays the one the model, its callbacks and
+    its saved files refer to; only the TensorFlow variable behind it is new.
+    """
+    current = variable.value
+    if _same_device(current.device, device):
+        return False
+    with tf.init_scope(), tf.device(device):
+        moved = tf.Variable(current.read_value(), trainable=current.trainable, dtype=current.dtype,
+                            name=current.name.split(":")[0])
+    variable._value = moved  # the TF backend's keras.Variable keeps its storage here
+    return True
+
+
+def _reindex_optimizer(optimizer) -> None:
+    """Re-key an already built optimizer after its variables' storage moved.
+
+    Keras keys slots by the identity of the TensorFlow variable behind each
+    ``keras.Variable``, which :func:`place_variable` replaces.
+    """
+    for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        if opt is not None and opt.built:
+            opt._trainable_variables_indices = {opt._var_key(v): i for i, v in enumerate(opt._trainable_variables)}
+
+
+# -- stages --------------------------------------------------------------------------------
+
+
+class _WholeModel:
+    """The whole model as one stage (any Keras model, subclassed included)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.trainable_variables = list(model.trainable_variables)
+        self.non_trainable_variables = list(model.non_trainable_variables)
+        self.input_keys, self.output_keys = ["x"], ["y"]
+
+    def apply(self, trainable_values, non_trainable_values, inputs, training):
+        kwargs = {"training": training} if getattr(self.model, "_call_has_training_arg", True) else {}
+        y, state, losses = self.model.stateless_call(trainable_values, non_trainable_values, inputs["x"],
+                                                     return_losses=True, **kwargs)
+        return {"y": y}, list(state), list(losses)
+
+
+class _SplitStage:
+    """A stage of a :class:`~phalanx.parallel.keras_graph.KerasSplit` (cut Functional/Sequential)."""
+
+    def __init__(self, stage):
+        self.stage = stage
+        self.trainable_variables = list(stage.trainable_variables)
+        self.non_trainable_variables = list(stage.non_trainable_variables)
+        self.input_keys, self.output_keys = list(stage.input_keys), list(stage.output_keys)
+
+    def apply(self, trainable_values, non_trainable_values, inputs, training):
+        outputs, state = self.stage.apply(trainable_values, non_trainable_values, inputs, training)
+        return outputs, list(state), []
+
+
+def _first_tensor(x) -> tf.Tensor:
+    return next(t for t in tf.nest.flatten(x) if t is not None)
+
+
+def _rows(x) -> int:
+    return int(_first_tensor(x).shape[0])
+
+
+def _slice(batch, start: int, size: int):
+    return tf.nest.map_structure(lambda t: None if t is None else t[start:start + size], batch)
+
+
+class KerasModelEngine:
+    """One training, evaluation or prediction step of a compiled Keras model on ``mesh``.
+
+    ``sample_batch`` is one ``(x, y, sample_weight)`` batch (NumPy or tensors): it builds
+    the model, its compiled loss and metrics and the optimizer before anything is traced.
+    See the module docstring for what runs where.
+    """
+
+    def __init__(self, model, cfg: Config, mesh: Mesh, sample_batch, inference_only: bool = False):
+        p = cfg.parallel
+        if mesh.tp > 1:
+            raise ConfigError("parallel.tp", f"{mesh.tp}: tensor parallelism for your own Keras model is not built "
+                                             f"yet; split it over data and pipe (parallel.tp=1). The built-in GPT "
+                                             f"(phalanx train) takes any tp")
+        if p.zero:
+            raise ConfigError("parallel.zero", f"{p.zero}: for a Keras model the optimizer state stays next to each "
+                                               f"weight on its pipeline stage; ZeRO shards the built-in GPT's AdamW "
+                                               f"only. Use parallel.zero=0")
+        if p.recompute != "none":
+            raise ConfigError("parallel.recompute", f"{p.recompute!r}: recomputation is built for the GPT's blocks "
+                                                    f"only; use parallel.recompute=none for a Keras model")
+        self.model, self.cfg, self.mesh = model, cfg, mesh
+        self.dp, self.pp = mesh.dp, mesh.pp
+        self.accum, self.microbatches = cfg.train.grad_accum, p.microbatches
+        virtual = p.virtual_stages if p.schedule == "interleaved" else 1
+        try:
+            self.schedule = build_schedule(p.schedule, self.pp, self.microbatches, virtual)
+        except ValueError as err:
+            raise ConfigError("parallel.schedule", str(err)) from None
+        self.chunks = self.schedule.num_stages
+        self.inference_only = inference_only
+        self.optimizer = None if inference_only else model.optimizer
+        if not model.built:
+            model(sample_batch[0])  # a model without an Input builds on its first batch, as in Keras
+        if self.chunks == 1:
+            self.split = None
+            self.stages = [_WholeModel(model)]
+        else:
+            from phalanx.parallel.keras_graph import split_keras_model
+            self.split = split_keras_model(model, self.chunks, balance="flops")
+            self.stages = [_SplitStage(s) for s in self.split.stages]
+            self._refuse_activity_losses()
+        self._check_coverage()
+        moved = False
+        for s, stage in enumerate(self.stages):
+            for v in stage.trainable_variables + stage.non_trainable_variables:
+                moved |= place_variable(v, self.stage_device(0, s))
+        if moved:
+            _reindex_optimizer(getattr(model, "optimizer", None))
+            # Keras's own cached step functions captured the old storage.
+            model.train_function = model.test_function = model.predict_function = None
+        # Replica d > 0 reads its own copy of every trainable weight of every stage.
+        self.copies: dict[tuple[int, int], list[tf.Variable]] = {}
+        for d in range(1, self.dp):
+            for s, stage in enumerate(self.stages):
+                with tf.init_scope(), tf.device(self.stage_device(d, s)):
+                    self.copies[(d, s)] = [tf.Variable(v.value.read_value(), trainable=True,
+                                                       name=f"replica{d}/" + v.value.name.split(":")[0])
+                                           for v in stage.trainable_variables]
+        # Weight regularisation of a cut model: computed once per step on the weights
+        # themselves (a one-stage model returns it from stateless_call with the rest).
+        self.regularized = [v for v in model.trainable_variables if getattr(v, "regularizer", None) is not None] \
+            if self.split is not None else []
+        self._custom_loss = type(model).compute_loss is not keras.Model.compute_loss
+        self._build(sample_batch)
+        self._train_fn = tf.function(self._train_step, autograph=False, reduce_retracing=True)
+        self._test_fn = tf.function(self._test_step, autograph=False, reduce_retracing=True)
+        self._predict_fn = tf.function(self._predict_step, autograph=False, reduce_retracing=True)
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def stage_device(self, replica: int, stage: int) -> str:
+        return self.mesh.device(replica, stage % self.pp, 0)
+
+    def _check_coverage(self) -> None:
+        seen: dict[int, int] = {}
+        for s, stage in enumerate(self.stages):
+            for v in stage.trainable_variables:
+                if id(v) in seen and seen[id(v)] != s:
+                    raise ConfigError("parallel.pp", f"weight {v.path!r} is read by stages {seen[id(v)]} and {s}; a "
+                                                     f"shared layer must sit in one stage")
+                seen[id(v)] = s
+        missing = [v.path for v in self.model.trainable_variables if id(v) not in seen]
+        if missing:
+            raise ConfigError("parallel.pp", f"weights {missing[:3]} belong to no pipeline stage")
+
+    def _refuse_activity_losses(self) -> None:
+        for layer in self.model._flatten_layers(include_self=False):
+            if getattr(layer, "activity_regularizer", None) is not None:
+                raise ConfigError("parallel.pp", f"layer {layer.name!r} has an activity regulariser; a model cut into "
+                                                 f"pipeline stages supports weight regularisers only (use pp=1)")
+
+    def _build(self, sample_batch) -> None:
+        """Create every variable (model, compiled loss/metrics, optimizer) before tracing."""
+        if self.inference_only:
+            return
+        x, y, sw = sample_batch
+        self.model._symbolic_build(data_batch=(x, y, sw) if sw is not None else (x, y))
+        if self.optimizer is None:
+            raise ValueError(f"model {self.model.name!r} has no optimizer; compile it with one")
+        if not self.optimizer.built:
+            self.optimizer.build(self.model.trainable_variables)
+
+    # -- one stage on one micro-batch -------------------------------------------------------
+
+    def _params(self, replica: int, stage: int) -> list[tf.Variable]:
+        if replica == 0:
+            return [v.value for v in self.stages[stage].trainable_variables]
+        return self.copies[(replica, stage)]
+
+    def _initial_state(self) -> list[list[tf.Tensor]]:
+        state = []
+        for stage in self.stages:
+            values = []
+            for v in stage.non_trainable_variables:
+                with tf.device(v.value.device):
+                    values.append(tf.convert_to_tensor(v.value))
+            state.append(values)
+        return state
+
+    def _forward(self, replica: int, s: int, carried, micro, state, mode: str):
+        """Stage ``s`` on one micro-batch: the tensors handed on, or at the last stage the
+        float32 loss (``train``/``test``) or the flat predictions (``predict``)."""
+        stage = self.stages[s]
+        x, y, sw = micro
+        training = mode == "train"
+        with tf.device(self.stage_device(replica, s)):
+            values = [tf.convert_to_tensor(v) for v in self._params(replica, s)]
+            if self.split is None:
+                available = {"x": x}
+            else:
+                available = dict(zip(self.split.crossing(s - 1), carried)) if s > 0 else {}
+                flat_x = None
+                for key in stage.input_keys:
+                    if key.startswith("in:"):
+                        flat_x = flat_x if flat_x is not None else self.split.flatten_inputs(x)
+                        available[key] = flat_x[int(key[3:])]
+            outputs, new_state, losses = stage.apply(values, state[s], {k: available[k] for k in stage.input_keys},
+                                                     training)
+            if training:
+                state[s] = new_state
+            available.update(outputs)
+            if s < self.chunks - 1:
+                return [available[k] for k in self.split.crossing(s)]
+            if self.split is None:
+                y_pred = available["y"]
+            else:
+                y_pred = self.split.pack_outputs([available[k] for k in self.split.output_keys])
+            if mode == "predict":
+                self._output_structure = y_pred  # structure only, to pack the flat outputs again
+                return tf.nest.flatten(y_pred)
+            return self._loss_and_metrics(x, y, sw, y_pred, losses, training)
+
+    def _loss_and_metrics(self, x, y, sw, y_pred, losses, training: bool):
+        """The compiled loss and metrics of one micro-batch, as Keras's train/test step does."""
+        model = self.model
+        if self._custom_loss:  # a model that overrides compute_loss defines its own loss
+            loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sw, training=training)
+        else:
+            parts = []
+            if model._compile_loss is not None:
+                compiled = model._compile_loss(y, y_pred, sw)
+                if compiled is not None:
+                    parts.append(compiled)
+            for extra in losses:  # Keras's _aggregate_additional_loss
+                extra = tf.convert_to_tensor(extra)
+                parts.append(tf.reduce_sum(extra if extra.dtype.is_floating else tf.cast(extra, tf.float32)))
+            if self._reg_value is not None:
+                parts.append(tf.stop_gradient(self._reg_value))  # its gradient is added once per step
+            if not parts:
+                raise ValueError(f"model {model.name!r} has no loss: compile it with loss=...")
+            loss = tf.add_n([tf.cast(p, tf.float32) for p in parts])
+        loss = tf.cast(loss, tf.float32)
+        model._loss_tracker.update_state(loss, sample_weight=tf.shape(_first_tensor(x))[0])
+        model.compute_metrics(x, y, y_pred, sample_weight=sw)
+        return loss
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def _micro_batches(self, batch, replica: int, per_replica: int, parts: int) -> list:
+        size = per_replica // parts
+        with tf.device(self.stage_device(replica, 0)):
+            return [_slice(batch, replica * per_replica + i * size, size) for i in range(parts)]
+
+    def _regularization(self):
+        """(value, gradients) of the weight-regularisation loss of a cut model."""
+        with tf.GradientTape() as tape:
+            terms = []
+            for v in self.regularized:
+                with tf.device(v.value.device):
+                    terms.append(tf.cast(v.regularizer(tf.convert_to_tensor(v.value)), tf.float32))
+            value = tf.add_n(terms)
+        return value, dict(zip([id(v) for v in self.regularized],
+                               tape.gradient(value, [v.value for v in self.regularized])))
+
+    def _train_step(self, x, y, sw):
+        batch = (x, y, sw)
+        rows = _rows(x)
+        total = self.dp * self.accum * self.microbatches
+        if rows % total:
+            raise ValueError(f"a batch of {rows} rows cannot be split over dp x grad_accum x microbatches = "
+                             f"{self.dp} x {self.accum} x {self.microbatches}")
+        scale = tf.cast(self.optimizer.scale_loss(tf.constant(1.0)), tf.float32)
+        self._reg_value, reg_grads = self._regularization() if self.regularized else (None, {})
+        state = self._initial_state()
+        start = [list(values) for values in state]
+        acc = [[[] for _ in stage.trainable_variables] for stage in self.stages]
+        losses = []
+        for d in range(self.dp):
+            micro = self._micro_batches(batch, d, rows // self.dp, self.accum * self.microbatches)
+            params = [self._params(d, s) for s in range(self.chunks)]
+            for a in range(self.accum):
+                group = micro[a * self.microbatches:(a + 1) * self.microbatches]
+                grads, loss_sum = run_schedule(
+                    self.schedule,
+                    lambda s, i, h, _d=d, _g=group: self._forward(_d, s, h, _g[i], state, "train"),
+                    params, scale / float(total), prefix=f"dp{d}_acc{a}")
+                losses.append(loss_sum)
+                for s, stage_grads in enumerate(grads):
+                    for j, g in enumerate(stage_grads):
+                        acc[s][j].append(g)
+        grads, variables = [], []
+        for s, stage in enumerate(self.stages):
+            for j, v in enumerate(stage.trainable_variables):
+                with tf.device(v.value.device):
+                    g = tf.add_n(acc[s][j]) if len(acc[s][j]) > 1 else acc[s][j][0]
+                    if id(v) in reg_grads:
+                        g = g + tf.cast(reg_grads[id(v)], tf.float32) * scale
+                    grads.append(tf.cast(g, v.dtype))
+                variables.append(v)
+        self.optimizer.apply(grads, variables)
+        # TensorFlow orders ops on one variable as written: the copies read updated weights.
+        for (d, s), copies in self.copies.items():
+            for copy, v in zip(copies, self.stages[s].trainable_variables):
+                copy.assign(v.value)
+        for s, stage in enumerate(self.stages):
+            for v, new, old in zip(stage.non_trainable_variables, state[s], start[s]):
+                if new is not old:
+                    v.value.assign(tf.cast(new, v.value.dtype))
+        self._reg_value = None
+        with tf.device(self.stage_device(0, self.chunks - 1)):
+            return {"loss": tf.add_n(losses) / float(total)}
+
+    def _split_for_inference(self, rows: int) -> tuple[int, int]:
+        """(replicas, micro-batches per replica) that divide an evaluation batch evenly."""
+        if rows % (self.dp * self.microbatches) == 0:
+            return self.dp, self.microbatches
+        if rows % self.dp == 0:
+            return self.dp, 1
+        return 1, 1
+
+    def _inference(self, batch, mode: str):
+        replicas, parts = self._split_for_inference(_rows(batch[0]))
+        state = self._initial_state()
+        results = []
+        for d in range(replicas):
+            for micro in self._micro_batches(batch, d, _rows(batch[0]) // replicas, parts):
+                carried = None
+                for s in range(self.chunks):
+                    carried = self._forward(d, s, carried, micro, state, mode)
+                results.append(carried)
+        return results
+
+    def _test_step(self, x, y, sw):
+        self._reg_value = self._regularization()[0] if self.regularized else None
+        losses = self._inference((x, y, sw), "test")
+        self._reg_value = None
+        with tf.device(self.stage_device(0, self.chunks - 1)):
+            return {"loss": tf.add_n(losses) / float(len(losses))}
+
+    def _predict_step(self, x):
+        pieces = self._inference((x, None, None), "predict")
+        with tf.device(self.stage_device(0, self.chunks - 1)):
+            return [tf.concat([p[i] for p in pieces], axis=0) if len(pieces) > 1 else pieces[0][i]
+                    for i in range(len(pieces[0]))]
+
+    # -- public ------------------------------------------------------------------------------
+
+    _reg_value: Any = None
+
+    def train_step(self, batch) -> dict[str, tf.Tensor]:
+        """One optimizer step on a global batch ``(x, y, sample_weight)``; updates the
+        compiled metrics; returns ``{"loss": mean loss of the batch}``."""
+        return self._train_fn(*_as_tensors(batch))
+
+    def test_step(self, batch) -> dict[str, tf.Tensor]:
+        """Loss and compiled metrics of a batch, weights unchanged."""
+        return self._test_fn(*_as_tensors(batch))
+
+    def predict_step(self, x) -> list[tf.Tensor]:
+        """The model's outputs for ``x``, flattened; :meth:`pack_outputs` restores the
+        structure ``model(x)`` returns."""
+        return self._predict_fn(tf.nest.map_structure(_to_tensor, x))
+
+    def pack_outputs(self, flat: list):
+        return tf.nest.pack_sequence_as(self._output_structure, list(flat))
+
+
+def _to_tensor(t):
+    return t if t is None or isinstance(t, tf.Tensor) else tf.convert_to_tensor(t)
+
+
+def _as_tensors(batch):
+    x, y, sw = batch
+    return (tf.nest.map_structure(_to_tensor, x), tf.nest.map_structure(_to_tensor, y),
+            None if sw is None else tf.nest.map_structure(_to_tensor, sw))

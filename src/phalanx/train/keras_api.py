@@ -1,0 +1,397 @@
+"""The Keras workflow on any phalanx layout: fit / evaluate / predict of a compiled model.
+
+The loop is Keras's own (``keras.src.backend.tensorflow.trainer``): epochs and steps
+follow Keras's rules, Keras callbacks get the same hooks and logs (``History``,
+``EarlyStopping``, ``ModelCheckpoint``, ``CSVLogger``, ``LearningRateScheduler``,
+``ReduceLROnPlateau``, ``model.stop_training``...), and the logs are the model's compiled
+metrics. What phalanx adds is *where* each step runs
+(:class:`~phalanx.engines.keras_model.KerasModelEngine`) and a run directory: one
+checkpoint at the end of every epoch (weights, optimizer state, history), resumed when
+the same model is fitted into the same ``run.dir`` again, and ``metrics.jsonl`` with one
+row per epoch.
+
+Use it through :func:`phalanx.fit`, :func:`phalanx.evaluate` and :func:`phalanx.predict`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import keras
+import numpy as np
+import yaml
+
+from phalanx import checkpoint
+from phalanx.config import Config, ConfigError
+from phalanx.data.keras_inputs import Batches
+from phalanx.engines.keras_model import KerasModelEngine, apply_precision
+from phalanx.mesh import Mesh
+
+DEFAULT_RUN_DIR = "runs/default"
+METRICS_FILE = "metrics.jsonl"
+
+# Keys that configure the built-in GPT's trainer, and what a Keras model uses instead.
+_GPT_ONLY = {
+    "train.global_batch": "fit's batch_size= (arrays) or the batches of your dataset",
+    "train.steps": "fit's epochs= and steps_per_epoch=",
+    "train.eval_every": "fit's validation_freq=",
+    "train.eval_batches": "fit's validation_steps=",
+    "train.log_every": "fit's verbose= and Keras callbacks",
+    "train.peak_flops": "nothing (fit reports no MFU)",
+    "checkpoint.every": "nothing: fit checkpoints at the end of every epoch",
+}
+_OPTIMIZER_KEYS = ("lr", "min_lr_ratio", "warmup", "clip_norm", "weight_decay", "beta1", "beta2", "eps")
+
+
+# -- arguments -------------------------------------------------------------------------------
+
+
+def resolve_model(model, cfg: Config):
+    """The user's compiled ``keras.Model`` (calling a zero-argument builder under the
+    precision policy first), checked before any work starts."""
+    if not isinstance(model, keras.Model) and callable(model) and not isinstance(model, keras.layers.Layer):
+        previous = keras.config.dtype_policy()
+        if cfg.precision.policy != "float32":
+            keras.config.set_dtype_policy(cfg.precision.policy)
+        try:
+            model = model()
+        finally:
+            keras.config.set_dtype_policy(previous)
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"model: expected a compiled keras.Model or a function returning one, got "
+                        f"{type(model).__name__}")
+    if not getattr(model, "compiled", False):
+        raise ValueError(f"model: {model.name!r} is not compiled; call model.compile(optimizer=..., loss=..., "
+                         f"metrics=[...]) first")
+    custom_loss = type(model).compute_loss is not keras.Model.compute_loss
+    if model._compile_loss is None and not custom_loss:
+        raise ValueError(f"model: {model.name!r} was compiled without a loss; call model.compile(loss=...)")
+    return model
+
+
+def check_config_for_keras(cfg: Config, model) -> None:
+    """Refuse config keys that a Keras model's fit would silently ignore."""
+    defaults = Config()
+    for section in ("model", "data"):
+        if getattr(cfg, section) != getattr(defaults, section):
+            changed = [f.name for f in dataclasses.fields(getattr(cfg, section))
+                       if getattr(getattr(cfg, section), f.name) != getattr(getattr(defaults, section), f.name)]
+            raise ConfigError(f"{section}.{changed[0]}", f"configures the built-in GPT (phalanx train); your Keras "
+                                                         f"model and the data you pass to fit define their own")
+    for key, instead in _GPT_ONLY.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value != getattr(getattr(defaults, section), name):
+            raise ConfigError(key, f"{value!r} is for the built-in GPT's trainer; a Keras model uses {instead}")
+    if model.optimizer is not None:
+        for name in _OPTIMIZER_KEYS:
+            value = getattr(cfg.train, name)
+            if value != getattr(defaults.train, name):
+                raise ConfigError(f"train.{name}", f"{value!r} configures phalanx's AdamW, but model "
+                                                   f"{model.name!r} is compiled with "
+                                                   f"{type(model.optimizer).__name__}, whose settings rule; set it "
+                                                   f"on that optimizer")
+    if cfg.parallel.strategy in ("multi_worker", "parameter_server"):
+        raise ConfigError("parallel.strategy", f"{cfg.parallel.strategy!r}: fit of a Keras model runs in one process "
+                                               f"(dp and pp over this host's devices); across workers it is not "
+                                               f"built yet. Use auto or mesh")
+
+
+def default_optimizer(cfg: Config, total_steps: int):
+    """The optimizer for a model compiled with ``optimizer=None``: Keras's AdamW set from
+    ``train.*`` (linear warm-up, cosine decay to ``lr x min_lr_ratio``, global-norm clip)."""
+    t = cfg.train
+    decay_steps = max(total_steps - t.warmup, 1)
+    schedule = keras.optimizers.schedules.CosineDecay(
+        initial_learning_rate=0.0 if t.warmup else t.lr, decay_steps=decay_steps, alpha=t.min_lr_ratio,
+        warmup_target=t.lr if t.warmup else None, warmup_steps=t.warmup)
+    return keras.optimizers.AdamW(learning_rate=schedule, weight_decay=t.weight_decay, beta_1=t.beta1,
+                                  beta_2=t.beta2, epsilon=t.eps, global_clipnorm=t.clip_norm or None)
+
+
+def _check_positive(name: str, value, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}: {value!r} is not a positive integer")
+
+
+def _verbose(verbose) -> int:
+    if verbose == "auto":
+        return 1 if sys.stdout.isatty() else 2
+    if verbose not in (0, 1, 2):
+        raise ValueError(f"verbose: {verbose!r} is not one of 'auto', 0, 1, 2")
+    return int(verbose)
+
+
+def _logs(model) -> dict:
+    logs = {}
+    for name, value in model.get_metrics_result().items():
+        value = np.asarray(value)
+        logs[name] = float(value) if value.size == 1 else value
+    return logs
+
+
+def _divisor(cfg: Config, mesh: Mesh) -> int:
+    return mesh.dp * cfg.train.grad_accum * cfg.parallel.microbatches
+
+
+# -- run directory ---------------------------------------------------------------------------
+
+
+def run_directory(cfg: Config) -> Path:
+    """``run.dir``, or a new time-named directory under ``runs/`` when it is the default."""
+    if cfg.run.dir != DEFAULT_RUN_DIR:
+        return Path(cfg.run.dir).expanduser()
+    base = Path("runs") / time.strftime("fit-%Y%m%d-%H%M%S")
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = Path(f"{base}-{n}")
+    return path
+
+
+def _variables_signature(model) -> list[list]:
+    return [[v.path, list(v.shape)] for v in model.variables]
+
+
+def _state(model) -> dict[str, np.ndarray]:
+    tensors = {f"model/{i:05d}": np.asarray(v.numpy()) for i, v in enumerate(model.variables)}
+    tensors.update({f"optimizer/{i:05d}": np.asarray(v.numpy()) for i, v in enumerate(model.optimizer.variables)})
+    return tensors
+
+
+def _restore(run_dir: Path, model, say) -> tuple[int, dict]:
+    """Load the newest valid checkpoint of ``run_dir`` into ``model``; (epochs done, history)."""
+    ckpt_dir = run_dir / "checkpoints"
+    path = checkpoint.latest(ckpt_dir)
+    if path is None:
+        return 0, {}
+    restored = checkpoint.restore(path)
+    meta = restored.meta
+    saved = meta.get("keras_variables")
+    if saved is None:
+        raise ConfigError("run.dir", f"{str(run_dir)!r} holds checkpoints of phalanx's built-in GPT, not of a Keras "
+                                     f"model; pass another run.dir")
+    mine = _variables_signature(model)
+    if saved != mine:
+        first = next((f"{a} vs {b}" for a, b in zip(saved, mine) if a != b),
+                     f"{len(saved)} variables saved vs {len(mine)} in the model")
+        raise ConfigError("run.dir", f"{str(run_dir)!r} holds checkpoints of a different model (first difference: "
+                                     f"checkpoint {first}); pass a new run.dir, or fit the same model to resume")
+    optimizer_vars = model.optimizer.variables
+    wanted = {f"optimizer/{i:05d}" for i in range(len(optimizer_vars))}
+    have = {k for k in restored.tensors if k.startswith("optimizer/")}
+    if wanted != have:
+        raise ConfigError("run.dir", f"{str(run_dir)!r}: the checkpoint's optimizer state has {len(have)} tensors but "
+                                     f"{type(model.optimizer).__name__} has {len(wanted)}; compile with the optimizer "
+                                     f"(and precision policy) of the saved run, or pass a new run.dir")
+    for i, v in enumerate(model.variables):
+        v.assign(restored.tensors[f"model/{i:05d}"])
+    for i, v in enumerate(optimizer_vars):
+        v.assign(restored.tensors[f"optimizer/{i:05d}"])
+    say(f"resumed from {path} (epoch {meta['epoch']})")
+    return int(meta["epoch"]), meta.get("history", {})
+
+
+def _save(run_dir: Path, cfg: Config, model, epoch: int, history: dict, step: int) -> Path:
+    meta = {"epoch": epoch, "history": _jsonable(history), "keras_variables": _variables_signature(model),
+            "config": cfg.to_dict(), "model": model.name}
+    return checkpoint.save(run_dir / "checkpoints", step, _state(model), meta=meta, keep=cfg.checkpoint.keep)
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, (np.floating, np.integer)):
+        return value.item()
+    return value
+
+
+def _write_metrics(run_dir: Path, rows_after: int, row: dict | None) -> None:
+    """Append ``row`` to metrics.jsonl after dropping rows of epochs >= ``rows_after``
+    (a resumed run repeats no epoch)."""
+    path = run_dir / METRICS_FILE
+    rows = []
+    if path.is_file():
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rows = [r for r in rows if r.get("epoch", 0) < rows_after]
+    if row is not None:
+        rows.append(_jsonable(row))
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+# -- the loops ------------------------------------------------------------------------------------
+
+
+def _callbacks(callbacks, model, verbose: int, epochs: int, steps, history=None):
+    given = list(callbacks or [])
+    if history is not None:
+        given.append(history)
+    return keras.callbacks.CallbackList(given, add_history=False, add_progbar=verbose != 0, model=model,
+                                        verbose=verbose, epochs=epochs, steps=steps)
+
+
+def _evaluate_loop(engine: KerasModelEngine, model, batches: Batches, callbacks, steps=None) -> dict:
+    model.reset_metrics()
+    callbacks.on_test_begin()
+    logs = {}
+    for step, batch in enumerate(batches.epoch()):
+        if steps is not None and step >= steps:
+            break
+        callbacks.on_test_batch_begin(step)
+        engine.test_step(batch)
+        logs = _logs(model)
+        callbacks.on_test_batch_end(step, logs)
+    logs = _logs(model)
+    callbacks.on_test_end(logs)
+    return logs
+
+
+def fit(model, cfg: Config, mesh: Mesh, x=None, y=None, *, batch_size=None, epochs=1, steps_per_epoch=None,
+        validation_data=None, validation_steps=None, validation_batch_size=None, validation_freq=1,
+        initial_epoch=0, callbacks=None, shuffle=True, sample_weight=None, verbose="auto"):
+    """See :func:`phalanx.fit`."""
+    model = resolve_model(model, cfg)
+    check_config_for_keras(cfg, model)
+    _check_positive("epochs", epochs)
+    _check_positive("validation_freq", validation_freq)
+    _check_positive("validation_steps", validation_steps, allow_none=True)
+    if not isinstance(initial_epoch, int) or not 0 <= initial_epoch < epochs:
+        raise ValueError(f"initial_epoch: {initial_epoch!r} must be an integer in [0, epochs={epochs})")
+    verbose = _verbose(verbose)
+    train = Batches(x, y, sample_weight, batch_size=batch_size, steps_per_epoch=steps_per_epoch, shuffle=shuffle,
+                    seed=cfg.train.seed, divisor=_divisor(cfg, mesh))
+    val = _validation_batches(validation_data, validation_batch_size or batch_size, cfg, mesh)
+    apply_precision(model, cfg)
+    if model.optimizer is None:
+        model.optimizer = default_optimizer(cfg, (train.steps or 1) * epochs)
+    engine = KerasModelEngine(model, cfg, mesh, train.first())
+    run_dir = run_directory(cfg)
+    from phalanx.fsutil import RunLock
+    with RunLock(run_dir):
+        return _fit_loop(engine, model, cfg, run_dir, train, val, epochs=epochs, initial_epoch=initial_epoch,
+                         callbacks=callbacks, verbose=verbose, validation_steps=validation_steps,
+                         validation_freq=validation_freq)
+
+
+def _validation_batches(validation_data, batch_size, cfg: Config, mesh: Mesh):
+    if validation_data is None:
+        return None
+    import tensorflow as tf
+    if isinstance(validation_data, tf.data.Dataset):
+        return Batches(validation_data, divisor=1)
+    if not isinstance(validation_data, (tuple, list)) or len(validation_data) not in (2, 3):
+        raise ValueError("validation_data: pass (x_val, y_val), (x_val, y_val, sample_weight) or a tf.data.Dataset")
+    vx, vy, vsw = (tuple(validation_data) + (None,))[:3]
+    return Batches(vx, vy, vsw, batch_size=batch_size, divisor=1)
+
+
+def _fit_loop(engine, model, cfg, run_dir: Path, train: Batches, val, *, epochs, initial_epoch, callbacks,
+              verbose, validation_steps, validation_freq):
+    say = (lambda text: print(text, file=sys.stderr, flush=True)) if verbose else (lambda text: None)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    done, saved_history = _restore(run_dir, model, say)
+    history = keras.callbacks.History()
+    if done >= epochs:
+        history.set_model(model)
+        history.history = {k: list(v) for k, v in saved_history.items()}
+        history.epoch = list(range(done))
+        model.history = history
+        last = history.history.get("loss", [float("nan")])[-1]
+        say(f"nothing to do: {run_dir} already holds {done} of {epochs} epochs (last loss {last:.4f}); "
+            f"raise epochs or use a new run.dir to train more")
+        return history
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    start = max(initial_epoch, done)
+    _write_metrics(run_dir, start, None)
+    callback_list = _callbacks(callbacks, model, verbose, epochs, train.steps, history)
+    model.stop_training = False
+    callback_list.on_train_begin()
+    history.history = {k: list(v)[:start] for k, v in saved_history.items()}
+    history.epoch = list(range(start)) if saved_history else []
+    step_count = int(model.optimizer.iterations.numpy())
+    say(f"phalanx.fit: {model.name!r} on dp={engine.dp} pp={engine.pp} (grad_accum {engine.accum}, "
+        f"{engine.microbatches} micro-batches), {cfg.precision.policy}; run dir {run_dir}")
+    epoch_logs: dict = {}
+    for epoch in range(start, epochs):
+        model.reset_metrics()
+        callback_list.on_epoch_begin(epoch)
+        logs = {}
+        steps_run = 0
+        for step, batch in enumerate(train.epoch()):
+            callback_list.on_train_batch_begin(step)
+            engine.train_step(batch)
+            steps_run += 1
+            logs = _logs(model)
+            callback_list.on_train_batch_end(step, logs)
+            if model.stop_training:
+                break
+        step_count += steps_run
+        if steps_run == 0:
+            say(f"epoch {epoch + 1}: no batch to train on; stopping")
+            break
+        epoch_logs = dict(logs)
+        if val is not None and (epoch + 1) % validation_freq == 0:
+            val_logs = _evaluate_loop(engine, model, val, callback_list, validation_steps)
+            epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
+        callback_list.on_epoch_end(epoch, epoch_logs)
+        _save(run_dir, cfg, model, epoch + 1, history.history, step_count)
+        _write_metrics(run_dir, epoch + 1, {"epoch": epoch + 1, "step": step_count, **epoch_logs})
+        if model.stop_training:
+            break
+    callback_list.on_train_end(logs=epoch_logs)
+    return model.history if getattr(model, "history", None) is history else history
+
+
+def evaluate(model, cfg: Config, mesh: Mesh, x=None, y=None, *, batch_size=None, steps=None, sample_weight=None,
+             callbacks=None, return_dict=False, verbose="auto"):
+    """See :func:`phalanx.evaluate`."""
+    model = resolve_model(model, cfg)
+    _check_positive("steps", steps, allow_none=True)
+    verbose = _verbose(verbose)
+    batches = Batches(x, y, sample_weight, batch_size=batch_size, divisor=1)
+    apply_precision(model, cfg)
+    engine = KerasModelEngine(model, cfg, mesh, batches.first())
+    callback_list = _callbacks(callbacks, model, verbose, 1, steps or batches.steps)
+    logs = _evaluate_loop(engine, model, batches, callback_list, steps)
+    if return_dict:
+        return logs
+    return model._flatten_metrics_in_order(logs)
+
+
+def predict(model, cfg: Config, mesh: Mesh, x, *, batch_size=None, steps=None, callbacks=None, verbose="auto"):
+    """See :func:`phalanx.predict`."""
+    if not isinstance(model, keras.Model) and callable(model):
+        model = model()
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"model: expected a keras.Model, got {type(model).__name__}")
+    _check_positive("steps", steps, allow_none=True)
+    verbose = _verbose(verbose)
+    batches = Batches(x, batch_size=batch_size, divisor=1, need_y=False)
+    apply_precision(model, cfg)
+    first = batches.first()
+    engine = KerasModelEngine(model, cfg, mesh, (first[0], None, None), inference_only=True)
+    callback_list = _callbacks(callbacks, model, verbose, 1, steps or batches.steps)
+    callback_list.on_predict_begin()
+    outputs = []
+    for step, (bx, _, _) in enumerate(batches.epoch()):
+        if steps is not None and step >= steps:
+            break
+        callback_list.on_predict_batch_begin(step)
+        flat = [np.asarray(t) for t in engine.predict_step(bx)]
+        outputs.append(flat)
+        callback_list.on_predict_batch_end(step, {"outputs": engine.pack_outputs(flat)})
+    callback_list.on_predict_end()
+    if not outputs:
+        raise ValueError("x: no batch to predict on")
+    joined = [np.concatenate([o[i] for o in outputs], axis=0) for i in range(len(outputs[0]))]
+    return engine.pack_outputs(joined)
