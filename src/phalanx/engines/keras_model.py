@@ -50,7 +50,7 @@ import tensorflow as tf
 
 from phalanx.config import Config, ConfigError
 from phalanx.mesh import Mesh
-from phalanx.parallel.pipeline import run_schedule
+from phalanx.parallel.pipeline import accumulate_gradient, run_schedule
 from phalanx.parallel.schedules import build_schedule
 
 MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")
@@ -269,7 +269,12 @@ class KerasModelEngine:
         if self.inference_only:
             return
         x, y, sw = sample_batch
-        self.model._symbolic_build(data_batch=(x, y, sw) if sw is not None else (x, y))
+        try:
+            self.model._symbolic_build(data_batch=(x, y, sw) if sw is not None else (x, y))
+        except (ValueError, TypeError) as err:
+            # Keras found that the data, the model and the compiled loss/metrics do not fit.
+            raise ValueError(f"x / y / loss: model {self.model.name!r} cannot compute its compiled loss and metrics "
+                             f"on this data: {err}") from None
         if self.optimizer is None:
             raise ValueError(f"model {self.model.name!r} has no optimizer; compile it with one")
         if not self.optimizer.built:
@@ -388,7 +393,7 @@ class KerasModelEngine:
                 grads, loss_sum = run_schedule(
                     self.schedule,
                     lambda s, i, h, _d=d, _g=group: self._forward(_d, s, h, _g[i], state, "train"),
-                    params, scale / float(total), prefix=f"dp{d}_acc{a}")
+                    params, scale / float(total), prefix=f"dp{d}_acc{a}", keep_sparse=True)
                 losses.append(loss_sum)
                 for s, stage_grads in enumerate(grads):
                     for j, g in enumerate(stage_grads):
@@ -397,9 +402,11 @@ class KerasModelEngine:
         for s, stage in enumerate(self.stages):
             for j, v in enumerate(stage.trainable_variables):
                 with tf.device(v.value.device):
-                    g = tf.add_n(acc[s][j]) if len(acc[s][j]) > 1 else acc[s][j][0]
+                    g = None
+                    for part in acc[s][j]:
+                        g = accumulate_gradient(g, part, keep_sparse=True)
                     if id(v) in reg_grads:
-                        g = g + tf.cast(reg_grads[id(v)], tf.float32) * scale
+                        g = tf.convert_to_tensor(g) + tf.cast(reg_grads[id(v)], tf.float32) * scale
                     grads.append(tf.cast(g, v.dtype))
                 variables.append(v)
         self.optimizer.apply(grads, variables)

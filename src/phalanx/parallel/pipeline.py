@@ -98,15 +98,33 @@ def _differentiable(tensors: list[tf.Tensor]) -> list[tf.Tensor]:
     return [t for t in tensors if t.dtype.is_floating]
 
 
+def accumulate_gradient(total, grad, keep_sparse: bool = False):
+    """``total + grad`` in float32. With ``keep_sparse``, two ``IndexedSlices`` (an
+    embedding's gradient) are joined by concatenating their rows, not densified: that is
+    the gradient one tape over the whole batch would give, and Keras's optimizers treat
+    it differently from its dense sum (e.g. Adam squares each row separately)."""
+    if keep_sparse and isinstance(grad, tf.IndexedSlices) and not isinstance(total, tf.Tensor):
+        grad = tf.IndexedSlices(tf.cast(grad.values, tf.float32), grad.indices, grad.dense_shape)
+        if total is None:
+            return grad
+        return tf.IndexedSlices(tf.concat([total.values, grad.values], 0), tf.concat([total.indices, grad.indices], 0),
+                                total.dense_shape)
+    grad = tf.cast(tf.convert_to_tensor(grad), tf.float32)  # gather grads are IndexedSlices
+    if total is None:
+        return grad
+    return tf.convert_to_tensor(total) + grad
+
+
 def run_schedule(schedule: Schedule, forward: StageForward, params: Sequence[Sequence[tf.Variable]],
-                 loss_weight: tf.Tensor, trace: PipelineTrace | None = None, prefix: str = "pipe"):
+                 loss_weight: tf.Tensor, trace: PipelineTrace | None = None, prefix: str = "pipe",
+                 keep_sparse: bool = False):
     """Run one pipeline step; return ``(grads, loss_sum)``.
 
     ``params[s]``: the variables stage ``s`` reads. ``grads[s][j]`` is the gradient of
     ``sum over micro-batches of loss_i x loss_weight`` w.r.t. ``params[s][j]``;
     ``loss_sum`` is the sum of the (unweighted) micro-batch losses. Activations handed
     between stages may be single tensors or lists; only their floating-point members
-    are differentiated.
+    are differentiated. ``keep_sparse``: see :func:`accumulate_gradient`.
     """
     if schedule.split_backward:
         raise ValueError(f"schedule {schedule.name!r} splits the backward into B and W; the executor runs "
@@ -157,8 +175,7 @@ def run_schedule(schedule: Schedule, forward: StageForward, params: Sequence[Seq
                     grad_out[(stage - 1, mb)] = grads[len(params[stage]):]
                 for j, (var, g) in enumerate(zip(params[stage], grads)):
                     with tf.device(var.device):
-                        g = tf.cast(tf.convert_to_tensor(g), tf.float32)  # gather grads are IndexedSlices
-                        acc[stage][j] = g if acc[stage][j] is None else acc[stage][j] + g
+                        acc[stage][j] = accumulate_gradient(acc[stage][j], g, keep_sparse)
                 marker = [g for g in grads]
         previous[rank] = marker
         if trace is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -156,7 +157,11 @@ def run_directory(cfg: Config) -> Path:
 
 
 def _variables_signature(model) -> list[list]:
-    return [[v.path, list(v.shape)] for v in model.variables]
+    """What makes a checkpoint "of the same model": its variables' paths and shapes, in
+    order, without the counters Keras appends to layer names (``dense_3`` -> ``dense``),
+    which depend on how many layers the process made before."""
+    return [["/".join(re.sub(r"_\d+$", "", part) for part in v.path.split("/")), list(v.shape)]
+            for v in model.variables]
 
 
 def _state(model) -> dict[str, np.ndarray]:
