@@ -14,7 +14,6 @@ and calls the user's model on each.
 from __future__ import annotations
 
 import csv
-import os
 
 import keras
 import numpy as np

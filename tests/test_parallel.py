@@ -7,7 +7,6 @@ shared between tests (tracing dominates the run time).
 
 from __future__ import annotations
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -15,13 +14,12 @@ import tensorflow as tf
 from phalanx.config import Config, ConfigError
 from phalanx.mesh import Mesh
 from phalanx.parallel.apply import make_mesh_engine, needs_mesh_engine, parallelize
-from phalanx.parallel.keras_pipeline import UncuttableModelError, split_model
 from phalanx.parallel.mesh_engine import MeshEngine
 from phalanx.parallel.pipeline import (check_graph_order, executed_order, measured_bubble, partition,
                                        profile_actions)
 from phalanx.parallel.schedules import peak_in_flight
 from phalanx.train.engine import StrategyEngine
-from phalanx.train.task import GPTTask, KerasTask
+from phalanx.train.task import GPTTask
 
 STEPS, MORE = 3, 2
 MODEL = dict(layers=4, d_model=32, heads=4, ffn=64, vocab=256, seq_len=16)
@@ -219,63 +217,6 @@ def test_recompute_lowers_peak_memory_and_keeps_the_math(devices):
     np.testing.assert_allclose(losses["selective"], losses["none"], rtol=1e-5)
 
 
-# -- Keras chain models -------------------------------------------------------------
-
-
-def _mlp():
-    # Explicit names: checkpoint keys are Keras paths, which must not depend on build order.
-    return keras.Sequential([keras.Input((12,))]
-                            + [keras.layers.Dense(16, activation="tanh", name=f"d{i}") for i in range(5)]
-                            + [keras.layers.Dense(3, name="out")], name="mlp")
-
-
-def _keras_task():
-    keras.utils.set_random_seed(3)
-    return KerasTask(_mlp, keras.losses.MeanSquaredError())
-
-
-def test_keras_sequential_split_trains_like_unsplit(devices):
-    rng = np.random.default_rng(2)
-    data = [(rng.normal(size=(8, 12)).astype(np.float32), rng.normal(size=(8, 3)).astype(np.float32))
-            for _ in range(STEPS)]
-    cfg = Config().replace(train={"global_batch": 8, "warmup": 1, "lr": 1e-2})
-    ref = StrategyEngine(cfg, _keras_task())
-    ref_losses = [float(ref.train_step(b)["loss"]) for b in data]
-    ref_state = ref.state_dict()
-    for dp, pp, schedule in ((2, 2, "gpipe"), (1, 4, "1f1b")):
-        cfg_pp = cfg.replace(parallel={"dp": dp, "pp": pp, "microbatches": 2, "schedule": schedule})
-        engine = make_mesh_engine(cfg_pp, mesh_of(devices, dp=dp, pp=pp), _keras_task())
-        assert [len(s) for s in engine.split.stages] and len(engine.split.stages) == pp
-        losses = [float(engine.train_step(b)["loss"]) for b in data]
-        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
-        state = engine.state_dict()
-        assert set(state) == set(ref_state)
-        for k, v in ref_state.items():
-            np.testing.assert_allclose(state[k], v, rtol=W_RTOL, atol=W_ATOL, err_msg=k)
-        devices_used = {v.device for s in engine.params.shards.values() for v in s.copies[0]}
-        assert len(devices_used) == pp  # replica 0's weights live on its pp stage devices
-
-
-def test_functional_chain_cuts_only_at_single_tensor_points():
-    inp = keras.Input((8,))
-    x = keras.layers.Dense(8)(inp)
-    y = keras.layers.Dense(8)(x)
-    x = keras.layers.Add()([x, y])      # residual inside a piece: not a cut point
-    x = keras.layers.Dense(8)(x)
-    out = keras.layers.Dense(2)(x)
-    model = keras.Model(inp, out)
-    split = split_model(model, 3)
-    assert len(split.stages) == 3
-    with pytest.raises(UncuttableModelError, match="cut-able pieces"):
-        split_model(model, 5)
-    # A skip connection from the input to the output leaves no cut point at all.
-    inp = keras.Input((8,))
-    h = keras.layers.Dense(8)(keras.layers.Dense(8)(inp))
-    skip = keras.Model(inp, keras.layers.Add()([inp, h]))
-    with pytest.raises(UncuttableModelError, match="only 1 cut-able"):
-        split_model(skip, 2)
-
-
 # -- small pieces -----------------------------------------------------------------------
 
 
@@ -292,7 +233,7 @@ def test_errors_name_the_key(devices):
     with pytest.raises(ConfigError, match="parallel.tp"):
         MeshEngine(cfg, mesh_of(devices, tp=8), GPTTask(cfg.model))
     assert needs_mesh_engine(make_cfg(pp=2, microbatches=2)) and not needs_mesh_engine(make_cfg(dp=2))
-    with pytest.raises(TypeError, match="GPTTask or a KerasTask"):
+    with pytest.raises(TypeError, match="takes a GPTTask"):
         make_mesh_engine(cfg, mesh_of(devices), object())
     engine = parallelize(cfg.model, mesh_of(devices), cfg)
     assert engine.num_params() == sum(int(np.prod(w.shape)) for w in engine.weights().values())

@@ -1,18 +1,15 @@
 """The training loop end to end: outputs, resume equals an uninterrupted run, eval,
-a golden-loss debug run, and any Keras 3 model through phalanx.fit."""
+a golden-loss debug run (a user's Keras model: tests/test_keras_fit.py)."""
 
 import json
 import os
 import shutil
 from pathlib import Path
 
-import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from phalanx import checkpoint
-from phalanx.api import fit
 from phalanx.config import ConfigError, load_config
 from phalanx.train.progress import read_metrics
 from phalanx.train.trainer import Trainer
@@ -98,34 +95,3 @@ def test_golden_losses_of_a_3_step_debug_run(tmp_path, corpus):
     np.testing.assert_allclose(got, expected, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["sequential", "functional", "subclassed"])
-def test_any_keras_model_trains_through_fit(tmp_path, kind):
-    rng = np.random.default_rng(0)
-    x = rng.random((512, 8), dtype=np.float32)
-    y = (x @ rng.random((8, 1), dtype=np.float32)).astype(np.float32)
-    data = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(32)
-
-    class Net(keras.Model):
-        def __init__(self):
-            super().__init__()
-            self.hidden, self.out = keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)
-
-        def call(self, inputs):
-            return self.out(self.hidden(inputs))
-
-    def build():
-        if kind == "sequential":
-            return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                                     keras.layers.Dense(1)])
-        if kind == "functional":
-            inp = keras.Input((8,))
-            return keras.Model(inp, keras.layers.Dense(1)(keras.layers.Dense(16, activation="relu")(inp)))
-        net = Net()
-        net(np.zeros((1, 8), np.float32))
-        return net
-
-    summary = fit(build, keras.losses.MeanSquaredError(), data, quiet=True,
-                  overrides=["train.steps=60", "train.global_batch=32", "train.lr=0.02", "train.warmup=5",
-                             "train.log_every=10", "train.weight_decay=0", f"run.dir={tmp_path / kind}"])
-    rows = read_metrics(tmp_path / kind)
-    assert summary.steps == 60 and rows[-1]["loss"] < 0.25 * rows[0]["loss"]

@@ -45,7 +45,6 @@ from __future__ import annotations
 from typing import Any
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from phalanx.config import Config, ConfigError

@@ -7,7 +7,7 @@ tools (``phalanx schedule``) do not pay for importing TensorFlow.
 
 _LAZY = {"parallelize": "phalanx.parallel.apply", "make_mesh_engine": "phalanx.parallel.apply",
          "needs_mesh_engine": "phalanx.parallel.apply", "MeshEngine": "phalanx.parallel.mesh_engine",
-         "KerasPipelineEngine": "phalanx.parallel.keras_pipeline", "split_model": "phalanx.parallel.keras_pipeline"}
+         "split_keras_model": "phalanx.parallel.keras_graph"}
 
 
 def __getattr__(name):

@@ -7,9 +7,9 @@ The model code is written for one device; this step decides how it runs on the m
   ``ModelConfig``) -> :class:`~phalanx.parallel.mesh_engine.MeshEngine`: tensor
   parallelism over ``tensor``, pipeline over ``pipe``, replicas over ``data``, ZeRO
   and recomputation from ``cfg.parallel``;
-* a Keras Sequential/Functional chain (a :class:`~phalanx.train.task.KerasTask`, or a
-  compiled ``keras.Model``) -> :class:`~phalanx.parallel.keras_pipeline.KerasPipelineEngine`
-  (``pipe`` x ``data``; ``tp`` must be 1).
+* a user's compiled ``keras.Model`` (with ``sample_batch``) ->
+  :class:`~phalanx.engines.keras_model.KerasModelEngine` (``pipe`` x ``data``, the model's
+  own optimizer, loss and metrics; ``tp`` must be 1). :func:`phalanx.fit` does this for you.
 
 Example:
     >>> from phalanx.config import Config
@@ -45,17 +45,18 @@ def make_mesh_engine(cfg: Config, mesh: Mesh, task):
             raise ConfigError("model", "the GPTTask's ModelConfig differs from cfg.model; build the task from cfg.model")
         return MeshEngine(cfg, mesh, task)
     if isinstance(task, KerasTask):
-        from phalanx.parallel.keras_pipeline import KerasPipelineEngine
+        raise ConfigError("parallel.pp", "a Keras model trains on tensor/pipeline layouts through "
+                                         "phalanx.fit(model, x, y, ...) with its compiled optimizer; the "
+                                         "Trainer's KerasTask supports data parallelism only")
+    raise TypeError(f"make_mesh_engine takes a GPTTask, got {type(task).__name__}")
 
-        return KerasPipelineEngine(cfg, mesh, task)
-    raise TypeError(f"make_mesh_engine takes a GPTTask or a KerasTask, got {type(task).__name__}")
 
-
-def parallelize(model_or_task, mesh: Mesh, cfg: Config):
+def parallelize(model_or_task, mesh: Mesh, cfg: Config, sample_batch=None):
     """An Engine that trains ``model_or_task`` on ``mesh`` as ``cfg.parallel`` says.
 
-    Accepts a GPTTask, KerasTask, ``ModelConfig``, ``gpt.GPT`` (its current weights are
-    the starting point) or a compiled ``keras.Model`` (its compiled loss is used).
+    Accepts a GPTTask, ``ModelConfig``, ``gpt.GPT`` (its current weights are the starting
+    point) or a compiled ``keras.Model`` with ``sample_batch`` = one ``(x, y,
+    sample_weight)`` batch (its compiled optimizer, loss and metrics are used).
     """
     import keras
 
@@ -67,13 +68,12 @@ def parallelize(model_or_task, mesh: Mesh, cfg: Config):
         task = GPTTask(model_or_task.cfg, cfg.precision.policy, cfg.train.seed)
         start = {n: v.numpy() for n, v in model_or_task.named_variables().items()}
     elif isinstance(model_or_task, keras.Model):
-        model = model_or_task
-        loss = getattr(model, "loss", None)
-        if loss is None:
-            raise ValueError(f"model {model.name!r} has no loss: compile it with a loss, or pass "
-                             f"KerasTask(model_fn, loss_fn)")
-        loss_fn = keras.losses.get(loss) if isinstance(loss, str) else loss
-        task = KerasTask(lambda: model, loss_fn)
+        from phalanx.engines.keras_model import KerasModelEngine
+
+        if sample_batch is None:
+            raise ValueError("sample_batch: a Keras model needs one (x, y, sample_weight) batch to build its "
+                             "compiled loss, metrics and optimizer; or train it with phalanx.fit")
+        return KerasModelEngine(model_or_task, cfg, mesh, sample_batch)
     engine = make_mesh_engine(cfg, mesh, task)
     if start is not None:
         for name, value in start.items():

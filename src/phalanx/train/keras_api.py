@@ -82,7 +82,7 @@ def check_config_for_keras(cfg: Config, model) -> None:
             changed = [f.name for f in dataclasses.fields(getattr(cfg, section))
                        if getattr(getattr(cfg, section), f.name) != getattr(getattr(defaults, section), f.name)]
             raise ConfigError(f"{section}.{changed[0]}", f"configures the built-in GPT (phalanx train); your Keras "
-                                                         f"model and the data you pass to fit define their own")
+                                                         "model and the data you pass to fit define their own")
     for key, instead in _GPT_ONLY.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
