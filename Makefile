@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[test]'
+	# keras-hub's models are tested as user models; --no-deps because its tensorflow-text
+	# requirement would pull the CUDA TensorFlow wheel (its backbones need only regex).
+	$(BIN)/python -m pip install --quiet --no-deps 'keras-hub==0.32.*' regex
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -22,10 +25,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --timeout=900
 
-# By hand, not in CI. keras-hub is the peer of bench_gpt.py; --no-deps because its
-# tensorflow-text dependency would pull the CUDA TensorFlow wheel (GPT-2 needs only regex).
+# By hand, not in CI. keras-hub (installed with the test tools) is the peer of bench_gpt.py.
 bench: $(STAMP)
-	$(BIN)/python -m pip install --quiet --no-deps keras-hub regex
 	$(BIN)/python benchmarks/bench_gpt.py --onednn on
 	$(BIN)/python benchmarks/bench_parallel.py
 	$(BIN)/python benchmarks/bench_cluster.py

@@ -57,9 +57,11 @@ def check(model, x, stages_list=(1, 2, 3), trainings=(False, True), balance="flo
     for stages in stages_list:
         split = split_keras_model(model, stages, balance=balance)
         assert len(split.stages) == stages
-        # every variable of the model is in exactly one stage
+        # every variable of the model is in a stage; only trainable (tied) ones in several
         listed = [id(v) for st in split.stages for v in st.trainable_variables + st.non_trainable_variables]
-        assert sorted(listed) == sorted(id(v) for v in model.variables)
+        assert set(listed) == {id(v) for v in model.variables}
+        state = [id(v) for st in split.stages for v in st.non_trainable_variables]
+        assert len(state) == len(set(state))
         for training in trainings:
             before = snapshot(model)
             got = split.run(x, training=training)
@@ -211,17 +213,24 @@ def test_nested_models_are_inlined_and_cut_inside():
     assert splits[0].stages[0].ops[names.index("doubled")].flops == 2 * 8 * 8 + 2  # its graph's sum
 
 
-def test_shared_layer_stays_in_one_stage():
+def test_shared_weights_may_span_stages_but_shared_state_may_not():
     keras.utils.set_random_seed(7)
     shared = layers.Dense(8, name="shared")
     x_in = keras.Input((8,))
     h = shared(layers.Dense(8, activation="relu")(x_in))
     h = shared(layers.Dense(8, activation="relu")(h))
     model = keras.Model(x_in, layers.Dense(2)(h))
-    splits = check(model, data(3, 8))
-    for split in splits:
-        assert sum("shared" in st.op_names for st in split.stages) == 1
-    with pytest.raises(UncuttableModelError, match="shared"):
+    check(model, data(3, 8))
+    split = split_keras_model(model, 4)  # tied weights: both stages list them
+    assert sum(id(shared.kernel) in {id(v) for v in st.trainable_variables} for st in split.stages) == 2
+    # A layer with state (moving statistics) called twice stays in one stage.
+    norm = layers.BatchNormalization(name="shared_bn")
+    h = norm(layers.Dense(8)(x_in))
+    h = norm(layers.Dense(8)(h))
+    model = keras.Model(x_in, layers.Dense(2)(h))
+    for split in check(model, data(3, 8)):
+        assert sum("shared_bn" in st.op_names for st in split.stages) == 1
+    with pytest.raises(UncuttableModelError, match="shared_bn"):
         split_keras_model(model, 4)
 
 

@@ -220,8 +220,9 @@ def _inlinable(op, node):
     else:
         return None
     args, kwargs = node.arguments.args, node.arguments.kwargs
+    # keras-hub's tasks call their backbone with mask={"token_ids": None, ...}: all None.
     if inner is None or not plain_call or len(args) != 1 or \
-            any(v is not None for k, v in kwargs.items() if k != "training"):
+            any(x is not None for k, v in kwargs.items() if k != "training" for x in tree.flatten(v)):
         return None
     outer = tree.flatten(args[0])
     if isinstance(args[0], dict) != isinstance(inner._inputs_struct, dict) or len(outer) != len(inner.inputs):
@@ -338,15 +339,17 @@ def _flops(op, node) -> float:
 
 def _blocked_cuts(ops: list[_Op]) -> dict[int, set[str]]:
     """Cut positions i (between ops i-1 and i) that must not be used, with the reason:
-    inside the span of a layer called several times or of a variable read by several
-    ops (one copy of a weight cannot live on two stages). Keras masks need no rule:
-    a symbolic call records the mask it passes (e.g. LSTM(mask=...)) as a node argument,
-    so a mask is an ordinary tensor of the graph and is handed over like one."""
+    inside the span of the ops that share *state* (a non-trainable variable, e.g. a
+    BatchNormalization called twice): its updates must be threaded through one stage.
+    Trainable weights may be shared across stages (tied embeddings): each stage lists
+    them, and the engine keeps a mirror on every stage but the first and sums the
+    gradients. Keras masks need no rule: a symbolic call records the mask it passes
+    (e.g. LSTM(mask=...)) as a node argument, so a mask is an ordinary tensor of the
+    graph and is handed over like one."""
     spans: dict[int, tuple[str, list[int]]] = {}
     for i, o in enumerate(ops):
-        spans.setdefault(id(o.op), (f"layer {o.op.name!r} (called more than once)", []))[1].append(i)
-        for v in o.trainable + o.non_trainable:
-            spans.setdefault(id(v), (f"variable {v.path!r} (read by several layers)", []))[1].append(i)
+        for v in o.non_trainable:
+            spans.setdefault(id(v), (f"variable {v.path!r} (state read by several layers)", []))[1].append(i)
     blocked: dict[int, set[str]] = {}
     for why, where in spans.values():
         for i in range(min(where) + 1, max(where) + 1):

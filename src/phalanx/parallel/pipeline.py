@@ -124,7 +124,8 @@ def run_schedule(schedule: Schedule, forward: StageForward, params: Sequence[Seq
     ``sum over micro-batches of loss_i x loss_weight`` w.r.t. ``params[s][j]``;
     ``loss_sum`` is the sum of the (unweighted) micro-batch losses. Activations handed
     between stages may be single tensors or lists; only their floating-point members
-    are differentiated. ``keep_sparse``: see :func:`accumulate_gradient`.
+    are differentiated. ``keep_sparse``: see :func:`accumulate_gradient`; a weight that
+    received no gradient is then ``None`` instead of zeros.
     """
     if schedule.split_backward:
         raise ValueError(f"schedule {schedule.name!r} splits the backward into B and W; the executor runs "
@@ -168,15 +169,19 @@ def run_schedule(schedule: Schedule, forward: StageForward, params: Sequence[Seq
                 upstream = grad_out.pop((stage, mb)) if stage < last_stage else None
                 if targets:
                     grads = tape.gradient(targets, sources, output_gradients=upstream,
-                                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                                          unconnected_gradients=tf.UnconnectedGradients.NONE)
                 else:  # nothing differentiable leaves this stage: its weights get no gradient
-                    grads = [tf.zeros_like(s) for s in sources]
+                    grads = [None] * len(sources)
+                n = len(params[stage])
                 if watched:
-                    grad_out[(stage - 1, mb)] = grads[len(params[stage]):]
-                for j, (var, g) in enumerate(zip(params[stage], grads)):
+                    grad_out[(stage - 1, mb)] = [tf.zeros_like(x) if g is None else g
+                                                 for x, g in zip(watched, grads[n:])]
+                for j, (var, g) in enumerate(zip(params[stage], grads[:n])):
+                    if g is None:  # a weight this stage lists but does not use (e.g. a tied copy)
+                        continue
                     with tf.device(var.device):
                         acc[stage][j] = accumulate_gradient(acc[stage][j], g, keep_sparse)
-                marker = [g for g in grads]
+                marker = [g for g in grads if g is not None] or targets or _flat(upstream)
         previous[rank] = marker
         if trace is not None:
             trace.order[rank].append(str(action))
@@ -185,7 +190,9 @@ def run_schedule(schedule: Schedule, forward: StageForward, params: Sequence[Seq
             # Gradient ops are named after the forward op ("gradient_tape/<F scope>/..."),
             # not after the B scope, so an action's ops are recorded by creation order.
             trace.ops[rank].append([op.name for op in graph.get_operations()[first_op:]])
-    grads = [[g if g is not None else tf.zeros_like(v) for g, v in zip(row, p)] for row, p in zip(acc, params)]
+    # keep_sparse callers sum contributions themselves and are told None = no gradient.
+    grads = [[g if g is not None or keep_sparse else tf.zeros_like(v) for g, v in zip(row, p)]
+             for row, p in zip(acc, params)]
     return grads, tf.add_n(losses)
 
 

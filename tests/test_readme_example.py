@@ -1,0 +1,37 @@
+"""The README's Python example runs verbatim, data parallel and on pipeline stages.
+
+A user copies it into a file and runs it: a new process, so TensorFlow starts with the
+devices ``phalanx.init`` asks for (conftest's 8 logical devices do not apply).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+INIT = 'cfg = phalanx.init("parallel.devices=cpu:2", "parallel.dp=2")'
+
+
+def readme_example() -> str:
+    text = README.read_text()
+    section = text[text.index("## Python API"):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("init", [INIT, 'cfg = phalanx.init("parallel.devices=cpu:2", "parallel.pp=2", '
+                                        '"parallel.microbatches=4")'])
+def test_readme_python_example_runs(tmp_path, init):
+    code = readme_example()
+    assert INIT in code  # the example shows init first
+    script = tmp_path / "example.py"
+    script.write_text(code.replace(INIT, init))
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "'mae'" in done.stdout and (tmp_path / "model.keras").is_file()
+    assert len(list((tmp_path / "runs").iterdir())) == 1
