@@ -213,23 +213,27 @@ class KerasModelEngine:
             self.split = split_keras_model(model, self.chunks, balance="flops")
             self.stages = [_SplitStage(s) for s in self.split.stages]
             self._refuse_activity_losses()
-        self._check_coverage()
+        self.home = self._home_stages()
         moved = False
         for s, stage in enumerate(self.stages):
             for v in stage.trainable_variables + stage.non_trainable_variables:
-                moved |= place_variable(v, self.stage_device(0, s))
+                if self.home.get(id(v), s) == s:
+                    moved |= place_variable(v, self.stage_device(0, s))
         if moved:
             _reindex_optimizer(getattr(model, "optimizer", None))
             # Keras's own cached step functions captured the old storage.
             model.train_function = model.test_function = model.predict_function = None
-        # Replica d > 0 reads its own copy of every trainable weight of every stage.
-        self.copies: dict[tuple[int, int], list[tf.Variable]] = {}
-        for d in range(1, self.dp):
+        # Replica d > 0 reads its own copy of every trainable weight of every stage, and a
+        # stage reads a mirror of a weight whose home is another stage (a tied embedding).
+        self.copies: dict[tuple[int, int], list[tf.Variable | None]] = {}
+        for d in range(self.dp):
             for s, stage in enumerate(self.stages):
                 with tf.init_scope(), tf.device(self.stage_device(d, s)):
-                    self.copies[(d, s)] = [tf.Variable(v.value.read_value(), trainable=True,
-                                                       name=f"replica{d}/" + v.value.name.split(":")[0])
-                                           for v in stage.trainable_variables]
+                    self.copies[(d, s)] = [
+                        None if d == 0 and self.home[id(v)] == s else
+                        tf.Variable(v.value.read_value(), trainable=True,
+                                    name=f"replica{d}_stage{s}/" + v.value.name.split(":")[0])
+                        for v in stage.trainable_variables]
         # Weight regularisation of a cut model: computed once per step on the weights
         # themselves (a one-stage model returns it from stateless_call with the rest).
         self.regularized = [v for v in model.trainable_variables if getattr(v, "regularizer", None) is not None] \
@@ -245,17 +249,16 @@ class KerasModelEngine:
     def stage_device(self, replica: int, stage: int) -> str:
         return self.mesh.device(replica, stage % self.pp, 0)
 
-    def _check_coverage(self) -> None:
-        seen: dict[int, int] = {}
+    def _home_stages(self) -> dict[int, int]:
+        """Variable id -> the stage that holds it: the first stage that reads it."""
+        home: dict[int, int] = {}
         for s, stage in enumerate(self.stages):
-            for v in stage.trainable_variables:
-                if id(v) in seen and seen[id(v)] != s:
-                    raise ConfigError("parallel.pp", f"weight {v.path!r} is read by stages {seen[id(v)]} and {s}; a "
-                                                     f"shared layer must sit in one stage")
-                seen[id(v)] = s
-        missing = [v.path for v in self.model.trainable_variables if id(v) not in seen]
+            for v in stage.trainable_variables + stage.non_trainable_variables:
+                home.setdefault(id(v), s)
+        missing = [v.path for v in self.model.trainable_variables if id(v) not in home]
         if missing:
             raise ConfigError("parallel.pp", f"weights {missing[:3]} belong to no pipeline stage")
+        return home
 
     def _refuse_activity_losses(self) -> None:
         for layer in self.model._flatten_layers(include_self=False):
@@ -282,9 +285,8 @@ class KerasModelEngine:
     # -- one stage on one micro-batch -------------------------------------------------------
 
     def _params(self, replica: int, stage: int) -> list[tf.Variable]:
-        if replica == 0:
-            return [v.value for v in self.stages[stage].trainable_variables]
-        return self.copies[(replica, stage)]
+        return [v.value if copy is None else copy
+                for v, copy in zip(self.stages[stage].trainable_variables, self.copies[(replica, stage)])]
 
     def _initial_state(self) -> list[list[tf.Tensor]]:
         state = []
@@ -396,23 +398,31 @@ class KerasModelEngine:
                 losses.append(loss_sum)
                 for s, stage_grads in enumerate(grads):
                     for j, g in enumerate(stage_grads):
-                        acc[s][j].append(g)
-        grads, variables = [], []
+                        if g is not None:
+                            acc[s][j].append(g)
+        # Sum every variable's gradients over replicas and the stages that read it.
+        parts: dict[int, list] = {}
         for s, stage in enumerate(self.stages):
             for j, v in enumerate(stage.trainable_variables):
-                with tf.device(v.value.device):
-                    g = None
-                    for part in acc[s][j]:
-                        g = accumulate_gradient(g, part, keep_sparse=True)
-                    if id(v) in reg_grads:
-                        g = tf.convert_to_tensor(g) + tf.cast(reg_grads[id(v)], tf.float32) * scale
-                    grads.append(tf.cast(g, v.dtype))
-                variables.append(v)
+                parts.setdefault(id(v), []).extend(acc[s][j])
+        grads, variables = [], []
+        for v in self.model.trainable_variables:
+            with tf.device(v.value.device):
+                g = None
+                for part in parts[id(v)]:
+                    g = accumulate_gradient(g, part, keep_sparse=True)
+                if id(v) in reg_grads:
+                    reg = tf.cast(reg_grads[id(v)], tf.float32) * scale
+                    g = reg if g is None else tf.convert_to_tensor(g) + reg
+                # None: no stage used the weight this step; Keras's optimizer skips it, as in fit.
+                grads.append(None if g is None else tf.cast(g, v.dtype))
+            variables.append(v)
         self.optimizer.apply(grads, variables)
         # TensorFlow orders ops on one variable as written: the copies read updated weights.
         for (d, s), copies in self.copies.items():
             for copy, v in zip(copies, self.stages[s].trainable_variables):
-                copy.assign(v.value)
+                if copy is not None:
+                    copy.assign(v.value)
         for s, stage in enumerate(self.stages):
             for v, new, old in zip(stage.non_trainable_variables, state[s], start[s]):
                 if new is not old:
