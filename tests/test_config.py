@@ -59,10 +59,22 @@ BAD = [
     (["checkpoint.keep=0"], "checkpoint.keep", "must be >= 1"),
     (["train.steps"], "train.steps", "section.key=value"),
     (["steps=3"], "steps", "section.key=value"),
+    # non-finite floats, however written, and seeds numpy/Keras cannot take (issue 12)
+    (["train.lr=inf"], "train.lr", "expected a finite number, got 'inf'"),
+    (["train.eps=inf"], "train.eps", "expected a finite number"),
+    (["precision.loss_scale_init=inf"], "precision.loss_scale_init", "expected a finite number"),
+    (["train.lr=1e309"], "train.lr", "got '1e309' (read as inf)"),
+    (["train.lr=.inf"], "train.lr", "got inf"),
+    (["train.min_lr_ratio=-.inf"], "train.min_lr_ratio", "got -inf"),
+    (["train.lr=nan"], "train.lr", "got 'nan'"),
+    (["model.dropout=.nan"], "model.dropout", "got nan"),
+    (["train.peak_flops=" + "9" * 400], "train.peak_flops", "expected a finite number"),
+    (["train.seed=-1"], "train.seed", "must be in [0, 2**32 - 1], got -1"),
+    (["train.seed=4294967296"], "train.seed", "must be in [0, 2**32 - 1]"),
 ]
 
 
-@pytest.mark.parametrize("overrides,key,fragment", BAD, ids=[b[1] + ":" + b[0][0] for b in BAD])
+@pytest.mark.parametrize("overrides,key,fragment", BAD, ids=[b[1] + ":" + b[0][0][:40] for b in BAD])
 def test_validation_error_names_key_and_valid_values(overrides, key, fragment):
     with pytest.raises(ConfigError) as info:
         load_config(None, overrides)
@@ -81,6 +93,37 @@ def test_missing_and_malformed_files(tmp_path):
     scalar.write_text("3\n")
     with pytest.raises(ConfigError, match="mapping of sections"):
         load_config(scalar)
+
+
+def test_non_finite_values_in_a_yaml_file_are_refused(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  lr: .inf\n")
+    with pytest.raises(ConfigError, match="train.lr: expected a finite number, got inf"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="train.eps: expected a finite number"):  # built directly, not parsed
+        Config().replace(train={"eps": float("inf")})
+
+
+def test_duplicate_yaml_keys_are_refused_naming_the_key(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("train:\n  lr: 1.0e-3\n  steps: 5\n  lr: 3.0e-4\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.key == "train.lr" and "given twice in" in str(info.value) and "lines 2 and 4" in str(info.value)
+    path.write_text("train:\n  steps: 5\nmodel:\n  layers: 2\ntrain:\n  lr: 1.0\n")
+    with pytest.raises(ConfigError, match="train: given twice .*lines 1 and 5"):
+        load_config(path)
+    with pytest.raises(ConfigError) as info:  # an override's value is YAML too
+        load_config(None, ["train.steps={a: 1, a: 2}"])
+    assert info.value.key == "train.steps.a"
+
+
+def test_non_utf8_config_file_is_refused_naming_the_file(tmp_path):
+    path = tmp_path / "binary.yaml"
+    path.write_bytes(b"train:\n  steps: 5\n\xff\xfe\x00garbage\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.key == "config" and "binary.yaml" in str(info.value) and "not UTF-8" in str(info.value)
 
 
 def test_resolve_degrees_fills_minus_one_and_checks_product():

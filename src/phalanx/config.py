@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -203,8 +204,14 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
         path = Path(path)
         if not path.is_file():
             raise ConfigError("config", f"file {str(path)!r} does not exist")
+        data = path.read_bytes()
         try:
-            loaded = yaml.safe_load(path.read_text()) or {}
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ConfigError("config", f"{str(path)!r} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset "
+                                        f"{err.start}); a config file is YAML text, e.g. configs/demo.yaml") from None
+        try:
+            loaded = load_yaml(text, str(path)) or {}
         except yaml.YAMLError as err:
             raise ConfigError("config", f"{str(path)!r} is not valid YAML: {err}") from None
         if not isinstance(loaded, dict):
@@ -220,6 +227,51 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
             raise ConfigError(section, f"must be a mapping, got {target!r}")
         target[name] = value
     return from_dict(raw)
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader, but a mapping that names a key twice is an error.
+
+    Plain SafeLoader keeps the last value, so ``train: {lr: 1e-3}`` further down a
+    file silently wins over the one a reader sees first.
+    """
+
+    source = "<string>"
+    key_prefix = ""  # (not "prefix": yaml's Reader has a method of that name)
+
+    def construct_document(self, node):
+        _refuse_duplicates(node, self.key_prefix, self.source)
+        return super().construct_document(node)
+
+
+def _refuse_duplicates(node: yaml.Node, prefix: str, source: str) -> None:
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, value_node in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.value != "<<":
+                key = key_node.value
+                name = f"{prefix}.{key}" if prefix else str(key)
+                if key in seen:
+                    raise ConfigError(name, f"given twice in {source} (lines {seen[key].start_mark.line + 1} and "
+                                            f"{key_node.start_mark.line + 1}); keep one")
+                seen[key] = key_node
+            else:
+                name = prefix
+            _refuse_duplicates(value_node, name, source)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _refuse_duplicates(item, prefix, source)
+
+
+def load_yaml(text: str, source: str = "<string>", prefix: str = "") -> Any:
+    """``yaml.safe_load`` that refuses duplicate keys (ConfigError naming the dotted key,
+    under ``prefix`` if given)."""
+    loader = UniqueKeyLoader(text)
+    loader.source, loader.key_prefix = source, prefix
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
 def split_config_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
@@ -246,7 +298,7 @@ def parse_override(item: str) -> tuple[str, Any]:
     key, _, text = item.partition("=")
     key = key.strip()
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
+        value = load_yaml(text, f"the override {item!r}", key) if text.strip() else ""
     except yaml.YAMLError:
         value = text
     return key, value
@@ -302,14 +354,25 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
             return int(value)
         raise ConfigError(key, f"expected an integer, got {value!r}")
     if typ is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = value
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)  # YAML 1.1 reads "3e-4" (no dot) as a string
             except ValueError:
                 pass
-        raise ConfigError(key, f"expected a number, got {value!r}")
+        if number is None:
+            raise ConfigError(key, f"expected a number, got {value!r}")
+        try:
+            number = float(number)
+        except OverflowError:  # an integer beyond float range
+            number = math.inf
+        if not math.isfinite(number):
+            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:20] + "..." + repr(value)[-8:]
+            raise ConfigError(key, f"expected a finite number, got {shown} (read as {number}); "
+                                   f"inf, nan and values beyond +-1.8e308 are not valid")
+        return number
     if typ is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
@@ -343,6 +406,12 @@ def parse_devices(spec: str) -> tuple[str, int]:
 def validate(cfg: Config) -> None:
     """Raise :class:`ConfigError` for the first impossible value (device count not needed)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
+    # Also here, not only when parsing: a Config built directly from the dataclasses skips _coerce.
+    for section in dataclasses.fields(cfg):
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            value = getattr(getattr(cfg, section.name), f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section.name}.{f.name}", f"expected a finite number, got {value}")
     for key, value in (("model.layers", m.layers), ("model.d_model", m.d_model), ("model.heads", m.heads),
                        ("model.vocab", m.vocab), ("model.seq_len", m.seq_len)):
         _require(value >= 1, key, f"must be >= 1, got {value}")
@@ -404,6 +473,8 @@ def validate(cfg: Config) -> None:
     _require(0 <= t.beta1 < 1, "train.beta1", f"must be in [0, 1), got {t.beta1}")
     _require(0 <= t.beta2 < 1, "train.beta2", f"must be in [0, 1), got {t.beta2}")
     _require(t.eps > 0, "train.eps", f"must be > 0, got {t.eps}")
+    # numpy and Keras seed their generators with 0 <= seed < 2**32 (keras.utils.set_random_seed)
+    _require(0 <= t.seed < 2**32, "train.seed", f"must be in [0, 2**32 - 1], got {t.seed}")
     _require(t.eval_every >= 0, "train.eval_every", f"must be >= 0 (0 disables evaluation), got {t.eval_every}")
     _require(t.peak_flops >= 0, "train.peak_flops", f"must be >= 0 (0 measures it), got {t.peak_flops}")
 

@@ -78,7 +78,14 @@ class ParameterServerEngine(StrategyEngine):
         self.local_replicas = 1
         # Two steps per worker in flight keep every worker busy while the chief feeds the next.
         self.max_in_flight = max_in_flight or 2 * max(1, num_workers)
+        self.num_workers = max(1, num_workers)
         self._pending: list[Any] = []
+
+    @property
+    def n_devices(self) -> int:
+        """Devices that run steps (for MFU): one per worker, whichever runs a given step;
+        the ps tasks only hold variables and the chief only schedules."""
+        return self.num_workers
 
     def _local_rows(self, batch):
         return batch  # the whole global batch: one worker runs the whole step

@@ -89,7 +89,53 @@ def resolve_strategy_name(cfg: Any, info: ClusterInfo) -> str:
         raise ConfigError("parallel.strategy", "parameter_server needs a cluster with ps tasks and a chief; e.g. "
                                                "phalanx launch --workers 2 --ps 1 -- phalanx train "
                                                "parallel.strategy=parameter_server (or set TF_CONFIG)")
+    refuse_unhonoured(cfg, name)
     return name
+
+
+def refuse_unhonoured(cfg: Any, name: str) -> None:
+    """Raise :class:`ConfigError` for a ``parallel.*`` value the strategy ``name`` would ignore.
+
+    multi_worker, parameter_server and mirrored train with tf.distribute's own step
+    (:class:`~phalanx.train.engine.StrategyEngine`): whole AdamW states on every
+    replica, no activation recomputation, no pipeline micro-batches, the devices the
+    strategy finds. Only the mesh engine honours ``parallel.zero``,
+    ``parallel.recompute`` and ``parallel.microbatches`` (one process, or across the
+    workers of a cluster with ``parallel.strategy=mesh``); silently dropping them would
+    train with more memory than asked, or differently, without a word.
+
+    >>> from phalanx.config import Config
+    >>> refuse_unhonoured(Config().replace(parallel={"zero": 1}), "multi_worker")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    phalanx.config.ConfigError: parallel.zero: 1 is not honoured by parallel.strategy=multi_worker ...
+    """
+    p = cfg.parallel
+    # "mirrored" chosen by "auto" is not refused: in one process the trainer then builds the
+    # mesh engine for these keys (phalanx.parallel.apply.needs_mesh_engine).
+    if name not in (MULTI_WORKER, PARAMETER_SERVER) and not (name == LOCAL and p.strategy == LOCAL):
+        return
+    mesh_hint = ("the mesh engine honours it: parallel.strategy=mesh (one process, or across workers "
+                 "under phalanx launch)" if name != LOCAL else "parallel.strategy=auto or mesh honours it")
+    why = {MULTI_WORKER: "MultiWorkerMirroredStrategy", PARAMETER_SERVER: "ParameterServerStrategy",
+           LOCAL: "MirroredStrategy"}[name]
+    if p.zero:
+        raise ConfigError("parallel.zero", f"{p.zero} is not honoured by parallel.strategy={name} ({why} keeps "
+                                           f"whole optimizer states on every replica); {mesh_hint}; or set "
+                                           f"parallel.zero=0")
+    if p.recompute != "none":
+        raise ConfigError("parallel.recompute", f"{p.recompute!r} is not honoured by parallel.strategy={name} "
+                                                f"({why} runs Keras's own forward and backward); {mesh_hint}; "
+                                                f"or set parallel.recompute=none")
+    if p.microbatches != 1:
+        raise ConfigError("parallel.microbatches", f"{p.microbatches} is not honoured by parallel.strategy={name} "
+                                                   f"(no pipeline to feed); use train.grad_accum="
+                                                   f"{p.microbatches} to split each step's batch, or "
+                                                   f"parallel.strategy=mesh with parallel.pp > 1")
+    if name != LOCAL and p.devices != "auto":
+        raise ConfigError("parallel.devices", f"{p.devices!r} is not honoured by parallel.strategy={name}: each "
+                                              f"task trains on the devices it finds (its GPUs, else its CPU); "
+                                              f"set parallel.devices=auto")
 
 
 def make_strategy(cfg: Any, info: ClusterInfo | None = None,

@@ -3,7 +3,9 @@
 On a terminal a rich progress bar shows loss, tokens/s, MFU and the ETA; otherwise
 (CI, a pipe, a launcher prefixing lines) one plain line per logged step. Every
 logged step is appended to ``<run.dir>/metrics.jsonl`` as one JSON object and
-written to TensorBoard event files under ``<run.dir>/tb``.
+written to TensorBoard event files under ``<run.dir>/tb``. A resumed run first drops
+the rows past the step it resumes from (written after that checkpoint by the run
+that died), so the file holds exactly one row per logged step.
 
 Example:
     >>> import tempfile, json, pathlib
@@ -17,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -46,6 +49,7 @@ class RunOutput:
             self.quiet = True
             return self
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        drop_rows_after(self.run_dir, self.start)
         self._metrics = open(self.run_dir / "metrics.jsonl", "a")
         if self._tb_enabled:
             import tensorflow as tf
@@ -121,10 +125,45 @@ def _hms(seconds: float) -> str:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The rows of ``<run_dir>/metrics.jsonl`` (a line cut short by a kill is skipped)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [row for row in map(_parse_row, path.read_text(errors="replace").splitlines()) if row is not None]
+
+
+def drop_rows_after(run_dir: str | Path, step: int) -> int:
+    """Rewrite ``<run_dir>/metrics.jsonl`` without the rows past ``step`` (and any line
+    cut short by a kill); returns how many lines were dropped.
+
+    A run killed after its last checkpoint logged steps it will repeat on resume;
+    keeping those rows would give a step two rows and the loss plot a zig-zag. The
+    file is replaced atomically (temporary file + rename), so a kill here loses nothing.
+    """
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    lines = path.read_text(errors="replace").splitlines()
+    kept = [line for line in lines if (row := _parse_row(line)) is not None and row.get("step", 0) <= step]
+    if len(kept) == len(lines):
+        return 0
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        f.write("".join(line + "\n" for line in kept))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return len(lines) - len(kept)
+
+
+def _parse_row(line: str) -> dict | None:
+    if not line.strip():
+        return None
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) and isinstance(row.get("step"), int) else None
 
 
 def plot_loss(run_dir: str | Path) -> Path | None:

@@ -17,8 +17,11 @@ Example (a 3-step run on the embedded corpus):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -29,6 +32,7 @@ import yaml
 
 from phalanx import checkpoint
 from phalanx.config import Config, ConfigError
+from phalanx.fsutil import RunLock
 from phalanx.train.progress import RunOutput, plot_loss
 
 
@@ -62,16 +66,38 @@ def make_engine(cfg: Config, task, cluster=None):
     if getattr(cluster, "devices", None):  # cluster: a mesh whose devices span the workers
         from phalanx.parallel.apply import make_mesh_engine
         return make_mesh_engine(cfg, build_mesh(cfg, list(cluster.devices)), task)
+    from phalanx.cluster.strategies import refuse_unhonoured
     if cluster is not None:  # a multi-process strategy, built first (cluster.strategies.setup_cluster)
+        refuse_unhonoured(cfg, cluster.name)  # (setup_cluster checked it too; a hand-made set-up may not)
         if cluster.coordinator is not None:  # cluster: parameter servers, steps scheduled on the workers
             from phalanx.cluster.ps_engine import ParameterServerEngine
             return ParameterServerEngine(cfg, task, cluster.strategy, cluster.coordinator, cluster.info.num_workers)
         return StrategyEngine(cfg, task, cluster.strategy)
+    refuse_unhonoured(cfg, cfg.parallel.strategy)  # e.g. an explicit "mirrored" with parallel.zero=1
     mesh = build_mesh(cfg)
     from phalanx.parallel.apply import make_mesh_engine, needs_mesh_engine
     if mesh.tp > 1 or mesh.pp > 1 or needs_mesh_engine(cfg):  # (mesh: -1 degrees resolved)
         return make_mesh_engine(cfg, mesh, task)
+    if cfg.parallel.microbatches != 1:
+        raise ConfigError("parallel.microbatches", f"{cfg.parallel.microbatches} splits a pipeline's batch, but "
+                                                   f"parallel.pp=1 trains without a pipeline; use train.grad_accum="
+                                                   f"{cfg.parallel.microbatches} to split each step's batch")
     return StrategyEngine(cfg, task, default_strategy(mesh.devices))
+
+
+def device_count(engine) -> int:
+    """Devices that run ``engine``'s steps (the MFU denominator counts each one's peak):
+    ``engine.n_devices`` if it says, else its mesh's size, else its strategy's replicas."""
+    n = getattr(engine, "n_devices", None)
+    if n:
+        return int(n)
+    mesh = getattr(engine, "mesh", None)
+    if mesh is not None:
+        return len(mesh.devices)
+    strategy = getattr(engine, "strategy", None)
+    if strategy is not None:
+        return int(strategy.num_replicas_in_sync)
+    return 1
 
 
 class _StopFlag:
@@ -146,15 +172,29 @@ class Trainer:
     # -- checkpoints --------------------------------------------------------------
 
     def _restore(self):
-        """Load the newest checkpoint (if any); return (step, train iterator positioned after it)."""
+        """Load the newest valid checkpoint (if any); return (step, train iterator positioned after it).
+
+        Damaged newer checkpoints are skipped with a warning and moved to
+        ``checkpoints/damaged/``; a checkpoint of another model, or whose data position
+        belongs to other data, is refused with a ConfigError naming the key.
+        """
         from phalanx.data import pipeline
 
         builtin_data = isinstance(self._datasets, pipeline.Datasets)
-        path = checkpoint.latest(self.ckpt_dir)
-        if path is None:
+        restored = checkpoint.restore_latest(self.ckpt_dir, warn=self._warn)
+        if restored is None:
             return 0, (self._datasets.train_iterator(0) if builtin_data else iter(self._datasets.train))
-        restored = checkpoint.restore(path)
-        self.engine.load_state_dict(restored.tensors)
+        path = restored.path
+        if self.is_chief:
+            for moved in checkpoint.quarantine_after(self.ckpt_dir, restored.step):
+                self._warn(f"moved the skipped checkpoint to {moved}")
+        self._check_model(restored)
+        try:
+            self.engine.load_state_dict(restored.tensors)
+        except (KeyError, ValueError) as err:
+            raise checkpoint.CheckpointError(path / checkpoint.TENSORS, f"does not fit this model: "
+                                             f"{str(err).strip(chr(34))}; use the run's own model.* keys or a "
+                                             f"new run.dir") from None
         if builtin_data and (path / "data").is_dir():
             iterator = pipeline.restore_iterator(self._datasets, path / "data")
         elif builtin_data:
@@ -163,6 +203,19 @@ class Trainer:
             iterator = iter(self._datasets.train.skip(restored.step))
         self._say(f"resumed from {path} (step {restored.step})")
         return restored.step, iterator
+
+    def _check_model(self, restored) -> None:
+        """Refuse a checkpoint written for another model shape (even with no config.yaml
+        beside it), naming the first differing key."""
+        saved = (restored.meta.get("config") or {}).get("model")
+        if not isinstance(saved, dict):
+            return  # no config recorded (e.g. written by hand): the shapes are checked on load
+        now = dataclasses.asdict(self.cfg.model)
+        for key, value in now.items():
+            if key in saved and saved[key] != value:
+                raise ConfigError(f"model.{key}", f"the checkpoint {restored.path} was written with model.{key}="
+                                                  f"{saved[key]!r}, this run has {value!r}; resume with the same "
+                                                  f"model.* keys or use a new run.dir")
 
     def _save(self, step: int, iterator) -> Path | None:
         if not self.is_chief:
@@ -191,6 +244,27 @@ class Trainer:
         return float(np.mean(losses))
 
     def fit(self) -> Summary:
+        """Build, resume, train ``train.steps`` steps; returns the :class:`Summary`.
+
+        The chief holds :class:`phalanx.fsutil.RunLock` on ``run.dir`` throughout: a
+        second trainer on the same directory fails at once with a ConfigError naming
+        this one's pid.
+        """
+        with RunLock(self.run_dir) if self.is_chief else contextlib.nullcontext():
+            try:
+                return self._fit()
+            except OSError as err:
+                # Checkpoint writes raise CheckpointError themselves; this catches the run's other
+                # files (metrics.jsonl, config.yaml, loss.png) on a full or read-only disk.
+                if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+                    raise
+                newest = checkpoint.latest(self.ckpt_dir)
+                raise ConfigError("run.dir", f"cannot write {err.filename or self.run_dir}: {err.strerror} "
+                                             f"[{errno.errorcode.get(err.errno, err.errno)}]; checkpoints are "
+                                             f"intact (newest: {newest.name if newest else 'none'}); free space "
+                                             f"or use another run.dir") from None
+
+    def _fit(self) -> Summary:
         from phalanx.train.metrics import mfu, peak_flops
 
         t_start = time.monotonic()
@@ -199,7 +273,7 @@ class Trainer:
         start, iterator = self._restore()
         tokens_per_step = t.global_batch * self.task.tokens_per_example()
         flops_per_step = self.task.flops_per_example() * t.global_batch
-        peak = peak_flops(cfg, getattr(self.engine, "n_devices", 1)) if flops_per_step else 0.0
+        peak = peak_flops(cfg, device_count(self.engine)) if flops_per_step else 0.0
         self._say(f"model: {self.engine.num_params():,} parameters; layout dp={self.engine.dp} "
                   f"tp={cfg.parallel.tp} pp={cfg.parallel.pp}; {cfg.precision.policy}; "
                   f"global batch {t.global_batch} x {self.task.tokens_per_example()} tokens")
@@ -221,7 +295,11 @@ class Trainer:
                 step += 1
                 window_losses.append(result["loss"])
                 window_steps += 1
-                if step % t.log_every == 0 or step == t.steps:
+                stopping = agree_stop(stop.set)  # cluster: every worker calls it once per step
+                evaluating = bool(t.eval_every) and (step % t.eval_every == 0 or step == t.steps)
+                # An evaluation or a stop closes the logging window too, so every evaluation is in
+                # metrics.jsonl (one row per step) whatever train.log_every is.
+                if step % t.log_every == 0 or step == t.steps or evaluating or stopping:
                     losses = [float(x) for x in window_losses]  # syncs the device
                     elapsed = time.monotonic() - window_start
                     rate = tokens_per_step * window_steps / elapsed
@@ -230,14 +308,13 @@ class Trainer:
                            "tokens_per_s": rate, "mfu": util, "step_time_s": elapsed / window_steps,
                            "grad_norm": float(result["grad_norm"]), "loss_scale": float(result["loss_scale"]),
                            "skipped": float(result["skipped"])}
-                    if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
+                    if evaluating:
                         eval_loss = self.evaluate()
                         row["eval_loss"] = eval_loss
                     last = row
                     if self.is_chief:
                         out.log(row)
                     window_losses, window_start, window_steps = [], time.monotonic(), 0
-                stopping = agree_stop(stop.set)  # cluster: every worker calls it once per step
                 if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == t.steps or stopping:
                     saved_path = self._save(step, iterator) or saved_path
                 if stopping:
@@ -255,8 +332,12 @@ class Trainer:
 
     def _say(self, text: str) -> None:
         if not self.quiet and self.is_chief:
-            import sys
             print(text, file=sys.stderr, flush=True)
+
+    def _warn(self, text: str) -> None:
+        """A warning the user must see (a skipped checkpoint), even with quiet=True."""
+        if self.is_chief:
+            print(f"warning: {text}", file=sys.stderr, flush=True)
 
 
 def save_tokenizer(tokenizer, directory: Path) -> None:
