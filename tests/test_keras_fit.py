@@ -14,6 +14,7 @@ and calls the user's model on each.
 from __future__ import annotations
 
 import csv
+import json
 
 import keras
 import numpy as np
@@ -362,6 +363,8 @@ def test_run_directories_resume_and_refuse(tmp_path, monkeypatch, capsys):
     history = phalanx.fit(resumed, x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=1, overrides=run)
     np.testing.assert_allclose(history.history["loss"], ref["loss"], rtol=1e-5)
     assert_same_weights(resumed, reference)
+    rows = [json.loads(line) for line in (tmp_path / "shared" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [1, 2, 3]  # one row per epoch across the resume
     again = phalanx.fit(build("mlp", "sgd"), x, y, batch_size=BATCH, epochs=3, verbose=1, overrides=run)
     assert "nothing to do" in capsys.readouterr().err
     np.testing.assert_allclose(again.history["loss"], ref["loss"], rtol=1e-5)
@@ -424,3 +427,36 @@ def test_init_too_late_names_the_line_to_move():
         phalanx.init("parallel.devices=cpu:16", "parallel.dp=16")
     cfg = phalanx.init("parallel.devices=cpu:2", "parallel.dp=2")
     assert phalanx.init(config=cfg) == cfg  # idempotent
+
+
+@pytest.mark.parametrize("layout", ["dp2", "pp2", "dp2pp2"])
+def test_regularisers_and_added_losses_count_as_in_keras(layout, tmp_path):
+    """Weight regularisers, activity regularisers and a layer's own add_loss (in the first
+    stage of a cut model) reach the loss and the gradients exactly as in Keras."""
+
+    class Penalty(keras.layers.Layer):
+        def call(self, x):
+            self.add_loss(0.01 * keras.ops.mean(keras.ops.square(x)))
+            return x
+
+    def make():
+        keras.utils.set_random_seed(3)
+        inp = keras.Input((6,))
+        h = keras.layers.Dense(16, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.01),
+                               activity_regularizer=keras.regularizers.L1(0.001))(inp)
+        h = Penalty()(h)
+        h = keras.layers.Dense(16, activation="tanh")(h)
+        out = keras.layers.Dense(3, kernel_regularizer="l2")(h)
+        model = keras.Model(inp, out)
+        model.compile(optimizer=keras.optimizers.Adam(0.01),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    x, y = data("mlp")
+    reference, ref_steps = make(), StepLosses()
+    reference.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[ref_steps])
+    model, steps = make(), StepLosses()
+    phalanx.fit(model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[steps],
+                overrides=LAYOUTS[layout] + [f"run.dir={tmp_path / 'r'}"])
+    np.testing.assert_allclose(steps.losses, ref_steps.losses, rtol=1e-4)
+    assert_same_weights(model, reference)

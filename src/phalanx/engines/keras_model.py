@@ -155,8 +155,9 @@ class _SplitStage:
         self.input_keys, self.output_keys = list(stage.input_keys), list(stage.output_keys)
 
     def apply(self, trainable_values, non_trainable_values, inputs, training):
-        outputs, state = self.stage.apply(trainable_values, non_trainable_values, inputs, training)
-        return outputs, list(state), []
+        outputs, state, losses = self.stage.apply(trainable_values, non_trainable_values, inputs, training,
+                                                  return_losses=True)
+        return outputs, list(state), losses
 
 
 def _first_tensor(x) -> tf.Tensor:
@@ -212,7 +213,6 @@ class KerasModelEngine:
             from phalanx.parallel.keras_graph import split_keras_model
             self.split = split_keras_model(model, self.chunks, balance="flops")
             self.stages = [_SplitStage(s) for s in self.split.stages]
-            self._refuse_activity_losses()
         self.home = self._home_stages()
         moved = False
         for s, stage in enumerate(self.stages):
@@ -260,12 +260,6 @@ class KerasModelEngine:
             raise ConfigError("parallel.pp", f"weights {missing[:3]} belong to no pipeline stage")
         return home
 
-    def _refuse_activity_losses(self) -> None:
-        for layer in self.model._flatten_layers(include_self=False):
-            if getattr(layer, "activity_regularizer", None) is not None:
-                raise ConfigError("parallel.pp", f"layer {layer.name!r} has an activity regulariser; a model cut into "
-                                                 f"pipeline stages supports weight regularisers only (use pp=1)")
-
     def _build(self, sample_batch) -> None:
         """Create every variable (model, compiled loss/metrics, optimizer) before tracing."""
         if self.inference_only:
@@ -306,9 +300,14 @@ class KerasModelEngine:
         training = mode == "train"
         with tf.device(self.stage_device(replica, s)):
             values = [tf.convert_to_tensor(v) for v in self._params(replica, s)]
+            added = tf.zeros([], tf.float32)  # this micro-batch's add_loss terms so far
             if self.split is None:
                 available = {"x": x}
             else:
+                # A cut model hands on the crossing tensors and the running sum of the losses
+                # its layers added (their gradient flows back through it like an activation).
+                if s > 0:
+                    *carried, added = carried
                 available = dict(zip(self.split.crossing(s - 1), carried)) if s > 0 else {}
                 flat_x = None
                 for key in stage.input_keys:
@@ -320,8 +319,11 @@ class KerasModelEngine:
             if training:
                 state[s] = new_state
             available.update(outputs)
+            for extra in losses:  # Keras's _aggregate_additional_loss
+                extra = tf.convert_to_tensor(extra)
+                added += tf.cast(tf.reduce_sum(extra), tf.float32)
             if s < self.chunks - 1:
-                return [available[k] for k in self.split.crossing(s)]
+                return [available[k] for k in self.split.crossing(s)] + [added]
             if self.split is None:
                 y_pred = available["y"]
             else:
@@ -329,9 +331,9 @@ class KerasModelEngine:
             if mode == "predict":
                 self._output_structure = y_pred  # structure only, to pack the flat outputs again
                 return tf.nest.flatten(y_pred)
-            return self._loss_and_metrics(x, y, sw, y_pred, losses, training)
+            return self._loss_and_metrics(x, y, sw, y_pred, added if losses or s > 0 else None, training)
 
-    def _loss_and_metrics(self, x, y, sw, y_pred, losses, training: bool):
+    def _loss_and_metrics(self, x, y, sw, y_pred, added, training: bool):
         """The compiled loss and metrics of one micro-batch, as Keras's train/test step does."""
         model = self.model
         if self._custom_loss:  # a model that overrides compute_loss defines its own loss
@@ -342,9 +344,8 @@ class KerasModelEngine:
                 compiled = model._compile_loss(y, y_pred, sw)
                 if compiled is not None:
                     parts.append(compiled)
-            for extra in losses:  # Keras's _aggregate_additional_loss
-                extra = tf.convert_to_tensor(extra)
-                parts.append(tf.reduce_sum(extra if extra.dtype.is_floating else tf.cast(extra, tf.float32)))
+            if added is not None:  # the layers' add_loss terms (and a one-stage model's regularisers)
+                parts.append(added)
             if self._reg_value is not None:
                 parts.append(tf.stop_gradient(self._reg_value))  # its gradient is added once per step
             if not parts:

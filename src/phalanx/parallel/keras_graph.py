@@ -114,11 +114,15 @@ class Stage:
     def op_names(self) -> list[str]:
         return [o.op.name for o in self.ops]
 
-    def apply(self, trainable_values, non_trainable_values, inputs: dict, training: bool):
+    def apply(self, trainable_values, non_trainable_values, inputs: dict, training: bool,
+              return_losses: bool = False):
         """Run the stage on the given variable values without assigning any variable.
 
         Returns ``(outputs by key, new non-trainable values aligned with
-        non_trainable_variables)``."""
+        non_trainable_variables)``, and with ``return_losses`` also the losses its layers
+        added during the call (``add_loss``: activity regularisers, a mixture-of-experts
+        router's balancing loss...). Weight regularisation is not among them: it depends on
+        the weights only, not on the call."""
         if len(trainable_values) != len(self.trainable_variables) or \
                 len(non_trainable_values) != len(self.non_trainable_variables):
             raise ValueError(f"stage {self.index} takes {len(self.trainable_variables)} trainable and "
@@ -130,11 +134,12 @@ class Stage:
         env = {k: inputs[k] for k in self.input_keys}
         mapping = list(zip(self.trainable_variables, trainable_values)) + \
             list(zip(self.non_trainable_variables, non_trainable_values))
-        with keras.StatelessScope(state_mapping=mapping) as scope:
+        with keras.StatelessScope(state_mapping=mapping, collect_losses=return_losses) as scope:
             for o in self.ops:
                 o.run(env, training)
-        return ({k: env[k] for k in self.output_keys},
-                [scope.get_current_value(v) for v in self.non_trainable_variables])
+        outputs = {k: env[k] for k in self.output_keys}
+        state = [scope.get_current_value(v) for v in self.non_trainable_variables]
+        return (outputs, state, list(scope.losses)) if return_losses else (outputs, state)
 
 
 @dataclass

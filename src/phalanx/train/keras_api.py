@@ -31,6 +31,7 @@ from phalanx.config import Config, ConfigError
 from phalanx.data.keras_inputs import Batches
 from phalanx.engines.keras_model import KerasModelEngine, apply_precision
 from phalanx.mesh import Mesh
+from phalanx.train.progress import drop_rows_after
 
 DEFAULT_RUN_DIR = "runs/default"
 METRICS_FILE = "metrics.jsonl"
@@ -81,7 +82,7 @@ def check_config_for_keras(cfg: Config, model) -> None:
         if getattr(cfg, section) != getattr(defaults, section):
             changed = [f.name for f in dataclasses.fields(getattr(cfg, section))
                        if getattr(getattr(cfg, section), f.name) != getattr(getattr(defaults, section), f.name)]
-            raise ConfigError(f"{section}.{changed[0]}", f"configures the built-in GPT (phalanx train); your Keras "
+            raise ConfigError(f"{section}.{changed[0]}", "configures the built-in GPT (phalanx train); your Keras "
                                                          "model and the data you pass to fit define their own")
     for key, instead in _GPT_ONLY.items():
         section, name = key.split(".")
@@ -172,12 +173,11 @@ def _state(model) -> dict[str, np.ndarray]:
 
 def _restore(run_dir: Path, model, say) -> tuple[int, dict]:
     """Load the newest valid checkpoint of ``run_dir`` into ``model``; (epochs done, history)."""
-    ckpt_dir = run_dir / "checkpoints"
-    path = checkpoint.latest(ckpt_dir)
-    if path is None:
+    # The newest checkpoint that verifies; a damaged newer one is skipped with a warning.
+    restored = checkpoint.restore_latest(run_dir / "checkpoints", warn=say)
+    if restored is None:
         return 0, {}
-    restored = checkpoint.restore(path)
-    meta = restored.meta
+    path, meta = restored.path, restored.meta
     saved = meta.get("keras_variables")
     if saved is None:
         raise ConfigError("run.dir", f"{str(run_dir)!r} holds checkpoints of phalanx's built-in GPT, not of a Keras "
@@ -221,17 +221,9 @@ def _jsonable(value):
     return value
 
 
-def _write_metrics(run_dir: Path, rows_after: int, row: dict | None) -> None:
-    """Append ``row`` to metrics.jsonl after dropping rows of epochs >= ``rows_after``
-    (a resumed run repeats no epoch)."""
-    path = run_dir / METRICS_FILE
-    rows = []
-    if path.is_file():
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        rows = [r for r in rows if r.get("epoch", 0) < rows_after]
-    if row is not None:
-        rows.append(_jsonable(row))
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+def _append_metrics(run_dir: Path, row: dict) -> None:
+    with (run_dir / METRICS_FILE).open("a") as f:
+        f.write(json.dumps(_jsonable(row)) + "\n")
 
 
 # -- the loops ------------------------------------------------------------------------------------
@@ -317,7 +309,7 @@ def _fit_loop(engine, model, cfg, run_dir: Path, train: Batches, val, *, epochs,
         return history
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     start = max(initial_epoch, done)
-    _write_metrics(run_dir, start, None)
+    drop_rows_after(run_dir, int(model.optimizer.iterations.numpy()))  # a resumed run repeats no row
     callback_list = _callbacks(callbacks, model, verbose, epochs, train.steps, history)
     model.stop_training = False
     callback_list.on_train_begin()
@@ -350,7 +342,7 @@ def _fit_loop(engine, model, cfg, run_dir: Path, train: Batches, val, *, epochs,
             epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
         callback_list.on_epoch_end(epoch, epoch_logs)
         _save(run_dir, cfg, model, epoch + 1, history.history, step_count)
-        _write_metrics(run_dir, epoch + 1, {"epoch": epoch + 1, "step": step_count, **epoch_logs})
+        _append_metrics(run_dir, {"epoch": epoch + 1, "step": step_count, **epoch_logs})
         if model.stop_training:
             break
     callback_list.on_train_end(logs=epoch_logs)
