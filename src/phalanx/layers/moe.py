@@ -1,0 +1,161 @@
+"""A mixture-of-experts feed-forward layer (a Keras layer any model can use).
+
+Every token is routed by a learned router (a bias-free linear map to one logit per
+expert, computed in float32) to its ``top_k`` experts, each an MLP (plain or gated).
+Its output is the gate-weighted sum of those experts' outputs:
+
+* ``top_k=1`` (Switch Transformer, Fedus et al. 2021): the gate is the router's softmax
+  probability of the chosen expert;
+* ``top_k>=2`` (GShard, Lepikhin et al. 2020; Mixtral): the top-k probabilities,
+  renormalised to sum to 1.
+
+**Capacity.** With ``capacity_factor > 0`` each expert takes at most
+``ceil(capacity_factor x tokens x top_k / experts)`` tokens of a call; tokens fill it in
+order of choice (every token's first choice before any second choice, as GShard), then in
+token order. A token's assignment past capacity is dropped: it adds nothing for that
+expert (the model's residual connection carries the token on). ``capacity_factor=0``
+drops nothing. The capacity is per call: a pipeline's micro-batch is its own call.
+
+**Auxiliary losses** (added with ``add_loss``, so ``fit`` adds them to the loss):
+
+* load balancing (Switch eq. 4): ``aux_loss_coef x E x sum_e f_e x P_e``, where ``f_e`` is
+  the share of tokens whose first choice is expert ``e`` and ``P_e`` the mean router
+  probability of ``e`` (1.0 at a perfectly uniform router);
+* router z-loss (ST-MoE, Zoph et al. 2022, eq. 5): ``z_loss_coef x mean_t
+  logsumexp(logits_t)^2``.
+
+**Statistics** of the last training call live in three non-trainable scalars:
+``dropped_fraction`` (share of token-to-expert assignments dropped), ``load_min`` and
+``load_max`` (the least and most loaded expert's share of the kept assignments, x E: 1.0
+is perfect balance).
+
+Example:
+    >>> import numpy as np
+    >>> moe = MoE(num_experts=4, hidden_dim=16, top_k=2)
+    >>> moe(np.ones([2, 3, 8], "float32")).shape
+    (2, 3, 8)
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+from keras import ops
+
+
+@keras.saving.register_keras_serializable(package="phalanx")
+class MoE(keras.layers.Layer):
+    """Mixture of ``num_experts`` MLP experts of width ``hidden_dim`` (see the module
+    docstring). ``gated=True`` makes each expert a SwiGLU MLP (``activation`` on the
+    gate branch, Shazeer 2020)."""
+
+    def __init__(self, num_experts: int, hidden_dim: int, top_k: int = 2, capacity_factor: float = 0.0,
+                 aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0, gated: bool = False,
+                 activation: str = "gelu", kernel_initializer="glorot_uniform", **kwargs):
+        super().__init__(**kwargs)
+        if not isinstance(num_experts, int) or num_experts < 1:
+            raise ValueError(f"num_experts: {num_experts!r} is not a positive integer")
+        if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k: {top_k!r} must be an integer in [1, num_experts={num_experts}]")
+        if not capacity_factor >= 0 or not math.isfinite(capacity_factor):
+            raise ValueError(f"capacity_factor: {capacity_factor!r} must be >= 0 (0: no token is dropped)")
+        for name, value in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef)):
+            if not value >= 0 or not math.isfinite(value):
+                raise ValueError(f"{name}: {value!r} must be a finite number >= 0")
+        self.num_experts, self.hidden_dim, self.top_k = num_experts, hidden_dim, top_k
+        self.capacity_factor, self.aux_loss_coef, self.z_loss_coef = capacity_factor, aux_loss_coef, z_loss_coef
+        self.gated, self.activation = gated, keras.activations.get(activation)
+        self._activation_name = activation
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+
+    def build(self, input_shape):
+        d, e, f = input_shape[-1], self.num_experts, self.hidden_dim
+        # The router stays float32 under mixed precision (routing decisions are brittle).
+        self.router = self.add_weight(shape=(d, e), initializer=self.kernel_initializer, name="router",
+                                      dtype="float32", autocast=False)
+        self.w_in = self.add_weight(shape=(e, d, f), initializer=self.kernel_initializer, name="w_in")
+        self.b_in = self.add_weight(shape=(e, f), initializer="zeros", name="b_in")
+        if self.gated:
+            self.w_gate = self.add_weight(shape=(e, d, f), initializer=self.kernel_initializer, name="w_gate")
+        self.w_out = self.add_weight(shape=(e, f, d), initializer=self.kernel_initializer, name="w_out")
+        self.b_out = self.add_weight(shape=(e, d), initializer="zeros", name="b_out")
+        for name in ("dropped_fraction", "load_min", "load_max"):
+            setattr(self, name, self.add_weight(shape=(), initializer="zeros", trainable=False, name=name,
+                                                dtype="float32", autocast=False))
+
+    def capacity(self, tokens: int) -> int:
+        """Slots per expert for a call of ``tokens`` tokens (``tokens`` when nothing drops)."""
+        if self.capacity_factor == 0:
+            return tokens
+        return max(1, math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts))
+
+    def _expert(self, e: int, x):
+        h = ops.matmul(x, self.w_in[e]) + self.b_in[e]
+        if self.gated:
+            h = self.activation(ops.matmul(x, self.w_gate[e])) * h
+        else:
+            h = self.activation(h)
+        return ops.matmul(h, self.w_out[e]) + self.b_out[e]
+
+    def call(self, inputs, training=None):
+        import tensorflow as tf  # the dispatch uses TensorFlow's gather/scatter ops
+
+        shape = tf.shape(inputs)
+        d = inputs.shape[-1]
+        x = tf.reshape(inputs, [-1, d])
+        n = tf.shape(x)[0]
+        logits = tf.matmul(tf.cast(x, tf.float32), tf.convert_to_tensor(self.router))
+        probs = tf.nn.softmax(logits, axis=-1)
+        gates, chosen = tf.math.top_k(probs, k=self.top_k)                  # [n, k]
+        if self.top_k > 1:
+            gates = gates / tf.reduce_sum(gates, axis=-1, keepdims=True)
+        # Position of each assignment in its expert's queue: first choices of all tokens,
+        # then second choices, each in token order.
+        onehot = tf.one_hot(tf.transpose(chosen), self.num_experts, dtype=tf.int32)  # [k, n, E]
+        flat = tf.reshape(onehot, [-1, self.num_experts])
+        position = tf.reshape(tf.reduce_sum((tf.cumsum(flat, axis=0) - 1) * flat, axis=-1), [self.top_k, n])
+        capacity = n if self.capacity_factor == 0 else tf.cast(tf.math.ceil(
+            self.capacity_factor * tf.cast(n * self.top_k, tf.float32) / self.num_experts), tf.int32)
+        kept = tf.transpose(position < tf.maximum(capacity, 1))               # [n, k]
+        out = tf.zeros_like(x)
+        load = []
+        for e in range(self.num_experts):
+            mine = tf.logical_and(tf.equal(chosen, e), kept)                 # [n, k]
+            where = tf.where(mine)                                           # (token, choice) pairs
+            tokens = where[:, 0]
+            gate = tf.gather_nd(gates, where)
+            y = self._expert(e, tf.gather(x, tokens))
+            out = tf.tensor_scatter_nd_add(out, tokens[:, None], y * tf.cast(gate[:, None], y.dtype))
+            load.append(tf.reduce_sum(tf.cast(mine, tf.float32)))
+        self._add_losses(logits, probs, chosen)
+        if training:
+            load = tf.stack(load)
+            total = tf.cast(n * self.top_k, tf.float32)
+            kept_total = tf.maximum(tf.reduce_sum(load), 1.0)
+            self.dropped_fraction.assign(1.0 - tf.reduce_sum(load) / total)
+            self.load_min.assign(tf.reduce_min(load) / kept_total * self.num_experts)
+            self.load_max.assign(tf.reduce_max(load) / kept_total * self.num_experts)
+        return tf.reshape(out, shape)
+
+    def _add_losses(self, logits, probs, chosen) -> None:
+        import tensorflow as tf
+
+        if self.aux_loss_coef:
+            first = tf.one_hot(chosen[:, 0], self.num_experts, dtype=tf.float32)
+            fraction = tf.reduce_mean(first, axis=0)                         # f_e
+            mean_prob = tf.reduce_mean(probs, axis=0)                        # P_e
+            self.add_loss(self.aux_loss_coef * self.num_experts * tf.reduce_sum(fraction * mean_prob))
+        if self.z_loss_coef:
+            self.add_loss(self.z_loss_coef * tf.reduce_mean(tf.square(tf.reduce_logsumexp(logits, axis=-1))))
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({"num_experts": self.num_experts, "hidden_dim": self.hidden_dim, "top_k": self.top_k,
+                       "capacity_factor": self.capacity_factor, "aux_loss_coef": self.aux_loss_coef,
+                       "z_loss_coef": self.z_loss_coef, "gated": self.gated, "activation": self._activation_name,
+                       "kernel_initializer": keras.initializers.serialize(self.kernel_initializer)})
+        return config

@@ -1,0 +1,147 @@
+"""The mixture-of-experts layer against a plain reference written here (a loop over
+tokens and experts in NumPy), and trained through phalanx.fit against Keras's own fit."""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import numpy as np
+import pytest
+
+import phalanx
+from phalanx.layers import MoE
+
+
+def gelu(x):
+    """Keras's default (exact) GELU: x * Phi(x)."""
+    return 0.5 * x * (1.0 + np.vectorize(math.erf)(x / np.sqrt(2.0)))
+
+
+def reference(layer: MoE, x: np.ndarray):
+    """(output, aux loss, z loss, dropped assignments) by loops, in float64."""
+    w = {v.name: np.asarray(v.numpy(), np.float64) for v in layer.weights}
+    tokens = x.reshape(-1, x.shape[-1]).astype(np.float64)
+    n, e, k = len(tokens), layer.num_experts, layer.top_k
+    logits = tokens @ w["router"]
+    probs = np.exp(logits - logits.max(1, keepdims=True))
+    probs /= probs.sum(1, keepdims=True)
+    choices = [list(np.argsort(-p, kind="stable")[:k]) for p in probs]
+    capacity = n if layer.capacity_factor == 0 else max(1, math.ceil(layer.capacity_factor * n * k / e))
+    used = [0] * e
+    kept = {}
+    for j in range(k):              # every token's j-th choice before any (j+1)-th
+        for t in range(n):
+            expert = choices[t][j]
+            kept[(t, j)] = used[expert] < capacity
+            used[expert] += 1
+    out = np.zeros_like(tokens)
+    for t in range(n):
+        gates = np.array([probs[t][c] for c in choices[t]])
+        if k > 1:
+            gates = gates / gates.sum()
+        for j, expert in enumerate(choices[t]):
+            if not kept[(t, j)]:
+                continue
+            h = tokens[t] @ w["w_in"][expert] + w["b_in"][expert]
+            h = gelu(tokens[t] @ w["w_gate"][expert]) * h if layer.gated else gelu(h)
+            out[t] += gates[j] * (h @ w["w_out"][expert] + w["b_out"][expert])
+    first = np.zeros(e)
+    for t in range(n):
+        first[choices[t][0]] += 1.0 / n
+    aux = layer.aux_loss_coef * e * float(np.sum(first * probs.mean(0)))
+    lse = np.log(np.exp(logits).sum(1))
+    z = layer.z_loss_coef * float(np.mean(lse ** 2))
+    dropped = sum(not v for v in kept.values())
+    return out.reshape(x.shape), aux, z, dropped
+
+
+@pytest.mark.parametrize("top_k,capacity,gated", [(1, 0.0, False), (2, 0.0, False), (2, 0.0, True),
+                                                   (1, 0.5, False), (2, 0.75, True)])
+def test_moe_equals_a_loop_over_tokens_and_experts(top_k, capacity, gated):
+    keras.utils.set_random_seed(0)
+    layer = MoE(num_experts=4, hidden_dim=12, top_k=top_k, capacity_factor=capacity, aux_loss_coef=0.01,
+                z_loss_coef=0.001, gated=gated)
+    x = np.random.default_rng(1).normal(size=(3, 5, 8)).astype("float32")
+    got = np.asarray(layer(x, training=True))
+    want, aux, z, dropped = reference(layer, x)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    losses = [float(v) for v in layer.losses]
+    np.testing.assert_allclose(losses, [aux, z], rtol=1e-5)
+    np.testing.assert_allclose(float(layer.dropped_fraction.numpy()), dropped / (15 * top_k), atol=1e-7)
+    if capacity == 0:
+        assert dropped == 0
+    else:
+        assert dropped > 0  # the small capacity really drops tokens
+    assert float(layer.load_min.numpy()) <= 1.0 <= float(layer.load_max.numpy())
+
+
+def test_moe_arguments_are_checked():
+    with pytest.raises(ValueError, match="top_k"):
+        MoE(num_experts=2, hidden_dim=4, top_k=3)
+    with pytest.raises(ValueError, match="capacity_factor"):
+        MoE(num_experts=2, hidden_dim=4, capacity_factor=-1)
+    with pytest.raises(ValueError, match="num_experts"):
+        MoE(num_experts=0, hidden_dim=4)
+
+
+class Ghost(keras.Model):
+    """Keras's own fit of the model on each batch cut into ``chunks`` pieces, in order:
+    the MoE's capacity and balancing loss are per call, so per micro-batch (the oracle of
+    the micro-batch semantics, written here)."""
+
+    def __init__(self, inner, chunks):
+        super().__init__()
+        self.inner, self.chunks = inner, chunks
+
+    def call(self, x, training=False):
+        return keras.ops.concatenate([self.inner(p, training=training)
+                                      for p in keras.ops.split(x, self.chunks, axis=0)], axis=0)
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        # phalanx's loss of a batch is the mean over its micro-batches of (data loss + the
+        # layers' added losses): the data loss is a mean already; the added ones (one per
+        # piece here) are averaged.
+        data = self._compile_loss(y, y_pred, sample_weight)
+        return data + keras.ops.sum(self.losses) / self.chunks
+
+
+def moe_model():
+    keras.utils.set_random_seed(4)
+    tokens = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(16, 8)(tokens)
+    h = keras.layers.Dense(8, activation="tanh")(h)
+    h = h + MoE(num_experts=4, hidden_dim=16, top_k=2, aux_loss_coef=0.05, z_loss_coef=0.01)(h)
+    h = keras.layers.LayerNormalization()(h)
+    out = keras.layers.Dense(16)(h)
+    model = keras.Model(tokens, out)
+    model.compile(optimizer=keras.optimizers.Adam(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("layout,overrides,chunks", [
+    ("one", [], 1),
+    ("dp2", ["parallel.devices=cpu:2", "parallel.dp=2"], 2),
+    ("pp2", ["parallel.devices=cpu:2", "parallel.pp=2", "parallel.microbatches=2"], 2),
+])
+def test_moe_model_trains_through_phalanx_fit_like_keras(layout, overrides, chunks, tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 16, (16, 6)).astype("int32")
+    y = np.roll(x, 1, axis=1)
+    reference = moe_model()
+    trained = Ghost(reference, chunks) if chunks > 1 else reference
+    if chunks > 1:
+        trained.compile(optimizer=keras.optimizers.Adam(0.01),
+                        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    ref = trained.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    model = moe_model()
+    ours = phalanx.fit(model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                       overrides=overrides + [f"run.dir={tmp_path / layout}"]).history
+    np.testing.assert_allclose(ours["loss"], ref["loss"], rtol=1e-4)
+    for mine, want in zip(model.trainable_weights, reference.trainable_weights):
+        np.testing.assert_allclose(mine.numpy(), want.numpy(), rtol=1e-4, atol=1e-5, err_msg=mine.path)
+    path = tmp_path / "moe.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
