@@ -126,13 +126,35 @@ def test_render_and_png(tmp_path):
 
 def test_cli(tmp_path, capsys):
     png = tmp_path / "s.png"
-    assert schedule_cli.main(["--pp", "4", "--microbatches", "8", "--schedule", "1f1b", "--png", str(png)]) == 0
+    assert schedule_cli.main(["parallel.pp=4", "parallel.microbatches=8", "parallel.schedule=1f1b",
+                              "--png", str(png)]) == 0
     out = capsys.readouterr().out
     assert "0.2727" in out and "[4, 3, 2, 1]" in out
     assert png.stat().st_size > 1000
-    assert schedule_cli.main(["--pp", "4", "--microbatches", "6", "--schedule", "interleaved",
-                              "--virtual-stages", "2"]) == 2
-    assert "multiple of pp=4" in capsys.readouterr().err
+    assert schedule_cli.main(["parallel.pp=4", "parallel.microbatches=6", "parallel.schedule=interleaved",
+                              "parallel.virtual_stages=2"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.microbatches" in err and "multiple of pp=4" in err
+
+
+def test_cli_overrides_anywhere_config_keys_and_file(tmp_path, capsys):
+    """One name per knob: the config keys, before/between/after flags, or from a config file."""
+    assert schedule_cli.main(["--no-chart", "parallel.pp=2", "--comm-cost", "0", "parallel.microbatches=2",
+                              "parallel.schedule=gpipe"]) == 0
+    assert "gpipe  pp=2  microbatches=2" in capsys.readouterr().out
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: {layers: 8}\nparallel: {pp: 4, microbatches: 8, schedule: gpipe}\n")
+    assert schedule_cli.main([str(cfg), "--no-chart", "parallel.schedule=1f1b"]) == 0
+    assert "1f1b  pp=4  microbatches=8" in capsys.readouterr().out
+    assert schedule_cli.main(["parallel.pp=2", "parallel.microbatches=4", "parallel.schedule=zb", "--no-chart"]) == 0
+    assert "plan only" in capsys.readouterr().out
+    with pytest.raises(SystemExit):          # the old flag duplicates are gone
+        schedule_cli.main(["--pp", "4"])
+    capsys.readouterr()
+    assert schedule_cli.main(["train.steps=3"]) == 2
+    assert "train.steps" in capsys.readouterr().err
+    assert schedule_cli.main(["parallel.pp=two"]) == 2
+    assert "parallel.pp: expected an integer" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("module", [schedules, simulator, schedule_cli])

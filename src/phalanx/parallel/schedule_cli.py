@@ -1,10 +1,17 @@
 """``phalanx schedule``: print a pipeline schedule, its simulated bubble, and draw it.
 
-Example:
-    phalanx schedule --pp 4 --microbatches 8 --schedule 1f1b --png sched.png
-    phalanx schedule --pp 4 --microbatches 8 --schedule interleaved --virtual-stages 2
+The schedule is named by the same config keys ``phalanx train`` reads (one name per
+knob): ``parallel.pp``, ``parallel.microbatches``, ``parallel.schedule``,
+``parallel.virtual_stages``, given as ``key=value`` anywhere among the flags, or read
+from the ``parallel`` section of a config file. ``parallel.schedule=zb`` is simulated
+too, labelled plan only (the executor runs gpipe, 1f1b and interleaved). Flags are
+for what is not config: costs, the PNG, the chart.
 
-    >>> main(["--pp", "2", "--microbatches", "2", "--schedule", "gpipe", "--no-chart"])
+Example:
+    phalanx schedule parallel.pp=4 parallel.microbatches=8 parallel.schedule=1f1b --png sched.png
+    phalanx schedule --no-chart my.yaml parallel.schedule=interleaved parallel.virtual_stages=2
+
+    >>> main(["parallel.pp=2", "--no-chart", "parallel.microbatches=2", "parallel.schedule=gpipe"])
     gpipe  pp=2  microbatches=2
     rank 0 | F0 F1 B0 B1
     rank 1 | F0 F1 B0 B1
@@ -19,18 +26,23 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
+from phalanx.config import SCHEDULES, ConfigError, ParallelConfig, parse_override, split_config_args
 from phalanx.parallel.schedules import SCHEDULE_NAMES, build_schedule, bubble_formula, draw_png, render_text
+
+KEYS = {"parallel.pp": int, "parallel.microbatches": int, "parallel.schedule": str, "parallel.virtual_stages": int}
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="phalanx schedule",
                                 description="Print a pipeline schedule table, its simulated bubble and "
-                                            "peak in-flight micro-batches; optionally draw a PNG timeline.")
-    p.add_argument("--pp", type=int, required=True, help="pipeline ranks")
-    p.add_argument("--microbatches", "-m", type=int, required=True, help="micro-batches per step")
-    p.add_argument("--schedule", default="1f1b", choices=SCHEDULE_NAMES)
-    p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved only)")
+                                            "peak in-flight micro-batches; optionally draw a PNG timeline.",
+                                epilog="keys: parallel.pp (default 2 here), parallel.microbatches (default 4 here), "
+                                       f"parallel.schedule ({', '.join(SCHEDULE_NAMES)}; default "
+                                       f"{ParallelConfig.schedule}), parallel.virtual_stages (interleaved only)")
+    p.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [parallel.key=value ...]",
+                   help="the schedule's config keys, anywhere among the flags")
     p.add_argument("--fwd-cost", type=float, default=1.0, help="forward time of one micro-batch on one rank")
     p.add_argument("--bwd-cost", type=float, default=2.0, help="backward time (B + W when split)")
     p.add_argument("--comm-cost", type=float, default=0.0, help="point-to-point transfer time between ranks")
@@ -39,16 +51,56 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def schedule_keys(args: list[str]) -> dict[str, object]:
+    """The schedule's keys from ``[CONFIG.yaml] key=value ...`` (a file's ``parallel`` section first).
+
+    Only the four schedule keys are read, so no whole training config has to be valid.
+
+    >>> schedule_keys(["parallel.pp=4", "parallel.schedule=zb"])["parallel.schedule"]
+    'zb'
+    """
+    path, overrides = split_config_args(args)
+    values: dict[str, object] = {"parallel.pp": 2, "parallel.microbatches": 4,
+                                 "parallel.schedule": ParallelConfig.schedule, "parallel.virtual_stages": 1}
+    items: list[tuple[str, object]] = []
+    if path is not None:
+        import yaml
+
+        if not Path(path).is_file():
+            raise ConfigError("config", f"file {path!r} does not exist")
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+        section = raw.get("parallel", {}) if isinstance(raw, dict) else {}
+        items += [(f"parallel.{k}", v) for k, v in (section or {}).items() if f"parallel.{k}" in KEYS]
+    items += [parse_override(o) for o in overrides]
+    for key, value in items:
+        if key not in KEYS:
+            raise ConfigError(key, f"phalanx schedule reads only {', '.join(KEYS)}")
+        typ = KEYS[key]
+        if typ is int and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(key, f"expected an integer, got {value!r}")
+        values[key] = str(value) if typ is str else value
+    return values
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)
     # imported here so that `phalanx schedule --help` stays instant
     from phalanx.plan.simulator import render_timeline_text, simulate
 
     try:
-        sched = build_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages)
+        keys = schedule_keys(args.args)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    name, pp = keys["parallel.schedule"], keys["parallel.pp"]
+    m, v = keys["parallel.microbatches"], keys["parallel.virtual_stages"]
+    try:
+        sched = build_schedule(name, pp, m, v)
         timeline = simulate(sched, args.fwd_cost, args.bwd_cost, args.comm_cost)
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+        text = str(err)
+        key = next((k for k in ("microbatches", "virtual_stages", "pp", "schedule") if k in text), "schedule")
+        print(f"error: parallel.{key}: {text}", file=sys.stderr)
         return 2
     print(render_text(sched))
     if not args.no_chart:
@@ -59,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
           f"(fwd {args.fwd_cost:g}, bwd {args.bwd_cost:g}, comm {args.comm_cost:g})")
     print(f"formula (p-1)/(v*m+p-1)    {bubble_formula(sched.pp, sched.microbatches, sched.virtual_stages):.4f}")
     print(f"peak in-flight per rank    {list(timeline.peak_in_flight)}")
+    if name not in SCHEDULES:
+        print(f"plan only: the executor runs {', '.join(SCHEDULES)}, not {name}")
     if args.png:
         draw_png(timeline, args.png)
         print(f"timeline written to {args.png}")

@@ -1,14 +1,20 @@
 """``phalanx plan``: will the model fit, how to split it, how long it trains.
 
-Reads the same configuration as ``phalanx train`` (a YAML file and ``key=value``
-overrides). Planner-only settings that the training config does not have (MoE,
-sequence parallelism, node size, hardware overrides) are flags.
+Reads the same configuration as ``phalanx train`` (a YAML file and ``section.key=value``
+overrides, anywhere among the flags). Every knob of the training config has one name,
+its key (``parallel.zero=1``, ``parallel.schedule=gpipe``, ``train.global_batch=64``);
+flags are only for what the config does not have (device count and kind, hardware
+overrides, MoE and sequence parallelism, output). Two values the engine does not run
+are accepted here to plan them, labelled *plan only*: ``parallel.zero=3`` and
+``parallel.schedule=zb``. With ``--search``, the parallel keys you set (dp, tp, pp,
+microbatches, zero, schedule, recompute, virtual_stages) fix that dimension.
 
 Examples:
     phalanx plan my.yaml --hardware this-cpu
+    phalanx plan --devices 4 parallel.pp=2 --hardware a100-80gb      # dp fills the rest: 2
     phalanx plan model.layers=128 model.d_model=25600 model.heads=160 model.vocab=51200 \\
         model.seq_len=2048 --devices 3072 --hardware a100-80gb --tokens 450e9 --search --top 5
-    phalanx plan my.yaml --json
+    phalanx plan my.yaml parallel.tp=2 parallel.devices=cpu:2 --calibrate
 
     >>> main(["model.layers=2", "--hardware", "a100-40gb", "--json"])  # doctest: +ELLIPSIS
     {...
@@ -23,9 +29,12 @@ import os
 import sys
 from pathlib import Path
 
-from phalanx.config import ConfigError, load_config, resolve_degrees, split_config_args
+from phalanx.config import ConfigError, load_config, parse_devices, parse_override, resolve_degrees, split_config_args
 
 GiB = 2**30
+# Values of config keys that the planner models but the engine does not run (plan only).
+PLAN_ONLY_VALUES = {"parallel.zero": (3,), "parallel.schedule": ("zb",)}
+SEARCH_KEYS = ("dp", "tp", "pp", "microbatches", "zero", "schedule", "recompute", "virtual_stages")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,31 +43,29 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="phalanx plan", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]",
-                   help="a config file and/or dotted overrides, as for phalanx train")
+                   help="a config file and/or section.key=value overrides, as for phalanx train, anywhere among the flags")
     p.add_argument("--devices", type=int, default=None,
-                   help="accelerators in total (default: parallel.dp x tp x pp of the config)")
+                   help="devices in total (default: the N of parallel.devices=cpu:N/gpu:N, else dp x tp x pp); "
+                        "without parallel.dp, dp fills the rest")
     p.add_argument("--hardware", default="this-cpu", choices=HARDWARE_NAMES)
     p.add_argument("--gpus-per-node", type=int, default=None, help="devices per node (preset default)")
     p.add_argument("--tokens", type=float, default=None, help="training tokens, for the days estimate")
-    p.add_argument("--global-batch", type=int, default=None,
-                   help="sequences per step (default train.global_batch; with --search and no explicit value: "
-                        "one sequence per device)")
-    p.add_argument("--search", action="store_true", help="search dp/tp/pp/microbatches/zero/recompute/schedule")
+    p.add_argument("--search", action="store_true",
+                   help="search dp/tp/pp/microbatches/zero/recompute/schedule (keys you set stay fixed); "
+                        "with train.global_batch unset, one sequence per device")
     p.add_argument("--top", type=int, default=5, help="candidates shown by --search")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--calibrate", action="store_true",
-                   help="run a few real training steps here: predicted vs measured memory and step time")
+                   help="run real training steps here (parallel.devices=cpu:N for N logical CPUs): "
+                        "predicted vs measured peak memory per device, and step time")
     p.add_argument("--calibrate-steps", type=int, default=3)
-    g = p.add_argument_group("model (planner-only)")
+    g = p.add_argument_group("model (planner-only, plan only: the engine has no MoE)")
     g.add_argument("--experts", type=int, default=0, help="MoE experts per expert layer (0: dense)")
     g.add_argument("--top-k", type=int, default=1, help="experts per token")
     g.add_argument("--moe-every", type=int, default=1, help="an expert layer every k layers")
     g = p.add_argument_group("layout (planner-only)")
-    g.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism with tp")
-    g.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3),
-                   help="ZeRO stage (overrides parallel.zero; 3 is planner-only)")
-    g.add_argument("--schedule", default=None, choices=("gpipe", "1f1b", "interleaved", "zb"),
-                   help="pipeline schedule (overrides parallel.schedule; zb is planner-only)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron sequence parallelism with tp (plan only: not in the engine)")
     g = p.add_argument_group("hardware and efficiency overrides")
     g.add_argument("--utilization", type=float, default=None,
                    help="achieved fraction of peak FLOP/s in compute (default 0.5)")
@@ -74,19 +81,36 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _explicit_global_batch(path: str | None, overrides: list[str]) -> bool:
-    if any(o.split("=", 1)[0].strip() == "train.global_batch" for o in overrides):
-        return True
+def _explicit_keys(path: str | None, overrides: list[str]) -> set[str]:
+    """Dotted keys the user set, in the file or on the command line."""
+    keys = {o.split("=", 1)[0].strip() for o in overrides}
     if path:
         import yaml
 
-        raw = yaml.safe_load(Path(path).read_text()) or {}
-        return isinstance(raw.get("train"), dict) and "global_batch" in raw["train"]
-    return False
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, ValueError, yaml.YAMLError):
+            raw = {}  # load_config reports it properly
+        if isinstance(raw, dict):
+            keys |= {f"{sec}.{k}" for sec, body in raw.items() if isinstance(body, dict) for k in body}
+    return keys
+
+
+def _split_plan_only(overrides: list[str]) -> tuple[list[str], dict[str, object]]:
+    """Take out overrides whose value only the planner models (:data:`PLAN_ONLY_VALUES`)."""
+    kept, plan_only = [], {}
+    for item in overrides:
+        key, value = parse_override(item)
+        if value in PLAN_ONLY_VALUES.get(key, ()):
+            plan_only[key] = value
+        else:
+            kept.append(item)
+    return kept, plan_only
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    # intermixed: overrides may stand before, between or after the flags
+    args = _parser().parse_intermixed_args(argv)
     if args.calibrate:
         # TensorFlow keeps CPU allocator statistics only with its BFC allocator, chosen at
         # import time: set it before anything (the matmul probe included) imports TensorFlow.
@@ -101,8 +125,36 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _devices(args, cfg, explicit: set[str], notes: list[str]) -> tuple[int, tuple[int, int, int]]:
+    """Device count and (dp, pp, tp) for a single plan (degrees unused by --search)."""
+    p = cfg.parallel
+    kind, n = parse_devices(p.devices)
+    devices = args.devices
+    if devices is None and n:
+        devices = n
+    if devices is not None and devices < 1:
+        raise ConfigError("--devices", f"must be >= 1, got {devices}")
+    if devices is None:
+        if -1 in (p.dp, p.tp, p.pp):
+            raise ConfigError("--devices", "a degree is -1 (fill the rest): give --devices N or "
+                                           "parallel.devices=cpu:N so it can be resolved")
+        return p.dp * p.pp * p.tp, (p.dp, p.pp, p.tp)
+    if args.devices is not None and n and n != args.devices:
+        raise ConfigError("--devices", f"{args.devices} disagrees with parallel.devices={p.devices}; give one")
+    if args.search:
+        return devices, (max(p.dp, 1), max(p.pp, 1), max(p.tp, 1))
+    if -1 not in (p.dp, p.tp, p.pp) and p.dp * p.tp * p.pp != devices:
+        # dp, when the user did not set it, fills the devices (as parallel.dp=-1 would)
+        if "parallel.dp" not in explicit:
+            dp, pp, tp = resolve_degrees(cfg.replace(parallel={"dp": -1}), devices)
+            notes.append(f"parallel.dp not set: dp={dp} fills {devices} devices")
+            return devices, (dp, pp, tp)
+    return devices, resolve_degrees(cfg, devices)
+
+
 def _run(args: argparse.Namespace) -> int:
     from phalanx.plan.arithmetic import ModelSpec
+    from phalanx.plan.engine_rules import engine_schedules, engine_zero_stages
     from phalanx.plan.estimate import estimate
     from phalanx.plan.hardware import get_hardware
     from phalanx.plan.layout import Layout
@@ -111,23 +163,17 @@ def _run(args: argparse.Namespace) -> int:
     from phalanx.plan.timing import DEFAULT_UTILIZATION
 
     path, overrides = split_config_args(args.args)
+    overrides, plan_only = _split_plan_only(overrides)
+    explicit = _explicit_keys(path, overrides) | set(plan_only)
     cfg = load_config(path, overrides)
     p = cfg.parallel
-    if args.devices is not None:
-        if args.devices < 1:
-            raise ConfigError("--devices", f"must be >= 1, got {args.devices}")
-        if args.search:
-            dp, pp, tp = max(p.dp, 1), max(p.pp, 1), max(p.tp, 1)
-        else:
-            dp, pp, tp = resolve_degrees(cfg, args.devices)
-        devices = args.devices
-    else:
-        if -1 in (p.dp, p.tp, p.pp):
-            raise ConfigError("--devices", "a degree is -1 (fill the rest): give --devices N so it can be resolved")
-        dp, pp, tp = p.dp, p.pp, p.tp
-        devices = dp * pp * tp
     notes: list[str] = []
+    devices, (dp, pp, tp) = _devices(args, cfg, explicit, notes)
     model = ModelSpec.from_config(cfg.model, args.experts, args.top_k, args.moe_every)
+    if args.calibrate and not args.search:
+        from phalanx.plan.calibrate import prepare_devices
+
+        prepare_devices(cfg)  # before the hardware probe runs a TensorFlow op
     hw = get_hardware(args.hardware, devices=devices, peak_tflops=args.peak_tflops, memory_gb=args.memory_gb,
                       devices_per_node=args.gpus_per_node, intra_node_gbps=args.intra_node_gbps,
                       inter_node_gbps=args.inter_node_gbps, overhead_gb=args.overhead_gb)
@@ -136,24 +182,35 @@ def _run(args: argparse.Namespace) -> int:
     if not 0 <= ofrac < 10:
         raise ConfigError("--overhead-fraction", f"must be in [0, 10), got {ofrac}")
     policy = cfg.precision.policy
+    zero = plan_only.get("parallel.zero", p.zero)
+    schedule = plan_only.get("parallel.schedule", p.schedule)
+    # MultiWorkerMirroredStrategy sums with a collective ring; every single-process engine
+    # (mesh, MirroredStrategy with ReductionToOneDevice) through one device.
+    reduction = "ring" if p.strategy == "multi_worker" else "one"
 
     global_batch = cfg.train.global_batch
-    if args.global_batch is not None:
-        global_batch = args.global_batch
-    elif args.search and not _explicit_global_batch(path, overrides) and devices > global_batch:
+    if args.search and "train.global_batch" not in explicit and devices > global_batch:
         global_batch = devices
         notes.append(f"train.global_batch not set: assuming {global_batch} sequences per step (one per device); "
-                     f"set train.global_batch=N or --global-batch N")
+                     f"set train.global_batch=N")
 
     if args.search:
+        fixed = {}
+        for name in ("dp", "tp", "pp", "microbatches"):
+            if f"parallel.{name}" in explicit and getattr(p, name) != -1:
+                fixed[name] = getattr(p, name)
+        schedules = (schedule,) if "parallel.schedule" in explicit else engine_schedules() + ("zb",)
+        zeros = (zero,) if "parallel.zero" in explicit else engine_zero_stages() + (3,)
+        recomputes = (p.recompute,) if "parallel.recompute" in explicit else ("none", "selective", "full")
+        vs = (p.virtual_stages,) if "parallel.virtual_stages" in explicit else (2,)
         res = search(model, hw, devices, global_batch, policy=policy, top=args.top, tokens=args.tokens,
                      utilization=util, overhead_fraction=ofrac, dp_overlap=args.dp_overlap,
-                     sequence_parallel=args.sequence_parallel,
-                     schedules=(args.schedule,) if args.schedule else ("1f1b", "interleaved", "zb", "gpipe"),
-                     zero_stages=(args.zero,) if args.zero is not None else (0, 1, 2, 3))
+                     sequence_parallel=args.sequence_parallel, schedules=schedules, zero_stages=zeros,
+                     recompute_modes=recomputes, virtual_stages=vs, fixed=fixed, reduction=reduction)
         if args.json:
             print(json.dumps({"devices": devices, "hardware": hw.name, "global_batch": global_batch,
                               "considered": res.considered, "candidates": [c.to_dict() for c in res.candidates],
+                              "plan_only": [c.to_dict() for c in res.plan_only],
                               "rejections": res.rejections.to_dict(), "notes": notes}, indent=1))
         else:
             print(_model_header(model, policy))
@@ -168,14 +225,16 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError("train.global_batch", f"{global_batch} is not divisible by dp x grad_accum x microbatches = "
                           f"{dp} x {accum} x {p.microbatches}")
     micro_batch = global_batch // (dp * accum * p.microbatches)
-    schedule = args.schedule or p.schedule
     layout = Layout(dp=dp, tp=tp, pp=pp, microbatches=p.microbatches, micro_batch=micro_batch, schedule=schedule,
                     virtual_stages=p.virtual_stages if schedule == "interleaved" else 1,
-                    zero=p.zero if args.zero is None else args.zero, recompute=p.recompute,
-                    sequence_parallel=args.sequence_parallel and tp > 1, policy=policy, accum=accum)
+                    zero=zero, recompute=p.recompute,
+                    sequence_parallel=args.sequence_parallel and tp > 1, policy=policy, accum=accum,
+                    reduction=reduction)
     plan = estimate(model, layout, hw, args.tokens, util, ofrac, args.dp_overlap)
     calibration = None
     if args.calibrate:
+        if plan.plan_only:
+            raise ConfigError("--calibrate", f"the engine cannot run this layout ({'; '.join(plan.plan_only)})")
         from phalanx.plan.calibrate import calibrate
 
         calibration = calibrate(cfg, plan, steps=args.calibrate_steps)
@@ -231,7 +290,8 @@ def _plan_text(plan) -> str:
     cap = plan.hardware.memory_bytes
     rows = [("weights", mem.weights), ("gradients", mem.gradients), ("optimizer", mem.optimizer),
             ("activations", mem.activations), ("overhead", mem.overhead)]
-    lines = [f"layout: {lay.describe()}  (global batch {lay.global_batch} x {plan.model.seq_len} tokens)",
+    lines = [f"layout: {lay.describe()}  (global batch {lay.global_batch} x {plan.model.seq_len} tokens)"
+             + (f"\nPLAN ONLY: the engine cannot run {'; '.join(plan.plan_only)}" if plan.plan_only else ""),
              f"memory per device (pipeline rank {mem.rank}, {mem.params / 1e9:.3g}B params, "
              f"{mem.in_flight} activation sets in flight):"]
     for name, v in rows:
@@ -245,12 +305,11 @@ def _plan_text(plan) -> str:
     return "\n".join(lines)
 
 
-def _search_table(res, hw) -> str:
-    lines = [f"searched {res.considered} layouts; top {len(res.candidates)} by throughput:"]
+def _candidate_rows(plans, start: int = 1) -> list[str]:
     head = (f"{'#':>2} {'dp':>5} {'tp':>3} {'pp':>4} {'m':>5} {'b':>3} {'schedule':<16} {'zero':>4} "
             f"{'recompute':<9} {'mem GiB':>8} {'bubble':>7} {'step s':>9} {'tokens/s':>12} {'MFU':>6} {'days':>8}")
-    lines.append(head)
-    for i, c in enumerate(res.candidates, 1):
+    lines = [head]
+    for i, c in enumerate(plans, start):
         lay = c.layout
         sched = lay.schedule + (f"(v={lay.virtual_stages})" if lay.virtual_stages > 1 else "")
         days = f"{c.days:8.1f}" if c.days is not None else f"{'-':>8}"
@@ -258,8 +317,20 @@ def _search_table(res, hw) -> str:
                      f"{lay.microbatches:>5} {lay.micro_batch:>3} {sched:<16} {lay.zero:>4} {lay.recompute:<9} "
                      f"{c.memory.total / GiB:8.1f} {c.time.bubble_fraction:7.1%} {c.time.step_time_s:9.3g} "
                      f"{c.tokens_per_s:12,.0f} {c.mfu:6.1%} {days}")
+    return lines
+
+
+def _search_table(res, hw) -> str:
+    lines = [f"searched {res.considered} layouts; top {len(res.candidates)} the engine runs, by throughput:"]
+    lines += _candidate_rows(res.candidates)
     if not res.candidates:
-        lines.append("  no layout fits: add devices, memory, or allow more ZeRO/recompute")
+        lines.append("  no layout the engine runs fits: add devices, memory, or allow more ZeRO/recompute")
+    if res.plan_only:
+        lines.append("plan only (modelled, but the engine cannot run them; never proposed as best):")
+        rows = _candidate_rows(res.plan_only)
+        lines.append(rows[0] + "  why not runnable")
+        for row, c in zip(rows[1:], res.plan_only):
+            lines.append(f"{row}  {'; '.join(res.plan_only_reasons(c))}")
     lines.append("rejected:")
     lines += ["  " + ln for ln in res.rejections.lines()]
     return "\n".join(lines)
@@ -268,12 +339,20 @@ def _search_table(res, hw) -> str:
 def _calibration_text(cal: dict) -> str:
     if "error" in cal:
         return f"calibration: not run: {cal['error']}"
-    return (f"calibration on this machine ({cal['steps']} steps):\n"
-            f"  peak memory  predicted {cal['predicted_memory_bytes'] / GiB:.3f} GiB, measured "
-            f"{cal['measured_memory_bytes'] / GiB:.3f} GiB ({cal['memory_error']:+.1%})\n"
-            f"  step time    predicted {cal['predicted_step_time_s']:.4g} s, measured "
-            f"{cal['measured_step_time_s']:.4g} s ({cal['step_time_error']:+.1%}); "
-            f"--utilization {cal['implied_utilization']:.3f} would match it")
+    MiB = 2**20
+    lines = [f"calibration on this machine ({cal['steps']} steps), peak memory per device:"]
+    for d in cal["devices"]:
+        pred = d["predicted_bytes"]
+        err = f"({d['error']:+.1%})" if d["error"] is not None else ""
+        lines.append(f"  {d['device']:<8} predicted {pred / MiB if pred is not None else float('nan'):9.1f} MiB, "
+                     f"measured {d['measured_bytes'] / MiB:9.1f} MiB {err}")
+    lines.append(f"  (all devices share one allocator here; its process-wide peak was "
+                 f"{cal['total_check'] / MiB:.1f} MiB)")
+    if "predicted_step_time_s" in cal:
+        lines.append(f"  step time    predicted {cal['predicted_step_time_s']:.4g} s, measured "
+                     f"{cal['measured_step_time_s']:.4g} s ({cal['step_time_error']:+.1%}); "
+                     f"--utilization {cal['implied_utilization']:.3f} would match it")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

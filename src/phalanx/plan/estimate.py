@@ -32,6 +32,13 @@ class Plan:
     utilization: float
 
     @property
+    def plan_only(self) -> list[str]:
+        """Why the engine cannot run this layout (empty: it can)."""
+        from phalanx.plan.engine_rules import plan_only_reasons
+
+        return plan_only_reasons(self.model, self.layout)
+
+    @property
     def fits(self) -> bool:
         return self.memory.total <= self.hardware.memory_bytes
 
@@ -67,6 +74,8 @@ class Plan:
             "memory_per_device_bytes": self.memory.to_dict(),
             "device_memory_bytes": self.hardware.memory_bytes,
             "fits": self.fits,
+            "runs_on_engine": not self.plan_only,
+            "plan_only_reasons": self.plan_only,
             "global_batch": self.layout.global_batch,
             "tokens_per_step": self.tokens_per_step,
             "step_time_s": self.time.step_time_s,
@@ -81,8 +90,13 @@ class Plan:
 
 def estimate(m: ModelSpec, lay: Layout, hw: Hardware, tokens: float | None = None,
              utilization: float = DEFAULT_UTILIZATION, overhead_fraction: float = DEFAULT_OVERHEAD_FRACTION,
-             dp_overlap: float = 0.0, exact_schedule: bool = True) -> Plan:
-    """Memory and time of ``lay`` for model ``m`` on ``hw``."""
-    mem = memory_per_device(m, lay, hw.overhead_bytes, overhead_fraction, exact_schedule, hw.fused_kernels)
+             dp_overlap: float = 0.0, exact_schedule: bool = True, fused: bool | None = None) -> Plan:
+    """Memory and time of ``lay`` for model ``m`` on ``hw``.
+
+    ``fused``: whether activations are counted as fused kernels keep them; default: the
+    hardware's own (``hw.fused_kernels``; False for ``this-cpu``).
+    """
+    fused = hw.fused_kernels if fused is None else fused
+    mem = memory_per_device(m, lay, hw.overhead_bytes, overhead_fraction, exact_schedule, fused)
     t = step_time(m, lay, hw, utilization, dp_overlap, exact_schedule)
     return Plan(m, lay, hw, mem, t, tokens, utilization)

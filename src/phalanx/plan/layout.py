@@ -4,7 +4,7 @@ Example:
     >>> lay = Layout(dp=2, tp=4, pp=2, microbatches=4, micro_batch=1)
     >>> lay.devices, lay.global_batch
     (16, 8)
-    >>> stage_layers(10, pp=2, virtual_stages=2)   # model stages 0..3
+    >>> stage_layers(10, pp=2, virtual_stages=2)   # equal counts (the engine balances FLOPs instead)
     [3, 3, 2, 2]
 """
 
@@ -16,6 +16,10 @@ from phalanx.plan.arithmetic import RECOMPUTE_MODES
 from phalanx.parallel.schedules import SCHEDULE_NAMES
 
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
+# How data-parallel gradients are summed: "one" = add_n onto one device per shard and every
+# replica reads the sum back (the single-process mesh engine, MirroredStrategy with
+# ReductionToOneDevice); "ring" = collective ring all-reduce (MultiWorkerMirroredStrategy, RING).
+REDUCTIONS = ("one", "ring")
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,7 @@ class Layout:
     sequence_parallel: bool = False
     policy: str = "mixed_bfloat16"
     accum: int = 1
+    reduction: str = "one"
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "microbatches", "micro_batch", "virtual_stages", "accum"):
@@ -53,6 +58,8 @@ class Layout:
             raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"precision policy must be one of {POLICIES}, got {self.policy!r}")
 
@@ -74,7 +81,7 @@ class Layout:
                 "micro_batch": self.micro_batch, "schedule": self.schedule,
                 "virtual_stages": self.virtual_stages, "zero": self.zero, "recompute": self.recompute,
                 "sequence_parallel": self.sequence_parallel, "policy": self.policy,
-                "grad_accum": self.accum}
+                "grad_accum": self.accum, "reduction": self.reduction}
 
 
 def stage_layers(layers: int, pp: int, virtual_stages: int = 1) -> list[int]:

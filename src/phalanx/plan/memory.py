@@ -1,13 +1,21 @@
 """Memory per device for a layout: weights, gradients, optimizer states, activations.
 
-Model states (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
-Trillion Parameter Models", section 3.1): mixed-precision Adam keeps 16-bit weights
-(2 bytes/param) and gradients (2) plus float32 master weights, momentum and variance
-(K = 12): 16 bytes per parameter. Pure float32 Adam keeps 4 + 4 + 8, also 16.
-ZeRO stage 1 shards the optimizer states over the ``dp`` replicas, stage 2 also the
-gradients, stage 3 also the weights. (phalanx's own engine stores float32 master
-variables and casts per use, which moves 2 bytes/param from "optimizer" to
-"weights"/"gradients" but keeps the total.)
+Model states, as phalanx's engines keep them (read from ``parallel/zero.py``,
+``parallel/params.py``, ``parallel/pipeline.py``): float32 master weights (4 bytes per
+parameter, whatever the precision policy: bfloat16/float16 compute copies are cast per
+use), float32 gradients (4; the pipeline executor casts every gradient to float32) and
+float32 AdamW ``m`` and ``v`` (8): 16 bytes per parameter, the total of Rajbhandari et
+al. 2020 ("ZeRO", section 3.1: 2 + 2 + 12 for mixed-precision Adam) split differently.
+ZeRO over the ``dp`` replicas, as the engine does it:
+
+* stage 1 keeps ``m`` and ``v`` of ``1/dp`` of every flat parameter group (padded);
+* stage 2 reduce-scatters the gradient *sum*, but each replica still builds its whole
+  local float32 gradient (the per-stage accumulators and the flat buffer it is cut
+  from), so its gradient memory is not divided by ``dp``: as stage 1;
+* stage 3 (weights sharded too) is plan only: the paper's ``16/dp`` bytes per parameter.
+
+With ``pp > 1`` and tied embeddings the last stage holds a second copy of the token
+embedding (weights and gradient; its AdamW states live with the first copy).
 
 Activations per transformer layer and micro-batch (Korthikanti et al. 2022, "Reducing
 Activation Recomputation in Large Transformer Models", section 4): with 16-bit
@@ -36,14 +44,11 @@ from math import gcd
 
 from phalanx.parallel.schedules import build_schedule
 from phalanx.plan.arithmetic import ModelSpec
-from phalanx.plan.layout import Layout, stage_layers
+from phalanx.plan.engine_rules import stage_bounds
+from phalanx.plan.layout import Layout
 
-# bytes per parameter: (weights, gradients, optimizer states)
-STATE_BYTES = {
-    "float32": (4, 4, 8),          # float32 weights and grads; Adam m and v
-    "mixed_bfloat16": (2, 2, 12),  # 16-bit weights and grads; float32 master + m + v (ZeRO's K = 12)
-    "mixed_float16": (2, 2, 12),
-}
+# bytes per parameter the engine keeps, for every policy: (weights, gradients, optimizer states)
+ENGINE_STATE_BYTES = (4, 4, 8)
 ACTIVATION_BYTES = {"float32": 4, "mixed_bfloat16": 2, "mixed_float16": 2}
 DEFAULT_OVERHEAD_FRACTION = 0.05
 
@@ -165,27 +170,33 @@ def in_flight_estimate(name: str, pp: int, microbatches: int, virtual_stages: in
 
 @lru_cache(maxsize=1024)
 def stage_kinds(m: ModelSpec, pp: int, virtual_stages: int) -> tuple[tuple[int, int], ...]:
-    """Per model stage: (dense blocks, MoE blocks). Block ``i`` is MoE when ``(i+1) % moe_every == 0``."""
-    out, first = [], 0
-    for n in stage_layers(m.layers, pp, virtual_stages):
-        moe = sum(1 for i in range(first, first + n) if m.experts and (i + 1) % m.moe_every == 0)
-        out.append((n - moe, moe))
-        first += n
+    """Per model stage: (dense blocks, MoE blocks), stages cut as the engine cuts them
+    (:func:`phalanx.plan.engine_rules.stage_bounds`). Block ``i`` is MoE when ``(i+1) % moe_every == 0``."""
+    out = []
+    for first, end in stage_bounds(m, pp, virtual_stages):
+        moe = sum(1 for i in range(first, end) if m.experts and (i + 1) % m.moe_every == 0)
+        out.append((end - first - moe, moe))
     return tuple(out)
 
 
 def memory_per_device(m: ModelSpec, lay: Layout, overhead_bytes: float = 0.0,
                       overhead_fraction: float = DEFAULT_OVERHEAD_FRACTION, exact_schedule: bool = True,
                       fused: bool = True) -> Memory:
-    """Peak bytes on the most loaded device of layout ``lay``.
+    """Peak bytes on the most loaded device of layout ``lay`` (see the module docstring).
 
     ``overhead_bytes`` (runtime context, communication buffers) plus ``overhead_fraction``
     of everything else (allocator fragmentation, temporaries) make the overhead line.
     ``exact_schedule=False`` uses closed-form in-flight counts (fast, for the search).
     ``fused``: activations as fused GPU/TPU kernels keep them (Korthikanti et al.), or as
     unfused TensorFlow ops do (see :func:`layer_activation_bytes`).
+
+    >>> m = ModelSpec(layers=2, d_model=64, heads=4, vocab=256, seq_len=16)
+    >>> z0 = memory_per_device(m, Layout(dp=4, zero=0), overhead_fraction=0)
+    >>> z2 = memory_per_device(m, Layout(dp=4, zero=2), overhead_fraction=0)
+    >>> z2.gradients == z0.gradients, z2.optimizer == z0.optimizer / 4   # the engine's ZeRO-2
+    (True, True)
     """
-    w_b, g_b, o_b = STATE_BYTES[lay.policy]
+    w_b, g_b, o_b = ENGINE_STATE_BYTES
     e = ACTIVATION_BYTES[lay.policy]
     v, tp, dp = lay.virtual_stages, lay.tp, lay.dp
     ep = gcd(m.experts, dp) if m.experts else 1
@@ -195,18 +206,25 @@ def memory_per_device(m: ModelSpec, lay: Layout, overhead_bytes: float = 0.0,
         peaks, last_peak = in_flight_estimate(lay.schedule, lay.pp, lay.microbatches, v)
     d, s, b = m.d_model, m.seq_len, lay.micro_batch
     embed = m.vocab * d / tp + m.seq_len * d
-    # The head: its own kernel, or (pp > 1) the tied embedding's copy on the last stage.
-    head = 2 * d + (m.vocab * d / tp if (not m.tie_embeddings or lay.pp > 1) else 0)
+    final_ln = 2 * d
+    head = m.vocab * d / tp if not m.tie_embeddings else 0.0          # an own head: with AdamW states
+    tied_copy = m.vocab * d / tp if (m.tie_embeddings and lay.pp > 1) else 0.0  # weights + gradient only
     dense_layer, _ = _layer_param_split(m, tp, ep, False)
     moe_dense, moe_expert = _layer_param_split(m, tp, ep, True) if m.experts else (0.0, 0.0)
     act_dense = layer_activation_bytes(m, b, tp, lay.recompute, lay.sequence_parallel, e, False, fused)
     act_moe = layer_activation_bytes(m, b, tp, lay.recompute, lay.sequence_parallel, e, True, fused) if m.experts else 0.0
     kinds = stage_kinds(m, lay.pp, v)
+    # ZeRO shards over the replicas that hold the same tensor: dp for dense, dp/ep for experts
+    shard_d, shard_e = dp, max(dp // ep, 1)
     best: Memory | None = None
-    # Rank 0 holds the most blocks (earlier stages take the remainder), the embedding and
-    # the most in-flight micro-batches of every schedule here; only the last rank's head
-    # and logits can outweigh it. Middle ranks never exceed rank 0, so two ranks suffice.
-    for r in sorted({0, lay.pp - 1}):
+    # Stages are cut by FLOPs, so any rank may be the fullest. Middle ranks holding the same
+    # blocks differ only by their in-flight count: the one with the most stands for them all.
+    middle: dict[tuple, int] = {}
+    for r in range(1, lay.pp - 1):
+        key = tuple(kinds[c * lay.pp + r] for c in range(v))
+        if key not in middle or peaks[r] > peaks[middle[key]]:
+            middle[key] = r
+    for r in sorted({0, lay.pp - 1, *middle.values()}):
         dense = expert = 0.0
         act_per_set = 0.0
         for c in range(v):
@@ -214,27 +232,26 @@ def memory_per_device(m: ModelSpec, lay: Layout, overhead_bytes: float = 0.0,
             dense += n_dense * dense_layer + n_moe * moe_dense
             expert += n_moe * moe_expert
             act_per_set = max(act_per_set, n_dense * act_dense + n_moe * act_moe)
+        copy = 0.0
         if r == 0:
             dense += embed
         acts = peaks[r] * act_per_set
         if r == lay.pp - 1:
-            dense += head
+            dense += final_ln + head
+            copy = tied_copy
             # final LayerNorm input + logits (compute dtype) + float32 softmax for the loss
             acts += last_peak * (e * s * b * d + (e + 4) * s * b * m.vocab / tp)
         params = dense + expert
-        # ZeRO shards over the replicas that hold the same tensor: dp for dense, dp/ep for experts
-        shard_d, shard_e = dp, max(dp // ep, 1)
 
-        def sharded(stage_needed: int, per_param: float) -> float:
-            if lay.zero >= stage_needed:
-                return per_param * (dense / shard_d + expert / shard_e)
-            return per_param * params
+        def sharded(per_param: float, by_dp: bool) -> float:
+            return per_param * (dense / shard_d + expert / shard_e) if by_dp else per_param * params
 
-        weights = sharded(3, w_b)
-        grads = sharded(2, g_b)
-        optim = sharded(1, o_b)
+        weights = sharded(w_b, lay.zero >= 3) + w_b * copy / (dp if lay.zero >= 3 else 1)
+        grads = sharded(g_b, lay.zero >= 3) + g_b * copy / (dp if lay.zero >= 3 else 1)
+        optim = sharded(o_b, lay.zero >= 1)
         subtotal = weights + grads + optim + acts
-        mem = Memory(weights, grads, optim, acts, overhead_bytes + overhead_fraction * subtotal, r, params, peaks[r])
+        mem = Memory(weights, grads, optim, acts, overhead_bytes + overhead_fraction * subtotal, r,
+                     params + copy, peaks[r])
         if best is None or mem.total > best.total:
             best = mem
     assert best is not None

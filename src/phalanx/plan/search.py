@@ -5,8 +5,14 @@ bubble (microseconds each); the best ones are then re-estimated exactly, replayi
 schedule tables in the simulator, and any that no longer fit are rejected. So a
 returned candidate always fits by the exact count and always divides.
 
-Rejections are counted by reason: tp not dividing heads/ffn, tp crossing a node,
-global batch not divisible, pipeline deeper than the model, not fitting (by how much).
+Rejections are counted by reason: tp not dividing heads/ffn/vocab (the engine's rule),
+tp crossing a node, global batch not divisible, pipeline deeper than the model, not
+fitting (by how much).
+
+Only layouts the engine runs are ranked as candidates. Layouts the planner can model
+but the engine cannot run (ZeRO-3, the ``zb`` schedule, sequence parallelism, MoE; see
+:func:`phalanx.plan.engine_rules.plan_only_reasons`) are searched too and returned in
+``plan_only``, each with its reasons; they are never the best candidate.
 
 Example:
     >>> from phalanx.plan.arithmetic import ModelSpec
@@ -15,6 +21,8 @@ Example:
     >>> res = search(m, get_hardware("a100-40gb"), devices=16, global_batch=64, top=3)
     >>> len(res.candidates), all(p.fits for p in res.candidates)
     (3, True)
+    >>> all(c.layout.zero < 3 and c.layout.schedule != "zb" for c in res.candidates)
+    True
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from phalanx.plan.arithmetic import ModelSpec
+from phalanx.plan.engine_rules import divisibility_reason, plan_only_reasons
 from phalanx.plan.estimate import Plan, estimate
 from phalanx.plan.hardware import GiB, Hardware
 from phalanx.plan.layout import Layout
@@ -69,9 +78,13 @@ class Rejections:
 
 @dataclass
 class SearchResult:
-    candidates: list[Plan]
+    candidates: list[Plan]          # runnable by the engine, fastest first
     rejections: Rejections
     considered: int
+    plan_only: list[Plan] = field(default_factory=list)   # modelled, not runnable: never "best"
+
+    def plan_only_reasons(self, plan: Plan) -> list[str]:
+        return plan_only_reasons(plan.model, plan.layout)
 
 
 def _divisors(n: int) -> list[int]:
@@ -83,22 +96,34 @@ def search(m: ModelSpec, hw: Hardware, devices: int, global_batch: int, *, polic
            overhead_fraction: float = DEFAULT_OVERHEAD_FRACTION, dp_overlap: float = 0.0,
            schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb", "gpipe"), zero_stages: tuple[int, ...] = (0, 1, 2, 3),
            recompute_modes: tuple[str, ...] = ("none", "selective", "full"), sequence_parallel: bool = False,
-           virtual_stages: tuple[int, ...] = (2,)) -> SearchResult:
-    """The ``top`` fastest fitting layouts of ``devices`` devices for ``global_batch`` sequences per step."""
+           virtual_stages: tuple[int, ...] = (2,), fixed: dict | None = None, reduction: str = "one",
+           fused: bool | None = None) -> SearchResult:
+    """The ``top`` fastest fitting layouts of ``devices`` devices for ``global_batch`` sequences per step.
+
+    ``fixed``: degrees the user set (``{"dp": 2, "tp": 1, "pp": 2, "microbatches": 4}``, any
+    subset); only layouts with those values are searched. ``reduction``: how the engine that
+    will run sums gradients (``one`` for the single-process mesh, ``ring`` for multi_worker).
+    """
     if devices < 1 or global_batch < 1 or top < 1:
         raise ValueError(f"devices, global_batch and top must be >= 1, got {devices}, {global_batch}, {top}")
+    fixed = dict(fixed or {})
     rej = Rejections()
     scored: list[tuple[float, Plan]] = []
     considered = 0
     for tp in _divisors(devices):
-        if m.heads % tp or m.ffn_dim % tp:
-            rej.add("tp does not divide model.heads and model.ffn", f"tp={tp}")
+        if fixed.get("tp", tp) != tp:
+            continue
+        reason = divisibility_reason(m, tp)
+        if reason:
+            rej.add("tp does not divide model.heads, model.ffn and model.vocab", reason)
             continue
         if tp > hw.devices_per_node:
             rej.add("tp crosses a node", f"tp={tp} > {hw.devices_per_node} devices per node")
             continue
         for pp in _divisors(devices // tp):
             dp = devices // (tp * pp)
+            if fixed.get("pp", pp) != pp or fixed.get("dp", dp) != dp:
+                continue
             if pp > m.layers:
                 rej.add("more pipeline stages than layers", f"pp={pp} > {m.layers} layers")
                 continue
@@ -110,6 +135,8 @@ def search(m: ModelSpec, hw: Hardware, devices: int, global_batch: int, *, polic
                 if per_replica % b:
                     continue
                 mb = per_replica // b
+                if fixed.get("microbatches", mb) != mb:
+                    continue
                 for sched, v in _schedule_options(schedules, virtual_stages, pp, mb, m.layers, rej):
                     for recompute in recompute_modes:
                         for zero in zero_stages:
@@ -117,9 +144,9 @@ def search(m: ModelSpec, hw: Hardware, devices: int, global_batch: int, *, polic
                                 continue  # nothing to shard
                             considered += 1
                             lay = Layout(dp, tp, pp, mb, b, sched, v, zero, recompute,
-                                         sequence_parallel and tp > 1, policy)
+                                         sequence_parallel and tp > 1, policy, reduction=reduction)
                             plan = estimate(m, lay, hw, tokens, utilization, overhead_fraction, dp_overlap,
-                                            exact_schedule=False)
+                                            exact_schedule=False, fused=fused)
                             if not plan.fits:
                                 rej.misfit(plan)
                                 continue
@@ -127,17 +154,23 @@ def search(m: ModelSpec, hw: Hardware, devices: int, global_batch: int, *, polic
                             break  # higher ZeRO stages cost as much or more time: the lowest that fits wins
     scored.sort(key=lambda sp: -sp[0])
     final: list[Plan] = []
+    plan_only: list[Plan] = []
     for _, rough in scored:
-        if len(final) >= top:
-            break
-        plan = estimate(m, rough.layout, hw, tokens, utilization, overhead_fraction, dp_overlap, exact_schedule=True)
+        bucket = plan_only if plan_only_reasons(m, rough.layout) else final
+        if len(bucket) >= top:
+            if len(final) >= top and len(plan_only) >= top:
+                break
+            continue
+        plan = estimate(m, rough.layout, hw, tokens, utilization, overhead_fraction, dp_overlap,
+                        exact_schedule=True, fused=fused)
         if plan.fits:
-            final.append(plan)
+            bucket.append(plan)
         else:
             rej.misfit(plan)
-        # the exact pass may reorder neighbours; re-rank what was kept
+    # the exact pass may reorder neighbours; re-rank what was kept
     final.sort(key=lambda p: -p.tokens_per_s)
-    return SearchResult(final, rej, considered)
+    plan_only.sort(key=lambda p: -p.tokens_per_s)
+    return SearchResult(final, rej, considered, plan_only)
 
 
 def _schedule_options(schedules, virtual_stages, pp, mb, layers, rej):

@@ -7,15 +7,30 @@ Model:
   ``peak FLOP/s x utilization``. The default utilisation, 0.5, is about what
   Megatron-LM sustained on A100s for 1T parameters (163 of 312 TFLOP/s, Narayanan
   et al. 2021, Table 1); override it with ``--utilization``.
-* Tensor parallelism: per block and micro-batch, 2 all-reduces of ``b s h`` activations
-  in the forward and 2 in the backward (+2 when the forward is recomputed); with
-  sequence parallelism each becomes a reduce-scatter + all-gather of the same volume.
-  A ring all-reduce moves ``2 (t-1)/t`` of the buffer per device. Not overlapped.
+* Tensor parallelism, as the mesh engine does it (``parallel/tensor.py``): per block and
+  micro-batch, the two row-parallel partial sums are added with ``add_n`` on the group's
+  first device (it receives ``t-1`` activations each) and the two LayerNorm outputs are
+  read from there by the other ``t-1`` devices (it sends ``t-1`` each); the backward moves
+  the same volume the other way (+ the forward again under full recomputation). The
+  first device's link carries ``2 (t-1) b s h`` bytes each way per block and pass, where a
+  ring all-reduce would carry ``4 (t-1)/t``. With sequence parallelism (plan only) the
+  Megatron reduce-scatter + all-gather ring is priced instead. Not overlapped.
 * Pipeline: a ``b s h`` activation per micro-batch and stage boundary each way, as the
   simulator's ``comm_cost``; the bubble comes from replaying the schedule table.
-* Data parallelism: one all-reduce of the gradients per step (ZeRO-1/2: reduce-scatter
-  + all-gather, same volume; ZeRO-3: 1.5x, Rajbhandari et al. 2020 section 7.2.2), a
-  fraction ``dp_overlap`` (default 0) hidden behind the backward.
+* Data parallelism: the float32 gradients (``G`` bytes) are summed once per step as the
+  chosen engine sums them (:data:`phalanx.plan.layout.REDUCTIONS`), priced by the bytes
+  crossing the busiest device's link in one direction:
+
+  - ``one`` (single-process mesh engine; MirroredStrategy with ReductionToOneDevice):
+    ZeRO-0: ``add_n`` on the first replica, which receives ``(dp-1) G`` and sends the sum
+    back to ``dp-1`` replicas; ZeRO-1: the same sum, then ``G/dp`` pieces out and an
+    all-gather of the updated float32 weights (``(dp-1)/dp W``); ZeRO-2: a direct
+    reduce-scatter (``(dp-1)/dp G`` per device) and the same all-gather;
+  - ``ring`` (MultiWorkerMirroredStrategy, collective RING): ``2 (dp-1)/dp G``
+    (Patarasuk & Yuan 2009, bandwidth-optimal all-reduce);
+  - ZeRO-3 (plan only): 1.5x the ring volume (Rajbhandari et al. 2020 section 7.2.2).
+
+  A fraction ``dp_overlap`` (default 0) is hidden behind the backward.
 * MoE: an all-to-all dispatch and combine per expert block, forward and backward.
 
 Links: ranks are numbered tp fastest, then dp, then pp (Megatron's order), so a tp group
@@ -43,7 +58,7 @@ from phalanx.plan.arithmetic import (ModelSpec, layer_forward_flops_per_token, l
                                      attention_core_flops_per_token)
 from phalanx.plan.hardware import Hardware
 from phalanx.plan.layout import Layout
-from phalanx.plan.memory import ACTIVATION_BYTES, STATE_BYTES, memory_per_device, stage_kinds
+from phalanx.plan.memory import ACTIVATION_BYTES, ENGINE_STATE_BYTES, memory_per_device, stage_kinds
 from phalanx.plan.simulator import simulate
 
 DEFAULT_UTILIZATION = 0.5
@@ -70,6 +85,29 @@ class StepTime:
 def _ring(nbytes: float, n: int) -> float:
     """Bytes each device sends in a ring all-reduce of ``nbytes`` over ``n`` devices."""
     return 2 * (n - 1) / n * nbytes if n > 1 else 0.0
+
+
+def dp_sync_bytes(grad_bytes: float, dp: int, zero: int, reduction: str) -> float:
+    """Bytes through the busiest device's link (one direction) to sum ``grad_bytes`` of
+    float32 gradients over ``dp`` replicas and, under ZeRO, gather the updated weights
+    (float32, the same size) — see the module docstring.
+
+    >>> G = 100.0
+    >>> dp_sync_bytes(G, 4, 0, "one"), dp_sync_bytes(G, 4, 0, "ring"), dp_sync_bytes(G, 4, 2, "one")
+    (300.0, 150.0, 150.0)
+    """
+    if dp <= 1:
+        return 0.0
+    piece = (dp - 1) / dp * grad_bytes
+    if zero >= 3:
+        return 1.5 * _ring(grad_bytes, dp)
+    if reduction == "ring":
+        return _ring(grad_bytes, dp)
+    if zero == 0:
+        return (dp - 1) * grad_bytes          # into the root, and the same out again
+    if zero == 1:
+        return (dp - 1) * grad_bytes + piece  # into the root: the sum's inputs and the gathered pieces
+    return 2 * piece                          # reduce-scatter, then all-gather, every device alike
 
 
 def links(lay: Layout, hw: Hardware) -> dict[str, float]:
@@ -108,8 +146,12 @@ def step_time(m: ModelSpec, lay: Layout, hw: Hardware, utilization: float = DEFA
     act = tokens * m.d_model * e          # one b x s x h activation
     bw = links(lay, hw)
 
-    # tensor-parallel all-reduces per block per micro-batch
-    tp_ar = _ring(act, lay.tp) / bw["tp"] if lay.tp > 1 else 0.0
+    # tensor-parallel traffic per block per micro-batch and pass, through the busiest link
+    if lay.sequence_parallel:   # plan only: Megatron's ring collectives
+        tp_pass_bytes = 2 * _ring(act, lay.tp)
+    else:                       # the engine: 2 sums onto the first device, 2 reads from it
+        tp_pass_bytes = 2 * (lay.tp - 1) * act
+    tp_ar = tp_pass_bytes / 2 / bw["tp"] if lay.tp > 1 else 0.0
     tp_fwd, tp_bwd = 2 * tp_ar, 2 * tp_ar + (2 * tp_ar if lay.recompute == "full" else 0.0)
 
     # MoE all-to-all: tokens leave the device with probability (ep-1)/ep, top_k copies, twice per pass
@@ -157,13 +199,13 @@ def step_time(m: ModelSpec, lay: Layout, hw: Hardware, utilization: float = DEFA
 
     # data-parallel gradient synchronisation, once per step
     mem = memory_per_device(m, lay, exact_schedule=False)
-    grad_bytes = mem.params * STATE_BYTES[lay.policy][1]
-    dp_bytes = _ring(grad_bytes, lay.dp) * (1.5 if lay.zero == 3 else 1.0)
+    grad_bytes = mem.params * ENGINE_STATE_BYTES[1]  # the engine's gradients are float32
+    dp_bytes = dp_sync_bytes(grad_bytes, lay.dp, lay.zero, lay.reduction)
     dp_s = dp_bytes / bw["dp"] * (1 - dp_overlap) if lay.dp > 1 else 0.0
 
     blocks_per_rank = sum(counts[0::lay.pp])  # rank 0 holds the most blocks
     n_ar = 4 + (2 if lay.recompute == "full" else 0)
-    tp_bytes = _ring(act, lay.tp) * n_ar * blocks_per_rank * lay.microbatches
+    tp_bytes = tp_pass_bytes / 2 * n_ar * blocks_per_rank * lay.microbatches if lay.tp > 1 else 0.0
     comm_bytes = {
         "tp_allreduce": tp_bytes,
         "dp_gradients": dp_bytes,

@@ -1,9 +1,16 @@
 """``phalanx train | eval | generate``.
 
+Overrides (``section.key=value``) may stand anywhere among the flags.
+
+Before anything is built, ``phalanx train`` checks with the planner's arithmetic that the
+model fits the devices' and the host's memory (:func:`phalanx.plan.precheck.check_fits`)
+and refuses with the figures when it cannot.
+
 Examples:
     $ phalanx train                                   # the built-in demo-sized default
     $ phalanx train my.yaml parallel.dp=2 parallel.devices=cpu:2 precision.policy=mixed_bfloat16
-    $ phalanx eval runs/default
+    $ phalanx train --quiet my.yaml train.steps=10
+    $ phalanx eval runs/default --json train.eval_batches=50
     $ phalanx generate runs/default --prompt "def main(" --tokens 200
 """
 
@@ -20,11 +27,13 @@ from phalanx.config import Config, ConfigError, load_config, split_config_args
 def main_train(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="phalanx train", description="Train a model as the config says; "
                                      "resumes from the newest checkpoint in run.dir.")
-    parser.add_argument("args", nargs="*", help="[CONFIG.yaml] [section.key=value ...]")
+    parser.add_argument("args", nargs="*", help="[CONFIG.yaml] [section.key=value ...], anywhere among the flags")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
-    ns = parser.parse_args(argv)
+    ns = parser.parse_intermixed_args(argv)
     path, overrides = split_config_args(ns.args)
     cfg = load_config(path, overrides)
+    from phalanx.plan.precheck import check_fits
+    check_fits(cfg)  # before TensorFlow builds anything: a clear refusal instead of an OOM
     cluster = _runtime_first(cfg)
     from phalanx.train.trainer import Trainer
     Trainer(cfg, cluster=cluster, quiet=ns.quiet).fit()
@@ -72,9 +81,10 @@ def main_eval(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="phalanx eval", description="Loss and perplexity of the latest "
                                      "checkpoint of a run on its held-out split.")
     parser.add_argument("run_dir")
-    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.eval_batches=50")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.eval_batches=50 "
+                        "(anywhere among the flags)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    ns = parser.parse_args(argv)
+    ns = parser.parse_intermixed_args(argv)
     cfg = _load_run(ns.run_dir, ns.overrides)
     from phalanx.data.pipeline import make_datasets
     from phalanx.train.trainer import Trainer
@@ -97,17 +107,19 @@ def main_eval(argv: list[str]) -> int:
 def main_generate(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="phalanx generate", description="Sample from a run's latest checkpoint.")
     parser.add_argument("run_dir")
+    parser.add_argument("overrides", nargs="*", help="section.key=value for the run's config "
+                        "(anywhere among the flags)")
     parser.add_argument("--prompt", default="", help="text to continue")
     parser.add_argument("--tokens", type=int, default=200, help="how many tokens to generate (default 200)")
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     parser.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest tokens (default 40)")
-    parser.add_argument("--seed", type=int, default=0)
-    ns = parser.parse_args(argv)
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (not train.seed)")
+    ns = parser.parse_intermixed_args(argv)
     if ns.tokens < 1:
         raise ConfigError("--tokens", f"must be >= 1, got {ns.tokens}")
     if ns.temperature < 0:
         raise ConfigError("--temperature", f"must be >= 0, got {ns.temperature}")
-    cfg = _load_run(ns.run_dir, [])
+    cfg = _load_run(ns.run_dir, ns.overrides)
     from phalanx.models.generate import generate
     from phalanx.train.trainer import load_run_tokenizer
 
