@@ -167,7 +167,15 @@ def run_schedule(schedule: Schedule, forward: StageForward, params: Sequence[Seq
                 tape, watched, targets = saved.pop((stage, mb))
                 sources = list(params[stage]) + watched
                 upstream = grad_out.pop((stage, mb)) if stage < last_stage else None
-                if targets:
+                if targets and not tf.executing_eagerly():
+                    # tf.gradients (not the tape) puts each gradient op on the device of the
+                    # forward op it differentiates: a stage's backward runs on the stage's
+                    # devices, not all on the step's default device. It sees the whole graph,
+                    # so the stage's inputs are stop_gradients: a path between two of them
+                    # (a skip tensor computed from another) belongs to the previous stage.
+                    grads = tf.gradients(targets, sources, grad_ys=upstream, stop_gradients=watched,
+                                         unconnected_gradients=tf.UnconnectedGradients.NONE)
+                elif targets:
                     grads = tape.gradient(targets, sources, output_gradients=upstream,
                                           unconnected_gradients=tf.UnconnectedGradients.NONE)
                 else:  # nothing differentiable leaves this stage: its weights get no gradient
