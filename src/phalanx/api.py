@@ -59,14 +59,24 @@ def init(*overrides: str, config: Config | None = None) -> Config:
     time anything (a dataset, a model, a tensor) touches it. Calling it again with the
     same layout is harmless. Pass the returned Config to :func:`fit` and friends.
 
+    Under a TF_CONFIG cluster (``phalanx launch --workers N -- python script.py``) with
+    ``parallel.strategy=multi_worker`` (or ``auto``), every process joins the cluster here
+    (a MultiWorkerMirroredStrategy is made first, as ``phalanx train`` does) and the
+    layout's devices are that worker's own; see :mod:`phalanx.engines.keras_cluster`.
+
     Example:
         >>> cfg = init("parallel.devices=cpu:1")
         >>> cfg.parallel.devices
         'cpu:1'
     """
+    from phalanx.engines import keras_cluster
     from phalanx.mesh import build_mesh
 
     cfg = _config(config, overrides)
+    args = ", ".join(repr(o) for o in overrides) if overrides else "config=..."
+    if keras_cluster.setup(cfg, init_line=f"phalanx.init({args})"):  # every worker of a cluster joins it first
+        _mesh(cfg, overrides)
+        return cfg
     try:
         build_mesh(cfg)
     except ConfigError as err:
@@ -80,8 +90,13 @@ def init(*overrides: str, config: Config | None = None) -> Config:
 
 
 def _mesh(cfg: Config, overrides: Sequence[str]):
+    from phalanx.cluster.tf_config import cluster_info_from_env
+    from phalanx.engines import keras_cluster
     from phalanx.mesh import build_mesh
 
+    info = cluster_info_from_env()
+    if keras_cluster.cluster_mode(cfg, info):  # this worker's own devices
+        return build_mesh(cfg, keras_cluster.local_devices(cfg, info))
     try:
         return build_mesh(cfg)
     except ConfigError as err:

@@ -27,6 +27,11 @@ compiled metrics. The engine only decides *where* things run:
   replica 1's, and so on — as GPipe does: each micro-batch is normalised with its own batch
   statistics and moves the averages once, and each draws its own dropout mask. With one
   replica and one micro-batch this is exactly Keras's own step.
+* **Across workers** (``workers=``, a :class:`~phalanx.engines.keras_cluster.WorkerGroup`):
+  the mesh is this worker's own devices, the step runs on its rows of the global batch with
+  the loss weights divided by the number of workers too, and one exchange before the
+  optimizer sums the gradients and the metrics' changes and averages the float state
+  across workers (:mod:`phalanx.engines.keras_cluster`).
 
 Example:
     >>> import keras, numpy as np
@@ -180,7 +185,8 @@ class KerasModelEngine:
     See the module docstring for what runs where.
     """
 
-    def __init__(self, model, cfg: Config, mesh: Mesh, sample_batch, inference_only: bool = False):
+    def __init__(self, model, cfg: Config, mesh: Mesh, sample_batch, inference_only: bool = False,
+                 workers=None):
         p = cfg.parallel
         if mesh.tp > 1:
             raise ConfigError("parallel.tp", f"{mesh.tp}: tensor parallelism for your own Keras model is not built "
@@ -195,6 +201,10 @@ class KerasModelEngine:
                                                     f"only; use parallel.recompute=none for a Keras model")
         self.model, self.cfg, self.mesh = model, cfg, mesh
         self.dp, self.pp = mesh.dp, mesh.pp
+        # workers: a keras_cluster.WorkerGroup when the fit spans the workers of a cluster
+        # (this mesh is then this worker's own devices); None in one process.
+        self.workers = None if inference_only else workers
+        self.world = 1 if self.workers is None else self.workers.size
         self.accum, self.microbatches = cfg.train.grad_accum, p.microbatches
         virtual = p.virtual_stages if p.schedule == "interleaved" else 1
         try:
@@ -382,6 +392,7 @@ class KerasModelEngine:
             raise ValueError(f"a batch of {rows} rows cannot be split over dp x grad_accum x microbatches = "
                              f"{self.dp} x {self.accum} x {self.microbatches}")
         scale = tf.cast(self.optimizer.scale_loss(tf.constant(1.0)), tf.float32)
+        metrics_before = None if self.workers is None else self.workers.read_metrics(self.model)
         self._reg_value, reg_grads = self._regularization() if self.regularized else (None, {})
         state = self._initial_state()
         start = [list(values) for values in state]
@@ -395,7 +406,7 @@ class KerasModelEngine:
                 grads, loss_sum = run_schedule(
                     self.schedule,
                     lambda s, i, h, _d=d, _g=group: self._forward(_d, s, h, _g[i], state, "train"),
-                    params, scale / float(total), prefix=f"dp{d}_acc{a}", keep_sparse=True)
+                    params, scale / float(total * self.world), prefix=f"dp{d}_acc{a}", keep_sparse=True)
                 losses.append(loss_sum)
                 for s, stage_grads in enumerate(grads):
                     for j, g in enumerate(stage_grads):
@@ -413,11 +424,19 @@ class KerasModelEngine:
                 for part in parts[id(v)]:
                     g = accumulate_gradient(g, part, keep_sparse=True)
                 if id(v) in reg_grads:
-                    reg = tf.cast(reg_grads[id(v)], tf.float32) * scale
+                    reg = tf.cast(reg_grads[id(v)], tf.float32) * scale / float(self.world)  # once over the workers
                     g = reg if g is None else tf.convert_to_tensor(g) + reg
                 # None: no stage used the weight this step; Keras's optimizer skips it, as in fit.
                 grads.append(None if g is None else tf.cast(g, v.dtype))
             variables.append(v)
+        loss_sum = tf.add_n(losses)
+        if self.workers is not None:  # across workers: gradients, metrics, float state (keras_cluster)
+            changed = [(s, k) for s, values in enumerate(state) for k, value in enumerate(values)
+                       if value is not start[s][k]]
+            grads, averaged, loss_sum = self.workers.exchange(self.model, grads, metrics_before,
+                                                              [state[s][k] for s, k in changed], loss_sum)
+            for (s, k), value in zip(changed, averaged):
+                state[s][k] = value
         self.optimizer.apply(grads, variables)
         # TensorFlow orders ops on one variable as written: the copies read updated weights.
         for (d, s), copies in self.copies.items():
@@ -430,7 +449,7 @@ class KerasModelEngine:
                     v.value.assign(tf.cast(new, v.value.dtype))
         self._reg_value = None
         with tf.device(self.stage_device(0, self.chunks - 1)):
-            return {"loss": tf.add_n(losses) / float(total)}
+            return {"loss": loss_sum / float(total * self.world)}
 
     def _split_for_inference(self, rows: int) -> tuple[int, int]:
         """(replicas, micro-batches per replica) that divide an evaluation batch evenly."""
@@ -471,8 +490,22 @@ class KerasModelEngine:
 
     def train_step(self, batch) -> dict[str, tf.Tensor]:
         """One optimizer step on a global batch ``(x, y, sample_weight)``; updates the
-        compiled metrics; returns ``{"loss": mean loss of the batch}``."""
-        return self._train_fn(*_as_tensors(batch))
+        compiled metrics; returns ``{"loss": mean loss of the batch}``. Across workers
+        every worker passes the same global batch and trains on its own rows of it."""
+        if self.workers is None:
+            return self._train_fn(*_as_tensors(batch))
+        batch = self.workers.local_rows(batch, _rows(batch[0]))
+        result = self._train_fn(*_as_tensors(batch))
+        self.workers.check_batch()
+        return result
+
+    def sync_copies(self) -> None:
+        """Refresh the replicas' weight copies after the model's weights were assigned
+        outside a step (a restored checkpoint, the chief's broadcast weights)."""
+        for (d, s), copies in self.copies.items():
+            for copy, v in zip(copies, self.stages[s].trainable_variables):
+                if copy is not None:
+                    copy.assign(v.value)
 
     def test_step(self, batch) -> dict[str, tf.Tensor]:
         """Loss and compiled metrics of a batch, weights unchanged."""

@@ -10,6 +10,11 @@ checkpoint at the end of every epoch (weights, optimizer state, history), resume
 the same model is fitted into the same ``run.dir`` again, and ``metrics.jsonl`` with one
 row per epoch.
 
+Under a TF_CONFIG cluster (``parallel.strategy=multi_worker``, every worker runs the same
+script) each worker trains on its rows of every global batch and the workers all-reduce
+gradients and metrics (:mod:`phalanx.engines.keras_cluster`); only the chief writes the
+run directory and prints. ``parameter_server`` is refused.
+
 Use it through :func:`phalanx.fit`, :func:`phalanx.evaluate` and :func:`phalanx.predict`.
 """
 
@@ -29,6 +34,7 @@ import yaml
 from phalanx import checkpoint
 from phalanx.config import Config, ConfigError
 from phalanx.data.keras_inputs import Batches
+from phalanx.engines import keras_cluster
 from phalanx.engines.keras_model import KerasModelEngine, apply_precision
 from phalanx.mesh import Mesh
 from phalanx.train.progress import drop_rows_after
@@ -97,10 +103,9 @@ def check_config_for_keras(cfg: Config, model) -> None:
                                                    f"{model.name!r} is compiled with "
                                                    f"{type(model.optimizer).__name__}, whose settings rule; set it "
                                                    f"on that optimizer")
-    if cfg.parallel.strategy in ("multi_worker", "parameter_server"):
-        raise ConfigError("parallel.strategy", f"{cfg.parallel.strategy!r}: fit of a Keras model runs in one process "
-                                               f"(dp and pp over this host's devices); across workers it is not "
-                                               f"built yet. Use auto or mesh")
+    # Refuses parameter_server (and a strategy that cannot span a cluster's workers);
+    # multi_worker runs on every worker of a TF_CONFIG cluster (phalanx.engines.keras_cluster).
+    keras_cluster.cluster_mode(cfg)
 
 
 def default_optimizer(cfg: Config, total_steps: int):
@@ -265,19 +270,26 @@ def fit(model, cfg: Config, mesh: Mesh, x=None, y=None, *, batch_size=None, epoc
     if not isinstance(initial_epoch, int) or not 0 <= initial_epoch < epochs:
         raise ValueError(f"initial_epoch: {initial_epoch!r} must be an integer in [0, epochs={epochs})")
     verbose = _verbose(verbose)
+    # Across the workers of a cluster (None in one process): every worker runs this fit.
+    workers = keras_cluster.join(cfg)
+    world = 1 if workers is None else workers.size
     train = Batches(x, y, sample_weight, batch_size=batch_size, steps_per_epoch=steps_per_epoch, shuffle=shuffle,
-                    seed=cfg.train.seed, divisor=_divisor(cfg, mesh))
+                    seed=cfg.train.seed, divisor=_divisor(cfg, mesh) * world)
     val = _validation_batches(validation_data, validation_batch_size or batch_size, cfg, mesh)
     apply_precision(model, cfg)
     if model.optimizer is None:
         model.optimizer = default_optimizer(cfg, (train.steps or 1) * epochs)
-    engine = KerasModelEngine(model, cfg, mesh, train.first())
+    engine = KerasModelEngine(model, cfg, mesh, train.first(), workers=workers)
     run_dir = run_directory(cfg)
+    loop = dict(epochs=epochs, initial_epoch=initial_epoch, callbacks=callbacks, verbose=verbose,
+                validation_steps=validation_steps, validation_freq=validation_freq)
+    if workers is not None and not workers.is_chief:
+        # Only the chief writes the run directory, prints, and runs the callbacks that write files.
+        loop.update(callbacks=keras_cluster.chief_callbacks_only(callbacks), verbose=0)
+        return _fit_loop(engine, model, cfg, None, train, val, workers=workers, **loop)
     from phalanx.fsutil import RunLock
     with RunLock(run_dir):
-        return _fit_loop(engine, model, cfg, run_dir, train, val, epochs=epochs, initial_epoch=initial_epoch,
-                         callbacks=callbacks, verbose=verbose, validation_steps=validation_steps,
-                         validation_freq=validation_freq)
+        return _fit_loop(engine, model, cfg, run_dir, train, val, workers=workers, **loop)
 
 
 def _validation_batches(validation_data, batch_size, cfg: Config, mesh: Mesh):
@@ -292,11 +304,18 @@ def _validation_batches(validation_data, batch_size, cfg: Config, mesh: Mesh):
     return Batches(vx, vy, vsw, batch_size=batch_size, divisor=1)
 
 
-def _fit_loop(engine, model, cfg, run_dir: Path, train: Batches, val, *, epochs, initial_epoch, callbacks,
-              verbose, validation_steps, validation_freq):
+def _fit_loop(engine, model, cfg, run_dir: Path | None, train: Batches, val, *, epochs, initial_epoch, callbacks,
+              verbose, validation_steps, validation_freq, workers=None):
+    """``run_dir`` None: a worker other than the chief, which writes nothing there."""
     say = (lambda text: print(text, file=sys.stderr, flush=True)) if verbose else (lambda text: None)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    done, saved_history = _restore(run_dir, model, say)
+    done, saved_history = 0, {}
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        done, saved_history = _restore(run_dir, model, say)
+    if workers is not None:  # every worker starts from the chief's weights, optimizer state and epoch
+        resume = workers.start(model, model.optimizer, {"done": done, "history": _jsonable(saved_history)})
+        done, saved_history = int(resume["done"]), resume["history"]
+    engine.sync_copies()  # the replicas' weight copies: the restored (or broadcast) weights
     history = keras.callbacks.History()
     if done >= epochs:
         history.set_model(model)
@@ -307,16 +326,18 @@ def _fit_loop(engine, model, cfg, run_dir: Path, train: Batches, val, *, epochs,
         say(f"nothing to do: {run_dir} already holds {done} of {epochs} epochs (last loss {last:.4f}); "
             f"raise epochs or use a new run.dir to train more")
         return history
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     start = max(initial_epoch, done)
-    drop_rows_after(run_dir, int(model.optimizer.iterations.numpy()))  # a resumed run repeats no row
+    if run_dir is not None:
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        drop_rows_after(run_dir, int(model.optimizer.iterations.numpy()))  # a resumed run repeats no row
     callback_list = _callbacks(callbacks, model, verbose, epochs, train.steps, history)
     model.stop_training = False
     callback_list.on_train_begin()
     history.history = {k: list(v)[:start] for k, v in saved_history.items()}
     history.epoch = list(range(start)) if saved_history else []
     step_count = int(model.optimizer.iterations.numpy())
-    say(f"phalanx.fit: {model.name!r} on dp={engine.dp} pp={engine.pp} (grad_accum {engine.accum}, "
+    across = "" if workers is None else f"{workers.size} workers x "
+    say(f"phalanx.fit: {model.name!r} on {across}dp={engine.dp} pp={engine.pp} (grad_accum {engine.accum}, "
         f"{engine.microbatches} micro-batches), {cfg.precision.policy}; run dir {run_dir}")
     epoch_logs: dict = {}
     for epoch in range(start, epochs):
@@ -341,8 +362,9 @@ def _fit_loop(engine, model, cfg, run_dir: Path, train: Batches, val, *, epochs,
             val_logs = _evaluate_loop(engine, model, val, callback_list, validation_steps)
             epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
         callback_list.on_epoch_end(epoch, epoch_logs)
-        _save(run_dir, cfg, model, epoch + 1, history.history, step_count)
-        _append_metrics(run_dir, {"epoch": epoch + 1, "step": step_count, **epoch_logs})
+        if run_dir is not None:
+            _save(run_dir, cfg, model, epoch + 1, history.history, step_count)
+            _append_metrics(run_dir, {"epoch": epoch + 1, "step": step_count, **epoch_logs})
         if model.stop_training:
             break
     callback_list.on_train_end(logs=epoch_logs)
@@ -354,7 +376,7 @@ def evaluate(model, cfg: Config, mesh: Mesh, x=None, y=None, *, batch_size=None,
     """See :func:`phalanx.evaluate`."""
     model = resolve_model(model, cfg)
     _check_positive("steps", steps, allow_none=True)
-    verbose = _verbose(verbose)
+    verbose = _verbose(verbose) if keras_cluster.is_chief(cfg) else 0  # every worker evaluates; the chief prints
     batches = Batches(x, y, sample_weight, batch_size=batch_size, divisor=1)
     apply_precision(model, cfg)
     engine = KerasModelEngine(model, cfg, mesh, batches.first())
@@ -372,7 +394,7 @@ def predict(model, cfg: Config, mesh: Mesh, x, *, batch_size=None, steps=None, c
     if not isinstance(model, keras.Model):
         raise TypeError(f"model: expected a keras.Model, got {type(model).__name__}")
     _check_positive("steps", steps, allow_none=True)
-    verbose = _verbose(verbose)
+    verbose = _verbose(verbose) if keras_cluster.is_chief(cfg) else 0  # every worker predicts; the chief prints
     batches = Batches(x, batch_size=batch_size, divisor=1, need_y=False)
     apply_precision(model, cfg)
     first = batches.first()
