@@ -145,3 +145,58 @@ def test_moe_model_trains_through_phalanx_fit_like_keras(layout, overrides, chun
     model.save(path)
     loaded = keras.saving.load_model(path)
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+# -- the built-in GPT with experts, through config keys ----------------------------------------
+
+MOE_GPT = ["model.layers=4", "model.d_model=32", "model.heads=2", "model.ffn=48", "model.seq_len=16",
+           "model.experts=4", "model.top_k=1", "model.moe_every=2", "model.tie_embeddings=false",
+           "train.global_batch=4", "train.lr=1e-2", "train.warmup=1"]
+
+
+def test_plan_counts_the_parameters_train_builds():
+    from phalanx.config import load_config
+    from phalanx.models import gpt
+    from phalanx.plan.arithmetic import ModelSpec, param_count
+
+    cfg = load_config(None, MOE_GPT)
+    model = gpt.GPT(cfg.model)
+    built = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    assert built == gpt.num_params(cfg.model) == param_count(ModelSpec.from_config(cfg.model))
+    blocks = [b.moe is not None for b in model.blocks]
+    assert blocks == [False, True, False, True]  # every moe_every-th block holds the experts
+    # and `phalanx plan` prints that count for the same keys
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "phalanx.cli", "plan", *MOE_GPT, "--devices", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert f"({built:,})" in out.stdout, out.stdout + out.stderr
+
+
+def test_moe_gpt_trains_data_parallel_and_refuses_what_is_not_built(devices):
+    from phalanx.config import ConfigError, load_config
+    from phalanx.mesh import Mesh
+    from phalanx.parallel.mesh_engine import MeshEngine
+    from phalanx.train.engine import StrategyEngine, default_strategy
+    from phalanx.train.task import GPTTask
+
+    # Without the balancing loss (which depends on the batch a replica sees), dp2 = one device.
+    cfg = load_config(None, MOE_GPT + ["model.aux_loss_coef=0"])
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, 256, (4, 17)).astype("int32") for _ in range(4)]
+    runs = []
+    for devs in (devices[:1], devices[:2]):
+        engine = StrategyEngine(cfg, GPTTask(cfg.model), default_strategy(devs))
+        runs.append([float(engine.train_step(b)["loss"]) for b in batches])
+    np.testing.assert_allclose(runs[1], runs[0], rtol=1e-5)
+    # With it, the loss includes the balancing loss and still falls on a repeated batch.
+    cfg = load_config(None, MOE_GPT + ["model.aux_loss_coef=0.1"])
+    engine = StrategyEngine(cfg, GPTTask(cfg.model), default_strategy(devices[:1]))
+    losses = [float(engine.train_step(batches[0])["loss"]) for _ in range(8)]
+    assert losses[-1] < losses[0] - 0.5
+    with pytest.raises(ConfigError, match="model.experts"):
+        MeshEngine(cfg.replace(parallel={"pp": 2}), Mesh.from_devices(devices[:2], 1, 2, 1), GPTTask(cfg.model))
+    with pytest.raises(ConfigError, match="model.top_k"):
+        load_config(None, MOE_GPT + ["model.top_k=5"])
+    with pytest.raises(ConfigError, match="model.experts"):
+        load_config(None, MOE_GPT + ["model.experts=1"])

@@ -49,7 +49,14 @@ TOKENIZERS = ("bytes", "bpe")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """GPT decoder shape. ``ffn=0`` means ``4 * d_model``."""
+    """GPT decoder shape. ``ffn=0`` means ``4 * d_model``.
+
+    Mixture of experts (``experts >= 2``): every ``moe_every``-th block (blocks
+    ``moe_every-1, 2*moe_every-1, ...``) replaces its MLP by ``experts`` MLPs of width
+    ``ffn`` and a router sending each token to ``top_k`` of them
+    (:class:`phalanx.layers.MoE`); ``capacity_factor`` (0: no token dropped) and the
+    load-balancing loss coefficient ``aux_loss_coef`` as there.
+    """
 
     layers: int = 4
     d_model: int = 256
@@ -59,6 +66,14 @@ class ModelConfig:
     seq_len: int = 128
     dropout: float = 0.0
     tie_embeddings: bool = True
+    experts: int = 0
+    top_k: int = 2
+    moe_every: int = 1
+    capacity_factor: float = 0.0
+    aux_loss_coef: float = 0.01
+
+    def is_moe_block(self, index: int) -> bool:
+        return self.experts > 0 and (index + 1) % self.moe_every == 0
 
     @property
     def ffn_dim(self) -> int:
@@ -420,6 +435,15 @@ def validate(cfg: Config) -> None:
              f"{m.heads} does not divide model.d_model={m.d_model}; pick heads from "
              f"{_divisors(m.d_model)}")
     _require(0.0 <= m.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {m.dropout}")
+    _require(m.experts == 0 or m.experts >= 2, "model.experts", f"must be 0 (dense) or >= 2, got {m.experts}")
+    _require(not m.experts or 1 <= m.top_k <= m.experts, "model.top_k",
+             f"must be in [1, model.experts={m.experts}], got {m.top_k}")
+    _require(m.moe_every >= 1, "model.moe_every", f"must be >= 1, got {m.moe_every}")
+    _require(not m.experts or m.moe_every <= m.layers, "model.moe_every",
+             f"{m.moe_every} > model.layers={m.layers} leaves no block with experts")
+    _require(m.capacity_factor >= 0, "model.capacity_factor", f"must be >= 0 (0: no token dropped), got "
+                                                              f"{m.capacity_factor}")
+    _require(m.aux_loss_coef >= 0, "model.aux_loss_coef", f"must be >= 0, got {m.aux_loss_coef}")
 
     minus_ones = [k for k, v in (("dp", p.dp), ("tp", p.tp), ("pp", p.pp)) if v == -1]
     _require(len(minus_ones) <= 1, "parallel." + (minus_ones[-1] if minus_ones else "dp"),

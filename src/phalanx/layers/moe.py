@@ -81,8 +81,9 @@ class MoE(keras.layers.Layer):
         self.w_out = self.add_weight(shape=(e, f, d), initializer=self.kernel_initializer, name="w_out")
         self.b_out = self.add_weight(shape=(e, d), initializer="zeros", name="b_out")
         for name in ("dropped_fraction", "load_min", "load_max"):
+            # only_first_replica: under tf.distribute each replica may write it (no reduction).
             setattr(self, name, self.add_weight(shape=(), initializer="zeros", trainable=False, name=name,
-                                                dtype="float32", autocast=False))
+                                                dtype="float32", autocast=False, aggregation="only_first_replica"))
 
     def capacity(self, tokens: int) -> int:
         """Slots per expert for a call of ``tokens`` tokens (``tokens`` when nothing drops)."""

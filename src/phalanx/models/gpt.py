@@ -27,6 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from phalanx.config import ModelConfig
+from phalanx.layers.moe import MoE
 from phalanx.models import gpt_ops
 
 INIT_STD = 0.02
@@ -43,9 +44,14 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "attn/qkv/kernel": (d, 3 * d), p + "attn/qkv/bias": (3 * d,),
             p + "attn/out/kernel": (d, d), p + "attn/out/bias": (d,),
             p + "ln2/gamma": (d,), p + "ln2/beta": (d,),
-            p + "mlp/fc/kernel": (d, f), p + "mlp/fc/bias": (f,),
-            p + "mlp/proj/kernel": (f, d), p + "mlp/proj/bias": (d,),
         })
+        if cfg.is_moe_block(i):
+            e = cfg.experts
+            shapes.update({p + "moe/router": (d, e), p + "moe/w_in": (e, d, f), p + "moe/b_in": (e, f),
+                           p + "moe/w_out": (e, f, d), p + "moe/b_out": (e, d)})
+        else:
+            shapes.update({p + "mlp/fc/kernel": (d, f), p + "mlp/fc/bias": (f,),
+                           p + "mlp/proj/kernel": (f, d), p + "mlp/proj/bias": (d,)})
     shapes["final_ln/gamma"] = (d,)
     shapes["final_ln/beta"] = (d,)
     if not cfg.tie_embeddings:
@@ -70,18 +76,19 @@ def initial_weights(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     for name, shape in weight_shapes(cfg).items():
         if name.endswith("/gamma"):
             w = np.ones(shape, np.float32)
-        elif name.endswith("/beta") or name.endswith("/bias"):
+        elif name.endswith(("/beta", "/bias", "moe/b_in", "moe/b_out")):
             w = np.zeros(shape, np.float32)
         else:
-            std = residual_std if name.endswith(("attn/out/kernel", "mlp/proj/kernel")) else INIT_STD
+            std = residual_std if name.endswith(("attn/out/kernel", "mlp/proj/kernel", "moe/w_out")) else INIT_STD
             w = (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
         weights[name] = w
     return weights
 
 
 def decays(name: str) -> bool:
-    """Whether AdamW weight decay applies: kernels and token embeddings only."""
-    return name.endswith("/kernel") or name == "embed/tokens"
+    """Whether AdamW weight decay applies: kernels (experts' and router's included) and
+    token embeddings only."""
+    return name.endswith(("/kernel", "moe/router", "moe/w_in", "moe/w_out")) or name == "embed/tokens"
 
 
 class _Named(keras.layers.Layer):
@@ -105,8 +112,19 @@ class Block(_Named):
         self.qkv_k, self.qkv_b = self._weight(p + "attn/qkv/kernel", (d, 3 * d)), self._weight(p + "attn/qkv/bias", (3 * d,))
         self.out_k, self.out_b = self._weight(p + "attn/out/kernel", (d, d)), self._weight(p + "attn/out/bias", (d,))
         self.ln2_g, self.ln2_b = self._weight(p + "ln2/gamma", (d,)), self._weight(p + "ln2/beta", (d,))
-        self.fc_k, self.fc_b = self._weight(p + "mlp/fc/kernel", (d, f)), self._weight(p + "mlp/fc/bias", (f,))
-        self.proj_k, self.proj_b = self._weight(p + "mlp/proj/kernel", (f, d)), self._weight(p + "mlp/proj/bias", (d,))
+        self.moe = None
+        if cfg.is_moe_block(index):
+            # The experts' MLPs use the dense MLP's GELU; the router and the losses are MoE's.
+            self.moe = MoE(cfg.experts, f, top_k=cfg.top_k, capacity_factor=cfg.capacity_factor,
+                           aux_loss_coef=cfg.aux_loss_coef, activation=gpt_ops.gelu, name="moe",
+                           kernel_initializer="zeros", dtype=kwargs.get("dtype"))
+            self.moe.build((None, None, d))
+            for short in ("router", "w_in", "b_in", "w_out", "b_out"):
+                self.named[p + "moe/" + short] = getattr(self.moe, short)
+        else:
+            self.fc_k, self.fc_b = self._weight(p + "mlp/fc/kernel", (d, f)), self._weight(p + "mlp/fc/bias", (f,))
+            self.proj_k, self.proj_b = (self._weight(p + "mlp/proj/kernel", (f, d)),
+                                        self._weight(p + "mlp/proj/bias", (d,)))
         self.drop = keras.layers.Dropout(cfg.dropout) if cfg.dropout > 0 else None
 
     def _dropout(self, x, training):
@@ -117,14 +135,16 @@ class Block(_Named):
         h = gpt_ops.attention_core(gpt_ops.dense(h, self.qkv_k, self.qkv_b), self.cfg.heads)
         return gpt_ops.dense(h, self.out_k, self.out_b)
 
-    def mlp(self, x):
+    def mlp(self, x, training=False):
         h = gpt_ops.layer_norm(x, self.ln2_g, self.ln2_b)
+        if self.moe is not None:
+            return self.moe(h, training=training)
         h = gpt_ops.gelu(gpt_ops.dense(h, self.fc_k, self.fc_b))
         return gpt_ops.dense(h, self.proj_k, self.proj_b)
 
     def call(self, x, training=False):
         x = x + self._dropout(self.attention(x), training)
-        return x + self._dropout(self.mlp(x), training)
+        return x + self._dropout(self.mlp(x, training), training)
 
 
 class GPT(keras.Model):
@@ -193,6 +213,12 @@ class GPT(keras.Model):
 def _tf_variable(v) -> tf.Variable:
     """The ``tf.Variable`` behind a Keras 3 variable (Keras wraps it in ``.value``)."""
     return v.value if hasattr(v, "value") and isinstance(v.value, tf.Variable) else v
+
+
+def aux_loss(model) -> tf.Tensor:
+    """The losses the model's layers added in its last call (the MoE balancing loss), float32."""
+    losses = [tf.cast(loss, tf.float32) for loss in model.losses]
+    return tf.add_n(losses) if losses else tf.zeros([], tf.float32)
 
 
 def lm_loss(logits: tf.Tensor, targets: tf.Tensor) -> tf.Tensor:

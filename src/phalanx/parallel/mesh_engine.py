@@ -56,6 +56,11 @@ class MeshEngine(PipelinedEngine):
 
     def __init__(self, cfg: Config, mesh: Mesh, task=None):
         m, p = cfg.model, cfg.parallel
+        if m.experts:
+            raise ConfigError("model.experts", f"{m.experts}: the mixture-of-experts GPT trains data parallel "
+                                               f"(tf.distribute: one device, dp, multi_worker) so far; tensor, "
+                                               f"pipeline and expert parallelism, ZeRO and recomputation of its "
+                                               f"experts are not built yet")
         if m.dropout > 0:
             raise ConfigError("model.dropout", f"{m.dropout}: the mesh engine does not implement dropout; "
                                                f"set model.dropout=0 or use a tf.distribute strategy")

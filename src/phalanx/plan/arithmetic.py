@@ -79,11 +79,13 @@ class ModelSpec:
         return self.layers // self.moe_every if self.experts else 0
 
     @classmethod
-    def from_config(cls, model, experts: int = 0, top_k: int = 1, moe_every: int = 1) -> "ModelSpec":
-        """From ``phalanx.config.ModelConfig`` (+ planner-only MoE settings)."""
+    def from_config(cls, model) -> "ModelSpec":
+        """From ``phalanx.config.ModelConfig`` (MoE from ``model.experts``, ``model.top_k``,
+        ``model.moe_every``)."""
         return cls(layers=model.layers, d_model=model.d_model, heads=model.heads, ffn=model.ffn_dim,
                    vocab=model.vocab, seq_len=model.seq_len, tie_embeddings=model.tie_embeddings,
-                   experts=experts, top_k=top_k, moe_every=moe_every, dropout=model.dropout)
+                   experts=model.experts, top_k=model.top_k if model.experts else 1, moe_every=model.moe_every,
+                   dropout=model.dropout)
 
 
 # ---------------------------------------------------------------------------

@@ -60,9 +60,6 @@ def _parser() -> argparse.ArgumentParser:
                         "predicted vs measured peak memory per device, and step time")
     p.add_argument("--calibrate-steps", type=int, default=3)
     g = p.add_argument_group("model (planner-only, plan only: the engine has no MoE)")
-    g.add_argument("--experts", type=int, default=0, help="MoE experts per expert layer (0: dense)")
-    g.add_argument("--top-k", type=int, default=1, help="experts per token")
-    g.add_argument("--moe-every", type=int, default=1, help="an expert layer every k layers")
     g = p.add_argument_group("layout (planner-only)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron sequence parallelism with tp (plan only: not in the engine)")
@@ -169,7 +166,7 @@ def _run(args: argparse.Namespace) -> int:
     p = cfg.parallel
     notes: list[str] = []
     devices, (dp, pp, tp) = _devices(args, cfg, explicit, notes)
-    model = ModelSpec.from_config(cfg.model, args.experts, args.top_k, args.moe_every)
+    model = ModelSpec.from_config(cfg.model)
     if args.calibrate and not args.search:
         from phalanx.plan.calibrate import prepare_devices
 

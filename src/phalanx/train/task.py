@@ -60,7 +60,8 @@ class GPTTask:
 
     def loss(self, model, batch, training: bool = False) -> tf.Tensor:
         logits = model(batch[:, :-1], training=training)
-        return gpt.lm_loss(logits, batch[:, 1:])
+        loss = gpt.lm_loss(logits, batch[:, 1:])
+        return loss + gpt.aux_loss(model) if self.cfg.experts else loss
 
     def decays(self, name: str) -> bool:
         return gpt.decays(name)
