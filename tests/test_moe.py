@@ -200,3 +200,21 @@ def test_moe_gpt_trains_data_parallel_and_refuses_what_is_not_built(devices):
         load_config(None, MOE_GPT + ["model.top_k=5"])
     with pytest.raises(ConfigError, match="model.experts"):
         load_config(None, MOE_GPT + ["model.experts=1"])
+
+
+def test_moe_gpt_logs_balance_dropped_share_and_load(tmp_path):
+    from helpers import tiny_overrides, write_corpus
+
+    from phalanx.config import load_config
+    from phalanx.train.progress import read_metrics
+    from phalanx.train.trainer import Trainer
+
+    corpus = write_corpus(tmp_path / "corpus", files=2, lines=100)
+    cfg = load_config(None, tiny_overrides(tmp_path, corpus) + [
+        "model.experts=4", "model.top_k=2", "model.capacity_factor=0.5", "train.steps=3"])
+    Trainer(cfg, quiet=True).fit()
+    rows = read_metrics(tmp_path / "run")
+    for row in rows:
+        assert row["moe_aux_loss"] >= 1.0 - 1e-6       # E x sum f_e P_e >= 1, = 1 when uniform
+        assert 0.0 < row["moe_dropped"] < 1.0          # capacity 0.5 drops assignments
+        assert row["moe_load_min"] <= 1.0 <= row["moe_load_max"]

@@ -24,10 +24,11 @@ drops nothing. The capacity is per call: a pipeline's micro-batch is its own cal
 * router z-loss (ST-MoE, Zoph et al. 2022, eq. 5): ``z_loss_coef x mean_t
   logsumexp(logits_t)^2``.
 
-**Statistics** of the last training call live in three non-trainable scalars:
+**Statistics** of the last training call live in four non-trainable scalars:
 ``dropped_fraction`` (share of token-to-expert assignments dropped), ``load_min`` and
 ``load_max`` (the least and most loaded expert's share of the kept assignments, x E: 1.0
-is perfect balance).
+is perfect balance) and ``balance`` (``E x sum_e f_e x P_e``, the balancing loss before its
+coefficient).
 
 Example:
     >>> import numpy as np
@@ -80,7 +81,7 @@ class MoE(keras.layers.Layer):
             self.w_gate = self.add_weight(shape=(e, d, f), initializer=self.kernel_initializer, name="w_gate")
         self.w_out = self.add_weight(shape=(e, f, d), initializer=self.kernel_initializer, name="w_out")
         self.b_out = self.add_weight(shape=(e, d), initializer="zeros", name="b_out")
-        for name in ("dropped_fraction", "load_min", "load_max"):
+        for name in ("dropped_fraction", "load_min", "load_max", "balance"):
             # only_first_replica: under tf.distribute each replica may write it (no reduction).
             setattr(self, name, self.add_weight(shape=(), initializer="zeros", trainable=False, name=name,
                                                 dtype="float32", autocast=False, aggregation="only_first_replica"))
@@ -129,8 +130,9 @@ class MoE(keras.layers.Layer):
             y = self._expert(e, tf.gather(x, tokens))
             out = tf.tensor_scatter_nd_add(out, tokens[:, None], y * tf.cast(gate[:, None], y.dtype))
             load.append(tf.reduce_sum(tf.cast(mine, tf.float32)))
-        self._add_losses(logits, probs, chosen)
+        balance = self._add_losses(logits, probs, chosen)
         if training:
+            self.balance.assign(balance)
             load = tf.stack(load)
             total = tf.cast(n * self.top_k, tf.float32)
             kept_total = tf.maximum(tf.reduce_sum(load), 1.0)
@@ -142,13 +144,15 @@ class MoE(keras.layers.Layer):
     def _add_losses(self, logits, probs, chosen) -> None:
         import tensorflow as tf
 
+        first = tf.one_hot(chosen[:, 0], self.num_experts, dtype=tf.float32)
+        fraction = tf.reduce_mean(first, axis=0)                             # f_e
+        mean_prob = tf.reduce_mean(probs, axis=0)                            # P_e
+        balance = self.num_experts * tf.reduce_sum(fraction * mean_prob)
         if self.aux_loss_coef:
-            first = tf.one_hot(chosen[:, 0], self.num_experts, dtype=tf.float32)
-            fraction = tf.reduce_mean(first, axis=0)                         # f_e
-            mean_prob = tf.reduce_mean(probs, axis=0)                        # P_e
-            self.add_loss(self.aux_loss_coef * self.num_experts * tf.reduce_sum(fraction * mean_prob))
+            self.add_loss(self.aux_loss_coef * balance)
         if self.z_loss_coef:
             self.add_loss(self.z_loss_coef * tf.reduce_mean(tf.square(tf.reduce_logsumexp(logits, axis=-1))))
+        return balance
 
     def compute_output_shape(self, input_shape):
         return input_shape

@@ -66,6 +66,17 @@ class GPTTask:
     def decays(self, name: str) -> bool:
         return gpt.decays(name)
 
+    def stats(self, model) -> dict[str, float]:
+        """Extra figures for the logs: the MoE blocks' balancing loss (mean), share of
+        dropped assignments (mean) and expert load (min and max over blocks) of the last
+        training step (replica 0's micro-batch); empty for a dense GPT."""
+        layers = [b.moe for b in getattr(model, "blocks", []) if getattr(b, "moe", None) is not None]
+        if not layers:
+            return {}
+        read = lambda name: [float(getattr(m, name).numpy()) for m in layers]  # noqa: E731
+        return {"moe_aux_loss": float(np.mean(read("balance"))), "moe_dropped": float(np.mean(read("dropped_fraction"))),
+                "moe_load_min": min(read("load_min")), "moe_load_max": max(read("load_max"))}
+
     def flops_per_example(self) -> float:
         return gpt_training_flops_per_token(self.cfg) * self.cfg.seq_len
 

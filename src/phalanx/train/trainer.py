@@ -308,6 +308,9 @@ class Trainer:
                            "tokens_per_s": rate, "mfu": util, "step_time_s": elapsed / window_steps,
                            "grad_norm": float(result["grad_norm"]), "loss_scale": float(result["loss_scale"]),
                            "skipped": float(result["skipped"])}
+                    stats = getattr(self.task, "stats", None)  # e.g. the MoE blocks' balance and load
+                    if stats is not None and hasattr(self.engine, "model"):
+                        row.update(stats(self.engine.model))
                     if evaluating:
                         eval_loss = self.evaluate()
                         row["eval_loss"] = eval_loss
