@@ -30,3 +30,29 @@ def tiny_overrides(tmp_path: Path, corpus: str, run: str = "run", **extra) -> li
         "data.val_fraction=0.1",
     ]
     return items + [f"{k.replace('__', '.')}={v}" for k, v in extra.items()]
+
+
+def ghost_batches(inner, chunks: int, average_added_losses: bool = False):
+    """The oracle of phalanx's micro-batch semantics, as a Keras model for Keras's own ``fit``:
+    each batch is cut into ``chunks`` equal pieces, in order, and ``inner`` runs on each
+    (BatchNorm: its own statistics per piece, moving averages updated once per piece in
+    order; an MoE layer: its capacity and losses per piece). With
+    ``average_added_losses`` the losses the layers add (one per piece) are averaged, as
+    phalanx averages every micro-batch's whole loss."""
+    import keras
+
+    class Ghost(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.chunks = inner, chunks
+
+        def call(self, x, training=False):
+            pieces = [self.inner(p, training=training) for p in keras.ops.split(x, self.chunks, axis=0)]
+            return keras.ops.concatenate(pieces, axis=0)
+
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+            if not average_added_losses:
+                return super().compute_loss(x, y, y_pred, sample_weight, training=training)
+            return self._compile_loss(y, y_pred, sample_weight) + keras.ops.sum(self.losses) / self.chunks
+
+    return Ghost()

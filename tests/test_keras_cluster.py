@@ -30,6 +30,8 @@ import keras
 import numpy as np
 import pytest
 
+from helpers import ghost_batches
+
 N, BATCH = 16, 8
 
 # The model and data, shared by the workers' script and the reference in this process.
@@ -116,23 +118,11 @@ def launch(tmp_path: Path, name: str, kind: str, epochs: int, overrides=(), run_
     return proc, results
 
 
-class Ghost(keras.Model):
-    """Keras's oracle for per-micro-batch BatchNorm: each batch cut into ``chunks`` pieces in order."""
-
-    def __init__(self, inner, chunks):
-        super().__init__()
-        self.inner, self.chunks = inner, chunks
-
-    def call(self, x, training=False):
-        return keras.ops.concatenate([self.inner(p, training=training)
-                                      for p in keras.ops.split(x, self.chunks, axis=0)], axis=0)
-
-
 def keras_reference(kind: str, epochs: int, chunks: int = 1, val: bool = False):
     """(per-step losses, history, model, optimizer) of Keras's own fit on one device."""
     ns = namespace()
     model = ns["build"](kind, 3)
-    trained = Ghost(model, chunks) if chunks > 1 else model
+    trained = ghost_batches(model, chunks) if chunks > 1 else model
     ns["compile_model"](trained)
     x, y = ns["data"](kind, N)
     losses: list[float] = []

@@ -24,6 +24,8 @@ import tensorflow as tf
 import phalanx
 from phalanx.config import ConfigError
 
+from helpers import ghost_batches
+
 LAYOUTS = {
     "dp2": ["parallel.devices=cpu:2", "parallel.dp=2"],
     "pp2": ["parallel.devices=cpu:2", "parallel.pp=2", "parallel.microbatches=2"],
@@ -123,20 +125,6 @@ def build(name: str, opt: str, seed: int = 3):
     return model
 
 
-class Ghost(keras.Model):
-    """The oracle for per-micro-batch BatchNorm: each batch is cut into ``chunks`` equal
-    pieces, in order, and the inner model runs on each (training mode: its own statistics,
-    its moving averages updated once per piece in order)."""
-
-    def __init__(self, inner, chunks):
-        super().__init__()
-        self.inner, self.chunks = inner, chunks
-
-    def call(self, x, training=False):
-        pieces = [self.inner(p, training=training) for p in keras.ops.split(x, self.chunks, axis=0)]
-        return keras.ops.concatenate(pieces, axis=0)
-
-
 class StepLosses(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self.losses = []
@@ -150,7 +138,7 @@ def keras_reference(name: str, opt: str, chunks: int = 1):
     model = build(name, opt)
     trained = model
     if chunks > 1 and name == "cnn":
-        trained = Ghost(model, chunks)
+        trained = ghost_batches(model, chunks)
         trained.compile(optimizer=optimizer(opt), **compile_args(name))
     x, y = data(name)
     record = StepLosses()

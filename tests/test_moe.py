@@ -12,6 +12,8 @@ import pytest
 import phalanx
 from phalanx.layers import MoE
 
+from helpers import ghost_batches
+
 
 def gelu(x):
     """Keras's default (exact) GELU: x * Phi(x)."""
@@ -85,27 +87,6 @@ def test_moe_arguments_are_checked():
         MoE(num_experts=0, hidden_dim=4)
 
 
-class Ghost(keras.Model):
-    """Keras's own fit of the model on each batch cut into ``chunks`` pieces, in order:
-    the MoE's capacity and balancing loss are per call, so per micro-batch (the oracle of
-    the micro-batch semantics, written here)."""
-
-    def __init__(self, inner, chunks):
-        super().__init__()
-        self.inner, self.chunks = inner, chunks
-
-    def call(self, x, training=False):
-        return keras.ops.concatenate([self.inner(p, training=training)
-                                      for p in keras.ops.split(x, self.chunks, axis=0)], axis=0)
-
-    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        # phalanx's loss of a batch is the mean over its micro-batches of (data loss + the
-        # layers' added losses): the data loss is a mean already; the added ones (one per
-        # piece here) are averaged.
-        data = self._compile_loss(y, y_pred, sample_weight)
-        return data + keras.ops.sum(self.losses) / self.chunks
-
-
 def moe_model():
     keras.utils.set_random_seed(4)
     tokens = keras.Input((6,), dtype="int32")
@@ -130,7 +111,7 @@ def test_moe_model_trains_through_phalanx_fit_like_keras(layout, overrides, chun
     x = rng.integers(0, 16, (16, 6)).astype("int32")
     y = np.roll(x, 1, axis=1)
     reference = moe_model()
-    trained = Ghost(reference, chunks) if chunks > 1 else reference
+    trained = ghost_batches(reference, chunks, average_added_losses=True) if chunks > 1 else reference
     if chunks > 1:
         trained.compile(optimizer=keras.optimizers.Adam(0.01),
                         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))

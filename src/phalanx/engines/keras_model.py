@@ -54,8 +54,7 @@ import tensorflow as tf
 
 from phalanx.config import Config, ConfigError
 from phalanx.mesh import Mesh
-from phalanx.parallel.pipeline import accumulate_gradient, run_schedule
-from phalanx.parallel.schedules import build_schedule
+from phalanx.parallel.pipeline import accumulate_gradient, run_schedule, schedule_for
 
 MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")
 
@@ -206,11 +205,7 @@ class KerasModelEngine:
         self.workers = None if inference_only else workers
         self.world = 1 if self.workers is None else self.workers.size
         self.accum, self.microbatches = cfg.train.grad_accum, p.microbatches
-        virtual = p.virtual_stages if p.schedule == "interleaved" else 1
-        try:
-            self.schedule = build_schedule(p.schedule, self.pp, self.microbatches, virtual)
-        except ValueError as err:
-            raise ConfigError("parallel.schedule", str(err)) from None
+        self.schedule = schedule_for(cfg, self.pp)
         self.chunks = self.schedule.num_stages
         self.inference_only = inference_only
         self.optimizer = None if inference_only else model.optimizer

@@ -16,8 +16,7 @@ import tensorflow as tf
 from phalanx.config import Config, ConfigError
 from phalanx.mesh import Mesh
 from phalanx.parallel.params import ShardedParams, ShardKey
-from phalanx.parallel.pipeline import PipelineTrace, run_schedule
-from phalanx.parallel.schedules import build_schedule
+from phalanx.parallel.pipeline import PipelineTrace, run_schedule, schedule_for
 from phalanx.parallel.zero import ShardedAdamW
 from phalanx.train.engine import LossScale
 
@@ -41,11 +40,7 @@ class PipelinedEngine:
             raise ConfigError("train.global_batch",
                               f"{cfg.train.global_batch} is not divisible by dp x grad_accum x microbatches = "
                               f"{self.dp} x {self.accum} x {self.microbatches}")
-        virtual = p.virtual_stages if p.schedule == "interleaved" else 1
-        try:
-            self.schedule = build_schedule(p.schedule, self.pp, self.microbatches, virtual)
-        except ValueError as err:
-            raise ConfigError("parallel.schedule", str(err)) from None
+        self.schedule = schedule_for(cfg, self.pp)
         self.chunks = self.schedule.num_stages
         self.compute_dtype = COMPUTE_DTYPES[cfg.precision.policy]
 

@@ -98,6 +98,19 @@ def _differentiable(tensors: list[tf.Tensor]) -> list[tf.Tensor]:
     return [t for t in tensors if t.dtype.is_floating]
 
 
+def schedule_for(cfg, pp: int) -> Schedule:
+    """The schedule table ``cfg.parallel`` asks for on ``pp`` pipeline ranks (virtual
+    stages only for ``interleaved``); an impossible one is a ConfigError on the key."""
+    from phalanx.config import ConfigError
+    from phalanx.parallel.schedules import build_schedule
+
+    p = cfg.parallel
+    try:
+        return build_schedule(p.schedule, pp, p.microbatches, p.virtual_stages if p.schedule == "interleaved" else 1)
+    except ValueError as err:
+        raise ConfigError("parallel.schedule", str(err)) from None
+
+
 def accumulate_gradient(total, grad, keep_sparse: bool = False):
     """``total + grad`` in float32. With ``keep_sparse``, two ``IndexedSlices`` (an
     embedding's gradient) are joined by concatenating their rows, not densified: that is
