@@ -24,6 +24,7 @@ _LAZY = {
     "init": ("phalanx.api", "init"),
     "evaluate": ("phalanx.api", "evaluate"),
     "predict": ("phalanx.api", "predict"),
+    "export": ("phalanx.export.api", "export"),
     "parallelize": ("phalanx.parallel.apply", "parallelize"),
 }
 

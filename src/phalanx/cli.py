@@ -19,6 +19,7 @@ COMMANDS = {
     "plan": ("phalanx.plan.cli", "main", "memory, FLOPs, time and layout search before training"),
     "schedule": ("phalanx.parallel.schedule_cli", "main", "print and draw a pipeline schedule"),
     "launch": ("phalanx.cluster.launch", "main", "run a local multi-process TensorFlow cluster"),
+    "export": ("phalanx.export.cli", "main", "a run's model as keras/savedmodel/litert, quantized, + quality report"),
 }
 
 

@@ -85,6 +85,9 @@ def main_eval(argv: list[str]) -> int:
                         "(anywhere among the flags)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     ns = parser.parse_intermixed_args(argv)
+    if (Path(ns.run_dir) / "export.json").is_file():  # a `phalanx export` artifact, run in its own runtime
+        from phalanx.export.runtime import main_eval as eval_artifact
+        return eval_artifact(ns.run_dir, ns.overrides, ns.json)
     cfg = _load_run(ns.run_dir, ns.overrides)
     from phalanx.data.pipeline import make_datasets
     from phalanx.train.trainer import Trainer
@@ -119,6 +122,9 @@ def main_generate(argv: list[str]) -> int:
         raise ConfigError("--tokens", f"must be >= 1, got {ns.tokens}")
     if ns.temperature < 0:
         raise ConfigError("--temperature", f"must be >= 0, got {ns.temperature}")
+    if (Path(ns.run_dir) / "export.json").is_file():  # a `phalanx export` artifact, run in its own runtime
+        from phalanx.export.runtime import main_generate as generate_artifact
+        return generate_artifact(ns.run_dir, ns.prompt, ns.tokens, ns.temperature, ns.top_k, ns.seed)
     cfg = _load_run(ns.run_dir, ns.overrides)
     from phalanx.models.generate import generate
     from phalanx.train.trainer import load_run_tokenizer
