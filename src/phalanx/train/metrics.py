@@ -1,8 +1,8 @@
 """Throughput and model FLOPs utilisation (MFU).
 
 MFU = model FLOPs per step / step time / peak FLOP/s. Model FLOPs count the work
-the model needs (6 x params x tokens plus attention, :func:`phalanx.train.task.
-gpt_training_flops_per_token`), not recomputation. The peak is ``train.peak_flops``
+the model needs (the planner's :func:`phalanx.plan.arithmetic.flops_per_token`, through
+:func:`phalanx.train.task.gpt_training_flops_per_token`), not recomputation. The peak is ``train.peak_flops``
 when set (accelerators: take the vendor figure), otherwise measured once per machine
 and dtype by a matmul probe (:func:`phalanx.plan.hardware.measure_matmul_peak`) and
 cached.

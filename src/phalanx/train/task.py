@@ -85,12 +85,15 @@ class GPTTask:
 
 
 def gpt_training_flops_per_token(cfg: ModelConfig) -> float:
-    """6 x params + attention, per token, forward + backward.
+    """Model FLOPs per token of a training step (forward + backward, no recomputation).
 
-    The attention score and value matmuls add 12 x layers x d_model x seq_len per
-    token for training (Narayanan et al. 2021, eq. 3, without recomputation).
+    The planner's arithmetic is the one definition (matmul FLOPs of attention, MLP or
+    experts' active MLPs, and the head; Narayanan et al. 2021): MFU here, the planner's
+    time estimates and the pipeline partitioner's costs all count the same FLOPs.
     """
-    return 6.0 * gpt.num_params(cfg) + 12.0 * cfg.layers * cfg.d_model * cfg.seq_len
+    from phalanx.plan.arithmetic import ModelSpec, flops_per_token
+
+    return flops_per_token(ModelSpec.from_config(cfg), "none")
 
 
 class KerasTask:
