@@ -448,3 +448,22 @@ def test_regularisers_and_added_losses_count_as_in_keras(layout, tmp_path):
                 overrides=LAYOUTS[layout] + [f"run.dir={tmp_path / 'r'}"])
     np.testing.assert_allclose(steps.losses, ref_steps.losses, rtol=1e-4)
     assert_same_weights(model, reference)
+
+
+@pytest.mark.parametrize("layout", ["one", "dp2"])
+def test_a_last_smaller_batch_trains_and_evaluates_as_in_keras(layout, tmp_path):
+    """20 samples in batches of 8: the last batch has 4 rows (split 2 + 2 on dp2)."""
+    x, y = data("mlp")
+    x, y = np.concatenate([x, x[:4]]), np.concatenate([y, y[:4]])
+    reference, ref_steps = build("mlp", "adam"), StepLosses()
+    ref = reference.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[ref_steps],
+                        validation_data=(x[:12], y[:12]), validation_batch_size=8).history
+    model, steps = build("mlp", "adam"), StepLosses()
+    ours = phalanx.fit(model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[steps],
+                       validation_data=(x[:12], y[:12]), validation_batch_size=8,
+                       overrides=LAYOUTS.get(layout, []) + [f"run.dir={tmp_path / 'r'}"]).history
+    assert len(steps.losses) == len(ref_steps.losses) == EPOCHS * 3
+    np.testing.assert_allclose(steps.losses, ref_steps.losses, rtol=1e-4)
+    for key in ref:
+        np.testing.assert_allclose(ours[key], ref[key], rtol=1e-4, err_msg=key)
+    assert_same_weights(model, reference)

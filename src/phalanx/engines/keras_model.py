@@ -245,9 +245,9 @@ class KerasModelEngine:
             if self.split is not None else []
         self._custom_loss = type(model).compute_loss is not keras.Model.compute_loss
         self._build(sample_batch)
-        self._train_fn = tf.function(self._train_step, autograph=False, reduce_retracing=True)
-        self._test_fn = tf.function(self._test_step, autograph=False, reduce_retracing=True)
-        self._predict_fn = tf.function(self._predict_step, autograph=False, reduce_retracing=True)
+        self._train_fn = tf.function(self._train_step, autograph=False)  # static shapes: one trace per batch shape
+        self._test_fn = tf.function(self._test_step, autograph=False)  # static shapes: one trace per batch shape
+        self._predict_fn = tf.function(self._predict_step, autograph=False)  # static shapes: one trace per batch shape
 
     # -- set-up ------------------------------------------------------------------------------
 
