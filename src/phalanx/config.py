@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -121,6 +122,28 @@ class PrecisionConfig:
 
 
 @dataclass(frozen=True)
+class PruneConfig:
+    """Gradual magnitude pruning during training (:mod:`phalanx.prune`), ``train.prune.*``.
+
+    ``target``: final sparsity of the pruned weights (0: off). Masks are recomputed from
+    the weights' magnitudes every ``every`` steps from step ``start`` to ``end``, the
+    sparsity rising as Zhu & Gupta 2017's cubic ramp ``target x (1 - (1 - (t - start) /
+    (end - start))^3)``; after ``end`` the masks stay fixed. ``pattern``: ``unstructured``
+    (the smallest weights of each tensor) or ``N:M`` such as ``2:4`` (the N largest of
+    every M consecutive weights along the input dimension are kept; ``target`` must be
+    ``1 - N/M``). Pruned: the GPT's matmul kernels (names ending ``/kernel``, and
+    ``moe/w_in`` / ``moe/w_out``); never embeddings, biases, LayerNorm or the MoE router.
+    Nested keys: ``train.prune.target=0.5`` or YAML ``train: {prune: {target: 0.5}}``.
+    """
+
+    target: float = 0.0
+    start: int = 0
+    end: int = 1000
+    pattern: str = "unstructured"
+    every: int = 100
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """Optimisation. ``global_batch = micro_batch x dp x grad_accum`` sequences.
 
@@ -144,6 +167,7 @@ class TrainConfig:
     eval_batches: int = 8
     log_every: int = 10
     peak_flops: float = 0.0
+    prune: PruneConfig = field(default_factory=PruneConfig)
 
     @property
     def micro_batch(self) -> int:
@@ -204,8 +228,18 @@ class Config:
         """
         merged = self.to_dict()
         for section, values in sections.items():
-            merged.setdefault(section, {}).update(values)
+            _deep_update(merged.setdefault(section, {}), values)
         return from_dict(merged)
+
+
+def _deep_update(target: dict, values: Mapping[str, Any]) -> None:
+    """``target.update(values)``, merging nested mappings (``train={"prune": {"target": 0.5}}``
+    keeps the other ``train.prune`` keys)."""
+    for key, value in values.items():
+        if isinstance(value, Mapping) and isinstance(target.get(key), dict):
+            _deep_update(target[key], value)
+        else:
+            target[key] = value
 
 
 # ---------------------------------------------------------------------------
@@ -235,12 +269,17 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
     for item in overrides:
         key, value = parse_override(item)
         section, _, name = key.partition(".")
-        if not name or "." in name:
+        if not name:
             raise ConfigError(key, f"overrides take the form section.key=value, e.g. train.steps=100; got {item!r}")
-        target = raw.setdefault(section, {})
-        if not isinstance(target, dict):
-            raise ConfigError(section, f"must be a mapping, got {target!r}")
-        target[name] = value
+        # nested keys (train.prune.target=0.5) go one mapping deeper per dot; _build_section
+        # refuses a dotted name that is not a nested section
+        parts = key.split(".")
+        target = raw
+        for i, part in enumerate(parts[:-1]):
+            target = target.setdefault(part, {})
+            if not isinstance(target, dict):
+                raise ConfigError(".".join(parts[:i + 1]), f"must be a mapping, got {target!r}")
+        target[parts[-1]] = value
     return from_dict(raw)
 
 
@@ -257,6 +296,18 @@ class UniqueKeyLoader(yaml.SafeLoader):
     def construct_document(self, node):
         _refuse_duplicates(node, self.key_prefix, self.source)
         return super().construct_document(node)
+
+
+# YAML 1.1 reads "2:4" as the base-60 integer 124 (and "1:30.5" as a float): phalanx
+# reads such words as strings (train.prune.pattern=2:4), so drop the sexagesimal forms.
+UniqueKeyLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers
+            if not (tag in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float") and ":" in regexp.pattern)]
+    + [(tag, re.compile(regexp.pattern.replace("|[-+]?[1-9][0-9_]*(?::[0-5]?[0-9])+", "")
+                        .replace("|[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\\.[0-9_]*", ""), re.X))
+       for tag, regexp in resolvers
+       if tag in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float") and ":" in regexp.pattern]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 
 
 def _refuse_duplicates(node: yaml.Node, prefix: str, source: str) -> None:
@@ -350,6 +401,16 @@ def _build_section(section: str, cls: type, values: Mapping[str, Any]) -> Any:
         key = f"{section}.{name}"
         if name not in fields:
             raise ConfigError(key, f"unknown key; valid keys of {section!r}: {', '.join(fields)}")
+        if dataclasses.is_dataclass(hints[name]):  # a nested section, e.g. train.prune
+            if value is None:
+                value = {}
+            if not isinstance(value, Mapping):
+                raise ConfigError(key, f"must be a mapping of keys (e.g. {key}.{dataclasses.fields(hints[name])[0].name}"
+                                       f"=...), got {value!r}")
+            kwargs[name] = _build_section(key, hints[name], value)
+            continue
+        if isinstance(value, Mapping) and value:
+            raise ConfigError(f"{key}.{next(iter(value))}", f"unknown key: {key} takes one value, not nested keys")
         kwargs[name] = _coerce(key, value, hints[name])
     return cls(**kwargs)
 
@@ -422,11 +483,15 @@ def validate(cfg: Config) -> None:
     """Raise :class:`ConfigError` for the first impossible value (device count not needed)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     # Also here, not only when parsing: a Config built directly from the dataclasses skips _coerce.
-    for section in dataclasses.fields(cfg):
-        for f in dataclasses.fields(getattr(cfg, section.name)):
-            value = getattr(getattr(cfg, section.name), f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"{section.name}.{f.name}", f"expected a finite number, got {value}")
+    nested = [(section.name, getattr(cfg, section.name)) for section in dataclasses.fields(cfg)]
+    while nested:
+        prefix, obj = nested.pop(0)
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                nested.append((f"{prefix}.{f.name}", value))
+            elif isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{prefix}.{f.name}", f"expected a finite number, got {value}")
     for key, value in (("model.layers", m.layers), ("model.d_model", m.d_model), ("model.heads", m.heads),
                        ("model.vocab", m.vocab), ("model.seq_len", m.seq_len)):
         _require(value >= 1, key, f"must be >= 1, got {value}")
@@ -502,6 +567,8 @@ def validate(cfg: Config) -> None:
     _require(t.eval_every >= 0, "train.eval_every", f"must be >= 0 (0 disables evaluation), got {t.eval_every}")
     _require(t.peak_flops >= 0, "train.peak_flops", f"must be >= 0 (0 measures it), got {t.peak_flops}")
 
+    validate_prune(cfg)
+
     d = cfg.data
     _one_of("data.tokenizer", d.tokenizer, TOKENIZERS)
     _require(0.0 < d.val_fraction < 1.0, "data.val_fraction", f"must be in (0, 1), got {d.val_fraction}")
@@ -516,6 +583,56 @@ def validate(cfg: Config) -> None:
     _require(bool(cfg.run.dir), "run.dir", "must not be empty")
     _require(cfg.checkpoint.every >= 0, "checkpoint.every", f"must be >= 0 (0: only at the end), got {cfg.checkpoint.every}")
     _require(cfg.checkpoint.keep >= 1, "checkpoint.keep", f"must be >= 1, got {cfg.checkpoint.keep}")
+
+
+def parse_prune_pattern(pattern: str) -> tuple[int, int] | None:
+    """``"unstructured"`` -> None; ``"2:4"`` -> ``(2, 4)`` (keep 2 of every 4); ConfigError
+    naming ``train.prune.pattern`` otherwise.
+
+    >>> parse_prune_pattern("2:4")
+    (2, 4)
+    """
+    if pattern == "unstructured":
+        return None
+    n, sep, m = str(pattern).partition(":")
+    if sep and n.strip().isdigit() and m.strip().isdigit() and 1 <= int(n) < int(m):
+        return int(n), int(m)
+    raise ConfigError("train.prune.pattern", f"{pattern!r} is not valid; use unstructured or N:M with 1 <= N < M "
+                                             f"(keep N of every M consecutive weights), e.g. 2:4")
+
+
+def prune_input_dims(m: ModelConfig) -> dict[str, tuple[int, str]]:
+    """The input dimension (and the key that sets it) of every kind of pruned weight
+    (block 0's names stand for every block)."""
+    dims = {"block_0/attn/qkv/kernel": (m.d_model, "model.d_model"),
+            "block_0/attn/out/kernel": (m.d_model, "model.d_model"),
+            "block_0/mlp/fc/kernel": (m.d_model, "model.d_model"),
+            "block_0/mlp/proj/kernel": (m.ffn_dim, "model.ffn")}
+    if m.experts:
+        dims.update({"block_0/moe/w_in": (m.d_model, "model.d_model"), "block_0/moe/w_out": (m.ffn_dim, "model.ffn")})
+    if not m.tie_embeddings:
+        dims["head/kernel"] = (m.d_model, "model.d_model")
+    return dims
+
+
+def validate_prune(cfg: Config) -> None:
+    pr = cfg.train.prune
+    _require(0.0 <= pr.target < 1.0, "train.prune.target", f"must be in [0, 1) (0: no pruning), got {pr.target}")
+    _require(pr.start >= 0, "train.prune.start", f"must be >= 0, got {pr.start}")
+    _require(pr.start < pr.end, "train.prune.end", f"{pr.end} must be > train.prune.start={pr.start}")
+    _require(pr.every >= 1, "train.prune.every", f"must be >= 1, got {pr.every}")
+    nm = parse_prune_pattern(pr.pattern)
+    if nm is None or pr.target == 0:
+        return
+    n, m = nm
+    want = 1.0 - n / m
+    _require(abs(pr.target - want) < 1e-4, "train.prune.target",
+             f"{pr.target} does not match train.prune.pattern={pr.pattern}, which keeps {n} of every {m} "
+             f"weights: set train.prune.target={want:g}")
+    for name, (dim, key) in prune_input_dims(cfg.model).items():
+        _require(dim % m == 0, "train.prune.pattern",
+                 f"{pr.pattern} needs the input dimension of every pruned weight divisible by {m}, but {name} "
+                 f"(and its kind in every block) has input dimension {key}={dim}")
 
 
 def resolve_degrees(cfg: Config, n_devices: int) -> tuple[int, int, int]:

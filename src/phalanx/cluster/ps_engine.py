@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from phalanx.config import Config
+from phalanx.config import Config, ConfigError
 from phalanx.train.engine import StrategyEngine
 
 
@@ -71,6 +71,11 @@ class ParameterServerEngine(StrategyEngine):
                  num_workers: int = 1, max_in_flight: int | None = None):
         if not isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
             raise TypeError(f"ParameterServerEngine needs a ParameterServerStrategy, got {type(strategy).__name__}")
+        if cfg.train.prune.target > 0:
+            raise ConfigError("train.prune.target", f"{cfg.train.prune.target}: pruning is not built for "
+                                                    f"parameter_server (asynchronous steps in flight would race the "
+                                                    f"mask updates); use one device, dp, multi_worker or the mesh "
+                                                    f"engine, or set train.prune.target=0")
         super().__init__(cfg, task, strategy)
         self.coordinator = coordinator
         # A step is one replica (one CPU worker) over the whole global batch: dp stays

@@ -179,6 +179,14 @@ class PipelinedEngine:
     def num_params(self) -> int:
         return self.params.num_params()
 
+    def apply_masks(self, masks: dict[str, np.ndarray]) -> None:
+        """Install (or replace) pruning masks (whole logical 0/1 tensors by weight name): the
+        masked weights (every shard and copy) and their moments (ZeRO pieces too) are zeroed now,
+        and every later step multiplies its update by the mask (:class:`ShardedAdamW`)."""
+        self.optimizer.set_masks(masks)
+        for name, mask in masks.items():
+            self.params.assign_logical(name, self.params.logical(name) * np.asarray(mask, np.float32))
+
     def weights(self) -> dict[str, np.ndarray]:
         """Whole logical weights by name."""
         return {name: self.params.logical(name) for name in self.params.names}

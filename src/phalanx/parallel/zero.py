@@ -90,6 +90,18 @@ class ShardedAdamW:
                     vs.append(tf.Variable(tf.zeros([n]), trainable=False, name="v"))
             self.m.append(ms)
             self.v.append(vs)
+        # Pruning masks (phalanx.prune), one per group holding a pruned shard and replica, shaped
+        # like that replica's m/v (the whole flat group, or its ZeRO piece); all ones until set_masks.
+        self.masks: list[list[tf.Variable] | None] = [None] * len(self.groups)
+        if cfg.prune.target > 0:
+            from phalanx import prune
+            for i, g in enumerate(self.groups):
+                if any(prune.prunable(k[0]) for k in g.keys):
+                    self.masks[i] = []
+                    for d in range(self.dp):
+                        with tf.device(g.devices[d]):
+                            self.masks[i].append(tf.Variable(tf.ones_like(self.m[i][d]), trainable=False,
+                                                             name="mask"))
 
     def piece_size(self, size: int) -> int:
         return -(-size // self.dp)
@@ -155,7 +167,7 @@ class ShardedAdamW:
             for d in range(self.dp):
                 with tf.device(g.devices[d]):
                     new = self._adam(self._flat_params(g, d), parts[0], self.m[i][d], self.v[i][d],
-                                     factor, t, lr, finite, g.decay)
+                                     factor, t, lr, finite, g.decay, self._mask(i, d))
                     self._assign(g, d, new)
             return
         n = self.piece_size(g.total)
@@ -164,7 +176,7 @@ class ShardedAdamW:
             with tf.device(g.devices[d]):
                 flat = tf.pad(self._flat_params(g, d), [[0, n * self.dp - g.total]])
                 new_pieces.append(self._adam(flat[d * n:(d + 1) * n], parts[d], self.m[i][d], self.v[i][d],
-                                             factor, t, lr, finite, g.decay))
+                                             factor, t, lr, finite, g.decay, self._mask(i, d)))
         for d in range(self.dp):  # all-gather the updated pieces into every replica's copies
             with tf.device(g.devices[d]):
                 self._assign(g, d, tf.concat(new_pieces, 0)[: g.total])
@@ -176,8 +188,13 @@ class ShardedAdamW:
             for copy in shard.copies[d]:
                 copy.assign(value)
 
-    def _adam(self, p, grad, m, v, factor, t, lr, finite, decay):
+    def _mask(self, i: int, d: int):
+        return None if self.masks[i] is None else self.masks[i][d]
+
+    def _adam(self, p, grad, m, v, factor, t, lr, finite, decay, mask=None):
         new_p, new_m, new_v = optim.adamw_update(p, grad * factor, m, v, t, lr, self.cfg, decay)
+        if mask is not None:  # pruned: masked weights (and their moments) stay exactly zero
+            new_p, new_m, new_v = new_p * mask, new_m * mask, new_v * mask
         m.assign(tf.where(finite, new_m, m))
         v.assign(tf.where(finite, new_v, v))
         return tf.where(finite, new_p, p)
@@ -224,6 +241,34 @@ class ShardedAdamW:
                 flat = np.pad(flat, (0, n * self.dp - self.groups[i].total))
                 for d, var in enumerate(slots):
                     var.assign(flat[d * n:(d + 1) * n])
+
+    def set_masks(self, masks: dict[str, np.ndarray]) -> None:
+        """Install pruning masks (whole logical 0/1 tensors by weight name), cut like the
+        weights (tensor-parallel Split, then ZeRO pieces), and zero ``m``/``v`` where masked.
+        The caller zeroes the weights themselves."""
+        flats = {}
+        for name, mask in masks.items():
+            mask = np.asarray(mask, np.float32)
+            if mask.shape != self.params.full_shapes.get(name):
+                raise ValueError(f"mask {name!r} has shape {mask.shape}, the weight "
+                                 f"{self.params.full_shapes.get(name)}")
+            for key, piece in zip(self.params.keys_of(name), self.params.splits[name].shard(mask, self.params.tp)):
+                i, pos = self.where[key]
+                if self.masks[i] is None:
+                    raise KeyError(f"no pruning mask slot for {name!r}: built without train.prune.target, or "
+                                   f"{name!r} is not a pruned weight")
+                g = self.groups[i]
+                flat = flats.setdefault(i, np.ones(g.total, np.float32))
+                flat[g.offsets[pos]: g.offsets[pos] + g.sizes[pos]] = piece.reshape(-1)
+        for i, flat in flats.items():
+            if self.zero != 0:
+                n = self.piece_size(self.groups[i].total)
+                flat = np.pad(flat, (0, n * self.dp - self.groups[i].total), constant_values=1.0)
+            for d, var in enumerate(self.masks[i]):
+                value = flat if self.zero == 0 else flat[d * n:(d + 1) * n]
+                var.assign(value)
+                for slot in (self.m[i][d], self.v[i][d]):
+                    slot.assign(slot.numpy() * value)
 
     def state_bytes_per_device(self) -> dict[str, int]:
         """Bytes of ``m`` and ``v`` held by each device."""

@@ -111,6 +111,12 @@ class StrategyEngine:
                       for n, v in self.variables.items()}
             self.step = tf.Variable(0, trainable=False, dtype=tf.int64, name="optimizer_step")
             self.loss_scale = LossScale(cfg)
+            # pruning masks (phalanx.prune), all ones until apply_masks; multiplied into every update
+            self.masks = {}
+            if cfg.train.prune.target > 0:
+                from phalanx import prune
+                self.masks = {n: tf.Variable(tf.ones_like(v), trainable=False, name=f"mask/{n}")
+                              for n, v in self.variables.items() if prune.prunable(n)}
         self._train_fn = tf.function(self._train_step)
         self._eval_fn = tf.function(self._eval_step)
 
@@ -179,8 +185,10 @@ class StrategyEngine:
         lr = optim.learning_rate(self.step, self.cfg.train)
         t = self.step + 1
         for name, var, grad in zip(self.names, variables, grads):
-            self._update_variable(var, (grad, self.m[name], self.v[name], factor, t, lr, finite,
-                                        self.task.decays(name)))
+            args = (grad, self.m[name], self.v[name], factor, t, lr, finite, self.task.decays(name))
+            if name in self.masks:
+                args += (self.masks[name],)
+            self._update_variable(var, args)
         self.step.assign_add(tf.cast(finite, tf.int64))
         self.loss_scale.update(finite)
         return {"loss": loss, "grad_norm": norm, "skipped": 1.0 - tf.cast(finite, tf.float32),
@@ -190,9 +198,11 @@ class StrategyEngine:
         """Apply AdamW to every device copy of ``var`` (cross-replica context)."""
         self.strategy.extended.update(var, self._apply_one, args=args, group=False)
 
-    def _apply_one(self, var, grad, m, v, factor, t, lr, finite, decay):
+    def _apply_one(self, var, grad, m, v, factor, t, lr, finite, decay, mask=None):
         # Runs once per device copy of `var`; m and v are that device's slot copies.
         new_p, new_m, new_v = optim.adamw_update(var, grad * factor, m, v, t, lr, self.cfg.train, decay)
+        if mask is not None:  # pruned: masked weights (and their moments) stay exactly zero
+            new_p, new_m, new_v = new_p * mask, new_m * mask, new_v * mask
         # Non-finite gradients: keep every value (tf.where, not tf.cond, so the
         # same graph runs on every replica and engine).
         m.assign(tf.where(finite, new_m, m))
@@ -235,6 +245,21 @@ class StrategyEngine:
 
     def num_params(self) -> int:
         return int(sum(np.prod(v.shape) for v in self.variables.values()))
+
+    def apply_masks(self, masks: dict[str, np.ndarray]) -> None:
+        """Install (or replace) pruning masks (0/1, whole logical shapes, by weight name):
+        zero the masked weights and their AdamW moments now; every later step keeps them
+        zero. Only weights named when the engine was built with ``train.prune.target > 0``."""
+        for name, mask in masks.items():
+            if name not in self.masks:
+                raise KeyError(f"no pruning mask slot for {name!r}: the engine was built without "
+                               f"train.prune.target, or {name!r} is not a pruned weight")
+            mask = np.asarray(mask, np.float32)
+            if mask.shape != tuple(self.masks[name].shape):
+                raise ValueError(f"mask {name!r} has shape {mask.shape}, the weight {tuple(self.masks[name].shape)}")
+            self.masks[name].assign(mask)
+            for var in (self.variables[name], self.m[name], self.v[name]):
+                var.assign(var.numpy() * mask)
 
     def weights(self) -> dict[str, np.ndarray]:
         return {n: self.variables[n].numpy() for n in self.names}

@@ -95,6 +95,12 @@ def check_config_for_keras(cfg: Config, model) -> None:
         value = getattr(getattr(cfg, section), name)
         if value != getattr(getattr(defaults, section), name):
             raise ConfigError(key, f"{value!r} is for the built-in GPT's trainer; a Keras model uses {instead}")
+    if cfg.train.prune != defaults.train.prune:  # pruning masks are built for the GPT's engines only
+        name = next(f.name for f in dataclasses.fields(cfg.train.prune)
+                    if getattr(cfg.train.prune, f.name) != getattr(defaults.train.prune, f.name))
+        raise ConfigError(f"train.prune.{name}", f"{getattr(cfg.train.prune, name)!r}: pruning during training "
+                                                 f"is built for the built-in GPT (phalanx train), not for a Keras "
+                                                 f"model's fit; remove the train.prune.* keys")
     if model.optimizer is not None:
         for name in _OPTIMIZER_KEYS:
             value = getattr(cfg.train, name)

@@ -162,6 +162,8 @@ class Trainer:
             from phalanx.data.pipeline import make_datasets
             self._datasets = make_datasets(self.cfg, self.worker_index, self.num_workers)
         self.engine = make_engine(self.cfg, self.task, self.cluster)
+        from phalanx import prune
+        self.pruner = prune.Pruner(self.cfg, self.engine) if prune.enabled(self.cfg) else None
         if self.is_chief:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
@@ -195,6 +197,8 @@ class Trainer:
             raise checkpoint.CheckpointError(path / checkpoint.TENSORS, f"does not fit this model: "
                                              f"{str(err).strip(chr(34))}; use the run's own model.* keys or a "
                                              f"new run.dir") from None
+        if self.pruner is not None:  # the checkpoint's masks (prune/mask/<name>) hold until the next update
+            self.pruner.load(restored.tensors)
         if builtin_data and (path / "data").is_dir():
             iterator = pipeline.restore_iterator(self._datasets, path / "data")
         elif builtin_data:
@@ -226,7 +230,10 @@ class Trainer:
         if isinstance(iterator, pipeline.TrainIterator):
             writers["data"] = lambda d: pipeline.save_iterator(iterator, d)
         meta = {"config": self.cfg.to_dict(), "layout": _layout(self.cfg, self.engine)}
-        return checkpoint.save(self.ckpt_dir, step, self.engine.state_dict(), meta=meta, writers=writers,
+        state = self.engine.state_dict()
+        if self.pruner is not None:
+            state.update(self.pruner.state())
+        return checkpoint.save(self.ckpt_dir, step, state, meta=meta, writers=writers,
                                keep=self.cfg.checkpoint.keep)
 
     # -- the loop -------------------------------------------------------------------
@@ -291,6 +298,8 @@ class Trainer:
                 _StopFlag() as stop:
             while step < t.steps:
                 batch = next(iterator)
+                if self.pruner is not None:
+                    self.pruner.before_step(step)  # recomputes the masks at the schedule's steps
                 result = self.engine.train_step(batch)
                 step += 1
                 window_losses.append(result["loss"])
@@ -311,6 +320,8 @@ class Trainer:
                     stats = getattr(self.task, "stats", None)  # e.g. the MoE blocks' balance and load
                     if stats is not None and hasattr(self.engine, "model"):
                         row.update(stats(self.engine.model))
+                    if self.pruner is not None:  # measured: exact zeros among the pruned weights
+                        row["sparsity"] = self.pruner.sparsity()
                     if evaluating:
                         eval_loss = self.evaluate()
                         row["eval_loss"] = eval_loss

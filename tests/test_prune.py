@@ -1,0 +1,239 @@
+"""Sparsity during training (train.prune.*, phalanx.prune): masks on every layout,
+the schedule, N:M, checkpoints and resume, export, and the errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from helpers import tiny_overrides, write_corpus
+from phalanx import prune
+from phalanx.config import ConfigError, load_config
+from phalanx.train.task import GPTTask
+
+TINY = ["model.layers=2", "model.d_model=32", "model.heads=2", "model.ffn=64", "model.seq_len=16",
+        "train.global_batch=8", "train.warmup=1", "train.lr=1e-2"]
+LAYOUTS = {  # name -> parallel overrides
+    "one": [],
+    "dp2": ["parallel.dp=2", "parallel.devices=cpu:2"],
+    "tp2": ["parallel.tp=2", "parallel.devices=cpu:2"],
+    "pp2": ["parallel.pp=2", "parallel.microbatches=2", "parallel.devices=cpu:2"],
+    "dp2-zero1": ["parallel.dp=2", "parallel.zero=1", "parallel.devices=cpu:2"],
+}
+
+
+def _batches(n, rows=8, seq=16, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size=(rows, seq + 1)).astype(np.int32) for _ in range(n)]
+
+
+def _train_layout(layout: str, pattern: str = "unstructured", steps: int = 6):
+    """Steps of a directly built engine with a Pruner (start 0, end 4, every 2); after every
+    step, checks that masked weights and their moments are exactly zero."""
+    from phalanx.train.trainer import make_engine
+    target = 0.5
+    cfg = load_config(None, TINY + LAYOUTS[layout] + [f"train.prune.target={target}", "train.prune.start=0",
+                                                       "train.prune.end=4", "train.prune.every=2",
+                                                       f"train.prune.pattern={pattern}"])
+    engine = make_engine(cfg, GPTTask(cfg.model, "float32", cfg.train.seed))
+    pruner = prune.Pruner(cfg, engine)
+    losses = []
+    for step, batch in enumerate(_batches(steps)):
+        pruner.before_step(step)
+        losses.append(float(engine.train_step(batch)["loss"]))
+        state = engine.state_dict()
+        assert pruner.masks and set(pruner.masks) == {n for n in state if prune.prunable(n)
+                                                      and not n.startswith("optimizer/")}
+        for name, mask in pruner.masks.items():
+            off = mask == 0
+            for key in (name, f"optimizer/m/{name}", f"optimizer/v/{name}"):
+                assert np.all(state[key][off] == 0), (layout, step, key)
+    return cfg, engine, pruner, losses
+
+
+@pytest.fixture(scope="module")
+def one_device_losses():
+    return {p: _train_layout("one", p)[3] for p in ("unstructured", "2:4")}
+
+
+@pytest.mark.parametrize("layout", ["one", "dp2", "tp2", "pp2", "dp2-zero1"])
+def test_masks_keep_their_zeros_on_every_layout(layout, one_device_losses):
+    cfg, engine, pruner, losses = _train_layout(layout)
+    weights = engine.weights()
+    # after the last mask update (step 4) the sparsity is the target, per tensor
+    for name, mask in pruner.masks.items():
+        assert (weights[name] == 0).mean() == pytest.approx(0.5, abs=1e-3), name
+    assert not np.any(weights["embed/tokens"] == 0) and not np.any(weights["block_0/ln1/gamma"] == 0)
+    # the same run on one device (masks, moments and all): the losses agree
+    np.testing.assert_allclose(losses, one_device_losses["unstructured"], rtol=2e-4)
+
+
+@pytest.mark.parametrize("layout", ["one", "tp2"])
+def test_2_4_means_exactly_2_of_every_4_are_zero(layout, one_device_losses):
+    cfg, engine, pruner, losses = _train_layout(layout, "2:4")
+    for name, w in engine.weights().items():
+        if not prune.prunable(name):
+            continue
+        groups = np.moveaxis(w, -2, -1).reshape(-1, 4)  # 4 consecutive along the input dimension
+        assert np.all((groups == 0).sum(axis=1) == 2), name
+    np.testing.assert_allclose(losses, one_device_losses["2:4"], rtol=2e-4)
+
+
+def test_mask_functions():
+    w = np.random.default_rng(0).normal(size=(8, 6)).astype(np.float32)
+    m = prune.unstructured_mask(w, 0.25)
+    assert (m == 0).sum() == 12 and np.abs(w[m == 0]).max() <= np.abs(w[m == 1]).min()
+    nm = prune.nm_mask(w, 2, 4)
+    for col in range(6):
+        for g in range(2):
+            block = np.abs(w[4 * g:4 * g + 4, col])
+            kept = nm[4 * g:4 * g + 4, col] == 1
+            assert kept.sum() == 2 and block[kept].min() >= block[~kept].max()
+    assert prune.prunable("block_0/mlp/fc/kernel") and prune.prunable("block_1/moe/w_in")
+    for name in ("embed/tokens", "embed/positions", "block_0/mlp/fc/bias", "final_ln/gamma", "block_0/moe/router"):
+        assert not prune.prunable(name)
+
+
+def _tiny_run(tmp_path, corpus, run, steps, **extra):
+    from phalanx.train.trainer import Trainer
+    cfg = load_config(None, tiny_overrides(tmp_path, corpus, run, train__steps=steps, train__prune__target=0.5,
+                                           train__prune__start=2, train__prune__end=6, train__prune__every=2,
+                                           checkpoint__every=5, **extra))
+    return Trainer(cfg, quiet=True).fit(), cfg
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def pruned_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("prune_run")
+    corpus = write_corpus(tmp / "corpus", files=2, lines=200)
+    summary, cfg = _tiny_run(tmp, corpus, "full", 8)
+    return tmp, corpus, summary, cfg
+
+
+def test_sparsity_follows_the_cubic_schedule(pruned_run):
+    tmp, corpus, summary, cfg = pruned_run
+    rows = {r["step"]: r for r in _rows(summary.run_dir) if "sparsity" in r}
+    assert sorted(rows) == list(range(1, 9))
+    start, end, every, target = 2, 6, 2, 0.5
+    for step, row in rows.items():
+        # masks are recomputed before the steps that follow 2, 4 and 6 completed steps
+        last_update = max([u for u in (2, 4, 6) if u <= step - 1], default=None)
+        want = 0.0 if last_update is None else target * (1 - (1 - (last_update - start) / (end - start)) ** 3)
+        assert row["sparsity"] == pytest.approx(want, abs=2e-3), (step, row["sparsity"], want)
+    assert rows[8]["sparsity"] == pytest.approx(0.5, abs=1e-3)
+
+
+def test_resume_keeps_the_masks_and_equals_an_uninterrupted_run(pruned_run):
+    import shutil
+    from phalanx import checkpoint
+    tmp, corpus, full, cfg = pruned_run
+    # The same run stopped after step 5 (between the mask updates before steps 5 and 7):
+    # keep only its step-5 checkpoint and log lines, then resume it to step 8.
+    part = tmp / "resumed"
+    shutil.copytree(full.run_dir, part)
+    shutil.rmtree(part / "checkpoints" / "step-00000008")
+    rows = (part / "metrics.jsonl").read_text().splitlines()[:5]
+    (part / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    saved = checkpoint.restore(part / "checkpoints" / "step-00000005").tensors
+    masks = {k: v for k, v in saved.items() if k.startswith(prune.MASK_PREFIX)}
+    assert masks and all((v == 0).any() for v in masks.values())
+    resumed, _ = _tiny_run(tmp, corpus, "resumed", 8)
+    assert resumed.steps == 8
+    a = checkpoint.restore(full.run_dir / "checkpoints" / "step-00000008").tensors
+    b = checkpoint.restore(part / "checkpoints" / "step-00000008").tensors
+    assert set(a) == set(b)
+    for key in a:
+        np.testing.assert_allclose(b[key], a[key], rtol=1e-6, atol=1e-8, err_msg=key)
+        if key.startswith(prune.MASK_PREFIX):  # the masked weights are exactly zero after resuming too
+            assert np.all(b[key[len(prune.MASK_PREFIX):]][b[key] == 0] == 0)
+    np.testing.assert_allclose([r["loss"] for r in _rows(part)], [r["loss"] for r in _rows(full.run_dir)],
+                               rtol=1e-6)
+    # step 6 runs on the checkpoint's masks (the next update is before step 7): reinstalled, they
+    # keep the weights of row 6 exactly as sparse as in the uninterrupted run
+    assert [r["sparsity"] for r in _rows(part)] == [r["sparsity"] for r in _rows(full.run_dir)]
+
+
+def test_export_of_a_pruned_run_keeps_the_zeros(pruned_run, tmp_path):
+    from phalanx import checkpoint
+    from phalanx.export.api import export_run
+    from phalanx.export.runtime import load_artifact
+    tmp, corpus, summary, cfg = pruned_run
+    out = tmp_path / "k"
+    report = export_run(summary.run_dir, "keras", "none", output=out, eval_batches=1, quiet=True, print_table=False)
+    masks = {k[len(prune.MASK_PREFIX):]: v for k, v in
+             checkpoint.restore_latest(summary.checkpoint.parent).tensors.items() if k.startswith(prune.MASK_PREFIX)}
+    model = load_artifact(out)._model
+    zeros = sum(int((np.asarray(w) == 0).sum()) for w in model.get_weights())
+    assert zeros >= sum(int((m == 0).sum()) for m in masks.values())
+    sizes = report["size_bytes"]
+    assert sizes["exported_compressed"] < 0.8 * sizes["exported"], sizes
+    assert report["sparsity"] == pytest.approx(0.5, abs=1e-3)
+
+
+@pytest.mark.parametrize("override,key", [
+    ("train.prune.target=1.0", "train.prune.target"),
+    ("train.prune.target=-0.1", "train.prune.target"),
+    ("train.prune.every=0", "train.prune.every"),
+    ("train.prune.end=0", "train.prune.end"),
+    ("train.prune.start=-1", "train.prune.start"),
+    ("train.prune.pattern=4:2", "train.prune.pattern"),
+    ("train.prune.pattern=dense", "train.prune.pattern"),
+    ("train.prune.colour=red", "train.prune.colour"),
+    ("train.prune=0.5", "train.prune"),
+])
+def test_bad_keys_name_the_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert err.value.key == key
+
+
+def test_n_m_errors_name_the_weight_and_the_target():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.prune.target=0.3", "train.prune.pattern=2:4"])
+    assert err.value.key == "train.prune.target" and "0.5" in str(err.value)
+    with pytest.raises(ConfigError) as err:  # ffn 36: mlp/proj's input dim is not a multiple of 8
+        load_config(None, ["model.ffn=36", "train.prune.target=0.75", "train.prune.pattern=2:8"])
+    assert err.value.key == "train.prune.pattern" and "mlp/proj/kernel" in str(err.value)
+
+
+def test_nested_keys_from_yaml_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  steps: 10\n  prune:\n    target: 0.5\n    pattern: 2:4\n")
+    cfg = load_config(path, ["train.prune.every=3"])
+    assert (cfg.train.prune.target, cfg.train.prune.pattern, cfg.train.prune.every) == (0.5, "2:4", 3)
+    assert cfg.train.steps == 10 and cfg.replace(train={"prune": {"end": 50}}).train.prune.pattern == "2:4"
+    assert load_config(None, []).train.prune.target == 0  # off by default
+
+
+def test_keras_fit_refuses_prune_keys(tmp_path):
+    import keras
+    import phalanx
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer="adam", loss="mse")
+    with pytest.raises(ConfigError) as err:
+        phalanx.fit(model, np.zeros([8, 4], np.float32), np.zeros([8, 2], np.float32), epochs=1, verbose=0,
+                    overrides=["train.prune.target=0.5", f"run.dir={tmp_path}/k"])
+    assert err.value.key == "train.prune.target"
+
+
+def test_moe_experts_are_pruned_2_4_too():
+    from phalanx.train.trainer import make_engine
+    cfg = load_config(None, TINY + ["model.experts=2", "train.prune.target=0.5", "train.prune.pattern=2:4",
+                                    "train.prune.start=0", "train.prune.end=1", "train.prune.every=1"])
+    engine = make_engine(cfg, GPTTask(cfg.model, "float32", cfg.train.seed))
+    pruner = prune.Pruner(cfg, engine)
+    for step, batch in enumerate(_batches(2)):
+        pruner.before_step(step)
+        engine.train_step(batch)
+    weights = engine.weights()
+    assert {"block_0/moe/w_in", "block_0/moe/w_out"} <= set(pruner.masks)
+    assert "block_0/moe/router" not in pruner.masks
+    for name in ("block_0/moe/w_in", "block_0/moe/w_out"):
+        groups = np.moveaxis(weights[name], -2, -1).reshape(-1, 4)
+        assert np.all((groups == 0).sum(axis=1) == 2), name
