@@ -68,11 +68,11 @@ def _restored_engine(cfg: Config):
     from phalanx.train.trainer import make_engine
     from phalanx.train.task import GPTTask
 
-    latest = checkpoint.latest(Path(cfg.run.dir) / "checkpoints")
-    if latest is None:
+    # The newest checkpoint that verifies: a damaged newer one is skipped with a warning.
+    restored = checkpoint.restore_latest(Path(cfg.run.dir) / "checkpoints")
+    if restored is None:
         raise ConfigError("run.dir", f"{cfg.run.dir!r} has no checkpoint yet")
     engine = make_engine(cfg, GPTTask(cfg.model, cfg.precision.policy, cfg.train.seed))
-    restored = checkpoint.restore(latest)
     engine.load_state_dict(restored.tensors)
     return engine, restored.step
 
