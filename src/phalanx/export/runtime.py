@@ -187,25 +187,9 @@ def generate_with_artifact(path: str | Path, prompt: str, n_tokens: int, tempera
         raise ConfigError(str(path), "is not an export of a phalanx GPT run; generate needs one")
     from phalanx.train.trainer import load_run_tokenizer
     tokenizer = load_run_tokenizer(path / "tokenizer")
-    rng = np.random.default_rng(seed)
-    context = list(tokenizer.encode(prompt)) or [0]
-    out = []
-    for _ in range(n_tokens):
-        window = context[-seq_len:]
-        padded = np.zeros([1, seq_len], np.int32)
-        padded[0, : len(window)] = window
-        logits = art.predict(padded)[0, len(window) - 1].astype(np.float64)
-        if temperature == 0:
-            token = int(np.argmax(logits))
-        else:
-            logits = logits / temperature
-            if 0 < top_k < logits.size:
-                cutoff = np.partition(logits, -top_k)[-top_k]
-                logits = np.where(logits < cutoff, -np.inf, logits)
-            probs = np.exp(logits - logits.max())
-            token = int(rng.choice(logits.size, p=probs / probs.sum()))
-        out.append(token)
-        context.append(token)
+    from phalanx.models.generate import sample
+    out = sample(lambda window, position: art.predict(window)[0, position], list(tokenizer.encode(prompt)),
+                 n_tokens, seq_len, temperature, top_k, seed)
     return tokenizer.decode(out)
 
 
