@@ -158,23 +158,10 @@ def train_cnn(epochs: int):
     y = data.target.astype(np.int32)
     x_train, x_test, y_train, y_test = train_test_split(x, y, train_size=1440, stratify=y, random_state=0)
     keras.utils.set_random_seed(0)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from _common import digits_cnn  # the recipe's model: one definition
 
-    def conv_block(h, filters):
-        h = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False)(h)
-        h = keras.layers.BatchNormalization()(h)
-        return keras.layers.Activation("relu")(h)
-
-    inputs = keras.Input((8, 8, 1))
-    h = conv_block(inputs, 32)
-    h = conv_block(h, 32)
-    h = keras.layers.MaxPooling2D(2)(h)
-    h = conv_block(h, 64)
-    h = keras.layers.MaxPooling2D(2)(h)
-    h = keras.layers.Flatten()(h)
-    h = keras.layers.Dropout(0.3)(h)
-    outputs = keras.layers.Dense(10, activation="softmax")(h)
-    model = keras.Model(inputs, outputs, name="digits_cnn")
-    model.compile(optimizer=keras.optimizers.Adam(2e-3), loss="sparse_categorical_crossentropy")
+    model = digits_cnn()
     model.fit(x_train, y_train, batch_size=32, epochs=epochs, verbose=0)
     return model, (x_train, y_train), (x_test, y_test)
 

@@ -94,27 +94,12 @@ def digits():
 
 
 def cnn(seed: int = 0) -> keras.Model:
-    """The model of examples/digits_cnn.py, compiled the same way."""
+    """The model of examples/digits_cnn.py (one definition, in examples/_common.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from _common import digits_cnn
+
     keras.utils.set_random_seed(seed)
-
-    def block(x, filters):
-        x = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False)(x)
-        x = keras.layers.BatchNormalization()(x)
-        return keras.layers.Activation("relu")(x)
-
-    inputs = keras.Input((8, 8, 1))
-    x = block(inputs, 32)
-    x = block(x, 32)
-    x = keras.layers.MaxPooling2D(2)(x)
-    x = block(x, 64)
-    x = keras.layers.MaxPooling2D(2)(x)
-    x = keras.layers.Flatten()(x)
-    x = keras.layers.Dropout(0.3)(x)
-    outputs = keras.layers.Dense(10, activation="softmax")(x)
-    model = keras.Model(inputs, outputs, name="digits_cnn")
-    model.compile(optimizer=keras.optimizers.Adam(2e-3), loss="sparse_categorical_crossentropy",
-                  metrics=["accuracy"])
-    return model
+    return digits_cnn()
 
 
 class EpochTimer(keras.callbacks.Callback):

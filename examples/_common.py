@@ -115,6 +115,32 @@ def digits(args: argparse.Namespace, *, images: bool = False):
     return (x_train, y_train), (x_test, y_test)
 
 
+def digits_cnn():
+    """The recipes' digits convnet (Conv2D/BatchNorm/ReLU x3, MaxPooling x2, Flatten, Dropout
+    0.3, Dense 10), compiled with Adam 2e-3 and accuracy. Keras is imported here, so call it
+    after ``phalanx.init``; the benchmarks use the same model."""
+    import keras
+
+    def conv_block(x, filters):
+        x = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False)(x)
+        x = keras.layers.BatchNormalization()(x)
+        return keras.layers.Activation("relu")(x)
+
+    inputs = keras.Input((8, 8, 1))
+    x = conv_block(inputs, 32)
+    x = conv_block(x, 32)
+    x = keras.layers.MaxPooling2D(2)(x)          # 4x4
+    x = conv_block(x, 64)
+    x = keras.layers.MaxPooling2D(2)(x)          # 2x2
+    x = keras.layers.Flatten()(x)
+    x = keras.layers.Dropout(0.3)(x)
+    outputs = keras.layers.Dense(10, activation="softmax")(x)
+    model = keras.Model(inputs, outputs, name="digits_cnn")
+    model.compile(optimizer=keras.optimizers.Adam(2e-3), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    return model
+
+
 def say(text: str) -> None:
     print(text, flush=True)
 

@@ -16,7 +16,7 @@ on every layout; measured 0.992-0.994 (see examples/README.md). 10-15 s on 2 cor
 from __future__ import annotations
 
 import phalanx
-from _common import digits, overrides, parse_args, say
+from _common import digits, digits_cnn, overrides, parse_args, say
 
 args = parse_args(__doc__, epochs=15, batch_size=32)
 # First, before anything touches TensorFlow: make the layout's devices.
@@ -27,26 +27,7 @@ import keras  # noqa: E402  (after phalanx.init, on purpose)
 keras.utils.set_random_seed(args.seed)
 (x_train, y_train), (x_test, y_test) = digits(args, images=True)
 x_train, x_test = x_train[..., None], x_test[..., None]  # [n, 8, 8, 1]: one channel
-
-
-def conv_block(x, filters):
-    x = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False)(x)
-    x = keras.layers.BatchNormalization()(x)
-    return keras.layers.Activation("relu")(x)
-
-
-inputs = keras.Input((8, 8, 1))
-x = conv_block(inputs, 32)
-x = conv_block(x, 32)
-x = keras.layers.MaxPooling2D(2)(x)          # 4x4
-x = conv_block(x, 64)
-x = keras.layers.MaxPooling2D(2)(x)          # 2x2
-x = keras.layers.Flatten()(x)
-x = keras.layers.Dropout(0.3)(x)
-outputs = keras.layers.Dense(10, activation="softmax")(x)
-model = keras.Model(inputs, outputs, name="digits_cnn")
-model.compile(optimizer=keras.optimizers.Adam(2e-3), loss="sparse_categorical_crossentropy",
-              metrics=["accuracy"])
+model = digits_cnn()  # examples/_common.py: the convnet the benchmarks time too
 
 phalanx.fit(model, x_train, y_train, batch_size=args.batch_size, epochs=args.epochs,
             validation_data=(x_test, y_test), validation_batch_size=len(x_test), config=cfg, verbose=args.verbose)
