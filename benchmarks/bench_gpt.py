@@ -9,11 +9,18 @@ vocab 8192, seq_len 512, batch 8, AdamW. For each precision policy it builds
   random init, ``preprocessor=None``, dropout 0) trained with ``model.fit`` and
   Keras AdamW, under the same dtype policy,
 
+* the matmul-only ceiling: every dense and attention matmul of the step, forward and
+  backward (the same shapes, dtype and transposes as the gradient tape produces for
+  phalanx's step), and nothing else, timed alone. A step cannot be faster; phalanx's
+  tokens/s over the ceiling's is the share of the step spent in matmuls,
+
 then times them in alternating rounds (the order flips every round) on the same
-synthetic random token batch, so both see the same machine load. The numbers
+synthetic random token batch, so all see the same machine load. The numbers
 reported are medians over the measured steps; the ratios are what to trust on a
 shared machine. MFU = 6 x params x tokens (+ attention) / step time / the measured
 matmul peak of the same compute dtype (:func:`phalanx.plan.hardware.measure_matmul_peak`).
+The output records the CPU model and flags, TensorFlow's oneDNN setting (one process:
+the same for every contender), the date and the load average.
 
 The peer is optional (``--no-peer``). Install it next to phalanx without its
 tensorflow-text dependency, which would pull the CUDA TensorFlow wheel::
@@ -63,6 +70,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from phalanx.config import Config, ConfigError, validate  # noqa: E402
+from phalanx.precision import describe as describe_precision  # noqa: E402
 from phalanx.train.engine import StrategyEngine  # noqa: E402
 from phalanx.train.task import GPTTask, gpt_training_flops_per_token  # noqa: E402
 
@@ -154,6 +162,61 @@ class PeerRunner:
         return times, cpu
 
 
+class CeilingRunner:
+    """Every dense and attention matmul of one training step, forward and backward, alone.
+
+    Per block: the four dense layers (x @ W forward; dy @ W^T and x^T @ dy backward) and
+    the two attention batch matmuls (q @ k^T and probs @ v, and their four gradient
+    matmuls); then the tied head (x @ E^T; dlogits @ E and dlogits^T @ x). Operands are
+    random tensors of the compute dtype made once; one call runs one block's matmuls,
+    ``layers`` calls and one head call make a step.
+    """
+
+    def __init__(self, model_cfg: dict, batch: int, policy: str, lr: float, batch_data: np.ndarray):
+        dtype = tf.as_dtype(COMPUTE_DTYPE[policy])
+        d, f, h, t, v = (model_cfg[k] for k in ("d_model", "ffn", "heads", "seq_len", "vocab"))
+        n, hd = batch * t, d // h
+        self.layers = model_cfg["layers"]
+        rnd = lambda *shape: tf.cast(tf.random.normal(shape, stddev=0.1), dtype)  # noqa: E731
+        self.block_args = [rnd(n, d), rnd(n, f), rnd(d, 3 * d), rnd(d, d), rnd(d, f), rnd(f, d), rnd(n, 3 * d),
+                           rnd(batch * h, t, hd), rnd(batch * h, t, t)]
+        self.head_args = [rnd(n, d), rnd(v, d), rnd(n, v)]
+
+        @tf.function
+        def block(x, wide, w_qkv, w_out, w_fc, w_proj, dqkv, q, probs):
+            mm = tf.matmul
+            out = []
+            # forward: qkv, out, fc (x-sized inputs), proj (ffn-sized input); scores, probs @ v
+            out += [mm(x, w_qkv), mm(x, w_out), mm(x, w_fc), mm(wide, w_proj)]
+            out += [mm(q, q, transpose_b=True), mm(probs, q)]
+            # backward of the dense layers: dx = dy @ W^T, dW = x^T @ dy
+            for xin, w, dy in ((x, w_qkv, dqkv), (x, w_out, x), (x, w_fc, wide), (wide, w_proj, x)):
+                out += [mm(dy, w, transpose_b=True), mm(xin, dy, transpose_a=True)]
+            # backward of scores = q k^T: dq = ds @ k, dk = ds^T @ q; of probs @ v: dp = do v^T, dv = p^T do
+            out += [mm(probs, q), mm(probs, q, transpose_a=True), mm(q, q, transpose_b=True),
+                    mm(probs, q, transpose_a=True)]
+            return [tf.reduce_sum(o[..., :1]) for o in out]
+
+        @tf.function
+        def head(x, emb, dlogits):
+            out = [tf.matmul(x, emb, transpose_b=True), tf.matmul(dlogits, emb),
+                   tf.matmul(dlogits, x, transpose_a=True)]
+            return [tf.reduce_sum(o[..., :1]) for o in out]
+
+        self.block, self.head = block, head
+        self.last_loss = float("nan")
+
+    def run(self, steps: int):
+        times, cpu = [], []
+        for _ in range(steps):
+            start, cpu0 = time.perf_counter(), time.process_time()
+            outs = [self.block(*self.block_args) for _ in range(self.layers)] + [self.head(*self.head_args)]
+            [float(o[-1]) for o in outs]  # waits for every call
+            times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - cpu0)
+        return times, cpu
+
+
 # ---------------------------------------------------------------------------
 # Measurement
 
@@ -183,6 +246,8 @@ def measure_policy(policy: str, args, model_cfg: dict, batch_data: np.ndarray, l
     contenders = {"phalanx": PhalanxRunner}
     if not args.no_peer:
         contenders["keras-hub"] = PeerRunner
+    if not args.no_ceiling:
+        contenders["ceiling"] = CeilingRunner
     runners, timings = {}, {}
     for name, cls in contenders.items():
         start = time.perf_counter()
@@ -215,23 +280,60 @@ def round_ratios(a: Timings, b: Timings, cpu: bool = False) -> list[float]:
     return [statistics.median(tb) / statistics.median(ta) for ta, tb in zip(ra, rb)]
 
 
+def cpu_flags() -> list[str]:
+    """The CPU's feature flags that matter for these numbers (from /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            flags = next((ln.split(":", 1)[1].split() for ln in fh if ln.startswith(("flags", "Features"))), [])
+    except OSError:
+        flags = []
+    return [f for f in flags if f.startswith(("avx512", "amx", "avx_vnni", "avx2", "fma", "bf16", "sve"))]
+
+
+def onednn_state() -> str:
+    """TensorFlow's oneDNN setting in this process (every contender runs in it)."""
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+
+        on = _pywrap_util_port.IsMklEnabled()
+    except (ImportError, AttributeError):
+        on = None
+    env = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "unset")
+    return f"oneDNN {'on' if on else 'off' if on is not None else '?'} (TF_ENABLE_ONEDNN_OPTS={env})"
+
+
 def build_table(results: dict, args, model_cfg: dict, peaks: dict, loads: list[str]) -> str:
     tokens = args.batch * model_cfg["seq_len"]
     cfg = Config().replace(model=model_cfg)
     flops_per_step = gpt_training_flops_per_token(cfg.model) * tokens
+    import keras
+
     from phalanx.plan.hardware import cpu_model
     cpu = cpu_model()
-    machine = f"{cpu}, {os.cpu_count()} cores, TF {tf.__version__}, oneDNN {ONEDNN}"
-    date = datetime.date.today().isoformat()
+    try:
+        import keras_hub
+        peer_version = f", keras-hub {keras_hub.__version__}"
+    except ImportError:
+        peer_version = ""
+    when = datetime.datetime.now().isoformat(timespec="minutes")
     shape = (f"{model_cfg['layers']} layers, d_model {model_cfg['d_model']}, {model_cfg['heads']} heads, "
              f"ffn {model_cfg['ffn']}, vocab {model_cfg['vocab']}, seq_len {model_cfg['seq_len']}, "
              f"batch {args.batch}, AdamW")
     lines = [
         f"GPT training throughput ({shape}); {args.rounds} alternating rounds x {args.steps} steps after "
-        f"{args.warmup} warm-up steps, medians; load average (1/5/15 min) during the run: {', '.join(loads)}.",
+        f"{args.warmup} warm-up steps, medians.",
         "",
-        "| date | machine | dtype | phalanx tokens/s | phalanx MFU | matmul peak GFLOP/s | "
-        "keras-hub tokens/s | keras-hub MFU | phalanx / keras-hub | same, by CPU time | vs phalanx float32 |",
+        f"- date {when}; machine: {cpu}, {os.cpu_count()} cores; CPU flags: {' '.join(cpu_flags())}",
+        f"- every system in this one process: TensorFlow {tf.__version__}, {onednn_state()}, "
+        f"inter/intra-op threads {tf.config.threading.get_inter_op_parallelism_threads() or 'default'}/"
+        f"{tf.config.threading.get_intra_op_parallelism_threads() or 'default'}; Keras {keras.__version__}"
+        f"{peer_version}",
+        f"- load average (1/5/15 min) before: {loads[0]}; after each policy: {', '.join(loads[1:])}",
+        f"- phalanx's default (precision.policy=auto) on this machine: {describe_precision(Config())}",
+        "",
+        "| dtype | phalanx tokens/s | phalanx MFU | matmul peak GFLOP/s | matmul-only ceiling tokens/s | "
+        "phalanx / ceiling | keras-hub tokens/s | keras-hub MFU | phalanx / keras-hub | same, by CPU time | "
+        "vs phalanx float32 |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     own_fp32 = results.get("float32", {}).get("phalanx")
@@ -248,15 +350,23 @@ def build_table(results: dict, args, model_cfg: dict, peaks: dict, loads: list[s
             cpu_ratio = f"{statistics.median(round_ratios(ours, peer, cpu=True)):.2f}x"
         else:
             peer_tps = peer_mfu = ratio = cpu_ratio = "n/a"
+        ceiling = timings.get("ceiling")
+        if ceiling is not None:
+            ceil_tps = f"{tokens / ceiling.median():.0f}"
+            # phalanx's speed over the ceiling's, same-round pairs (<= 1)
+            of_ceiling = f"{statistics.median(round_ratios(ours, ceiling)):.2f}"
+        else:
+            ceil_tps = of_ceiling = "n/a"
         if own_fp32 is not None and policy != "float32":
             # Different phases of the run: a ratio of medians, not of same-load pairs.
             own = f"{own_fp32.median() / ours.median():.2f}x"
         else:
             own = "1.00x" if policy == "float32" else "n/a"
-        lines.append(f"| {date} | {machine} | {policy} | {tps:.0f} | {mfu:.1%} | {peak / 1e9:.0f} | "
+        lines.append(f"| {policy} | {tps:.0f} | {mfu:.1%} | {peak / 1e9:.0f} | {ceil_tps} | {of_ceiling} | "
                      f"{peer_tps} | {peer_mfu} | {ratio} | {cpu_ratio} | {own} |")
-    lines += ["", "phalanx / keras-hub is the median over rounds of the same-round speed ratio; "
-              "targets (issue 2): float32 >= 1.00x, mixed_bfloat16 >= 1.15x and >= 1.40x phalanx float32."]
+    lines += ["", "phalanx / keras-hub and phalanx / ceiling are medians over rounds of same-round speed ratios; "
+              "targets (issue 14): phalanx >= 1.10x keras-hub in float32 and >= 1.30x in mixed_bfloat16, "
+              "mixed_bfloat16 >= 0.85 of the matmul-only ceiling."]
     return "\n".join(lines) + "\n"
 
 
@@ -278,6 +388,7 @@ def parse_args(argv):
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-peer", action="store_true", help="time phalanx only (keras-hub not needed)")
+    p.add_argument("--no-ceiling", action="store_true", help="skip the matmul-only ceiling")
     p.add_argument("--onednn", choices=("default", "on", "off"), default="default",
                    help="TF_ENABLE_ONEDNN_OPTS for both contenders (default: TensorFlow's choice for this CPU)")
     p.add_argument("--output", default=str(RESULTS), help="markdown file to write, '-' for none")
@@ -317,9 +428,10 @@ def main(argv=None) -> int:
         print(msg, flush=True)
 
     log(f"load average before: {load_average()}")
+    loads_before = load_average()
     peaks = {pol: matmul_peak(pol) for pol in args.policies}
     log("matmul peaks: " + ", ".join(f"{COMPUTE_DTYPE[p]} {v / 1e9:.0f} GFLOP/s" for p, v in peaks.items()))
-    results, loads = {}, []
+    results, loads = {}, [loads_before]
     for policy in args.policies:
         results[policy] = measure_policy(policy, args, model_cfg, batch_data, log)
         loads.append(f"{policy} {load_average()}")

@@ -10,6 +10,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # get_memory_info('CPU:0') only reports with the BFC allocator on the CPU, which must
 # be chosen before TensorFlow starts (measured on TF 2.21).
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+# precision.policy defaults to auto (bfloat16 on CPUs with bfloat16 units): the suite pins what
+# auto means, so that its numerics and tolerances do not depend on the machine it runs on
+# (tests of the detection itself pass the flags in: tests/test_precision.py).
+os.environ.setdefault("PHALANX_AUTO_PRECISION", "float32")
 
 import pytest  # noqa: E402
 

@@ -329,6 +329,8 @@ def test_bad_input_is_refused_naming_the_argument(tmp_path):
         phalanx.fit(model, x, y, batch_size=0, verbose=0, overrides=run)
     with pytest.raises(ConfigError, match="train.lr"):
         phalanx.fit(model, x, y, verbose=0, overrides=run + ["train.lr=0.5"])
+    with pytest.raises(ConfigError, match="checkpoint.async.*synchronously"):
+        phalanx.fit(model, x, y, verbose=0, overrides=run + ["checkpoint.async=true"])
     assert model.optimizer.iterations.numpy() == 0  # nothing ran
     assert not (tmp_path / "r" / "checkpoints").exists()
 

@@ -8,8 +8,10 @@ import math
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import phalanx
+from phalanx.config import ConfigError
 from phalanx.layers import MoE
 
 from helpers import ghost_batches
@@ -87,12 +89,12 @@ def test_moe_arguments_are_checked():
         MoE(num_experts=0, hidden_dim=4)
 
 
-def moe_model():
+def moe_model(ep: int = 1):
     keras.utils.set_random_seed(4)
     tokens = keras.Input((6,), dtype="int32")
     h = keras.layers.Embedding(16, 8)(tokens)
     h = keras.layers.Dense(8, activation="tanh")(h)
-    h = h + MoE(num_experts=4, hidden_dim=16, top_k=2, aux_loss_coef=0.05, z_loss_coef=0.01)(h)
+    h = h + MoE(num_experts=4, hidden_dim=16, top_k=2, aux_loss_coef=0.05, z_loss_coef=0.01, ep=ep)(h)
     h = keras.layers.LayerNormalization()(h)
     out = keras.layers.Dense(16)(h)
     model = keras.Model(tokens, out)
@@ -101,12 +103,25 @@ def moe_model():
     return model
 
 
-@pytest.mark.parametrize("layout,overrides,chunks", [
-    ("one", [], 1),
-    ("dp2", ["parallel.devices=cpu:2", "parallel.dp=2"], 2),
-    ("pp2", ["parallel.devices=cpu:2", "parallel.pp=2", "parallel.microbatches=2"], 2),
+def logical_weights(model) -> list[np.ndarray]:
+    """Every weight of ``model`` as one whole tensor (a MoE's expert shards joined)."""
+    out = []
+    for layer in model.layers:
+        out += list(layer.logical_weights().values()) if isinstance(layer, MoE) else \
+            [np.asarray(w) for w in layer.get_weights()]
+    return out
+
+
+@pytest.mark.parametrize("layout,overrides,chunks,ep", [
+    ("one", [], 1, 1),
+    ("dp2", ["parallel.devices=cpu:2", "parallel.dp=2"], 2, 1),
+    ("pp2", ["parallel.devices=cpu:2", "parallel.pp=2", "parallel.microbatches=2"], 2, 1),
+    ("ep2", ["parallel.devices=cpu:2", "parallel.dp=2", "parallel.ep=2"], 2, 2),
+    ("dp4ep2", ["parallel.devices=cpu:4", "parallel.dp=4", "parallel.ep=2"], 4, 2),
+    ("ep2pp2", ["parallel.devices=cpu:4", "parallel.dp=2", "parallel.ep=2", "parallel.pp=2",
+                "parallel.microbatches=2"], 4, 2),
 ])
-def test_moe_model_trains_through_phalanx_fit_like_keras(layout, overrides, chunks, tmp_path):
+def test_moe_model_trains_through_phalanx_fit_like_keras(layout, overrides, chunks, ep, tmp_path):
     rng = np.random.default_rng(0)
     x = rng.integers(0, 16, (16, 6)).astype("int32")
     y = np.roll(x, 1, axis=1)
@@ -115,13 +130,23 @@ def test_moe_model_trains_through_phalanx_fit_like_keras(layout, overrides, chun
     if chunks > 1:
         trained.compile(optimizer=keras.optimizers.Adam(0.01),
                         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    start = logical_weights(reference)
     ref = trained.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
-    model = moe_model()
+    model = moe_model(ep)
+    for layer, other in zip(model.layers, moe_model().layers):  # the reference's starting weights
+        if isinstance(layer, MoE):
+            layer.set_logical_weights(other.logical_weights())
+    np.testing.assert_array_equal(np.concatenate([w.ravel() for w in logical_weights(model)]),
+                                  np.concatenate([w.ravel() for w in start]))
     ours = phalanx.fit(model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
                        overrides=overrides + [f"run.dir={tmp_path / layout}"]).history
     np.testing.assert_allclose(ours["loss"], ref["loss"], rtol=1e-4)
-    for mine, want in zip(model.trainable_weights, reference.trainable_weights):
-        np.testing.assert_allclose(mine.numpy(), want.numpy(), rtol=1e-4, atol=1e-5, err_msg=mine.path)
+    for mine, want in zip(logical_weights(model), logical_weights(reference)):
+        np.testing.assert_allclose(mine, want, rtol=1e-4, atol=1e-5)
+    if ep > 1:  # expert shard j lives with data replica j (the first pipeline stage's device)
+        moe = next(layer for layer in model.layers if isinstance(layer, MoE))
+        pp = 2 if "pp2" in layout else 1
+        assert [v.value.device.split(":")[-1] for v in moe.w_in] == [str(j * pp) for j in range(ep)]
     path = tmp_path / "moe.keras"
     model.save(path)
     loaded = keras.saving.load_model(path)
@@ -196,6 +221,54 @@ def test_moe_gpt_logs_balance_dropped_share_and_load(tmp_path):
     Trainer(cfg, quiet=True).fit()
     rows = read_metrics(tmp_path / "run")
     for row in rows:
-        assert row["moe_aux_loss"] >= 1.0 - 1e-6       # E x sum f_e P_e >= 1, = 1 when uniform
+        assert row["moe_balance"] >= 1.0 - 1e-6        # E x sum f_e P_e >= 1, = 1 when uniform
+        blocks = cfg.model.layers // cfg.model.moe_every
+        assert row["moe_aux_loss"] == pytest.approx(cfg.model.aux_loss_coef * blocks * row["moe_balance"], rel=1e-5)
         assert 0.0 < row["moe_dropped"] < 1.0          # capacity 0.5 drops assignments
         assert row["moe_load_min"] <= 1.0 <= row["moe_load_max"]
+
+
+def test_expert_parallel_layouts_that_cannot_run_are_refused(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 16, (8, 6)).astype("int32")
+    # ep must divide dp; the model's experts must be cut into ep shards.
+    with pytest.raises(ConfigError, match="parallel.ep.*divide parallel.dp=2"):
+        phalanx.fit(moe_model(), x, x, batch_size=8, verbose=0,
+                    overrides=["parallel.devices=cpu:2", "parallel.dp=2", "parallel.ep=4", f"run.dir={tmp_path}/a"])
+    with pytest.raises(ConfigError, match=r"parallel.ep.*MoE\(..., ep=2\)"):
+        phalanx.fit(moe_model(), x, x, batch_size=8, verbose=0,
+                    overrides=["parallel.devices=cpu:2", "parallel.dp=2", "parallel.ep=2", f"run.dir={tmp_path}/b"])
+    with pytest.raises(ConfigError, match=r"cut into \[4\] shards"):
+        phalanx.fit(moe_model(ep=4), x, x, batch_size=8, verbose=0,
+                    overrides=["parallel.devices=cpu:2", "parallel.dp=2", "parallel.ep=2", f"run.dir={tmp_path}/c"])
+    with pytest.raises(ValueError, match="divides num_experts=4"):
+        MoE(num_experts=4, hidden_dim=4, ep=3)
+    # The built-in GPT trains its experts data parallel only: ep is refused there, not ignored.
+    from phalanx.config import load_config
+    from phalanx.train.trainer import make_engine
+    from phalanx.train.task import GPTTask
+    cfg = load_config(None, MOE_GPT + ["parallel.dp=2", "parallel.ep=2", "parallel.devices=cpu:2"])
+    with pytest.raises(ConfigError, match="parallel.ep"):
+        make_engine(cfg, GPTTask(cfg.model))
+
+
+def test_expert_parallel_runs_each_expert_on_its_shards_device():
+    """ep2 on dp2: each replica runs experts 0-1 on CPU:0 and experts 2-3 on CPU:1 (its
+    tokens travel to the shard), read from the traced training step."""
+    import collections
+
+    from phalanx.config import load_config
+    from phalanx.mesh import Mesh
+    from phalanx.parallel import make_engine
+
+    cfg = load_config(None, ["parallel.devices=cpu:2", "parallel.dp=2", "parallel.ep=2"])
+    x = np.zeros((4, 6), "int32")
+    engine = make_engine(moe_model(ep=2), Mesh.from_devices(["/device:CPU:0", "/device:CPU:1"], 2, 1, 1), cfg,
+                         sample_batch=(x, x, None))
+    graph = engine._train_fn.get_concrete_function(tf.constant(x), tf.constant(x), None).graph
+    forward = collections.Counter()  # (replica, device) -> MatMuls of the MoE layer's forward pass
+    for op in graph.get_operations():
+        if op.type == "MatMul" and "/mo_e" in op.name and "gradients" not in op.name:
+            forward[(op.name.split("_")[0], op.device.rsplit(":", 1)[-1])] += 1
+    # 2 experts x (w_in, w_out) on each shard's device; the router on the replica's own.
+    assert forward == {("dp0", "0"): 5, ("dp0", "1"): 4, ("dp1", "0"): 4, ("dp1", "1"): 5}

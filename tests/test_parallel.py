@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from phalanx.config import Config, ConfigError
 from phalanx.mesh import Mesh
-from phalanx.parallel.apply import make_mesh_engine, needs_mesh_engine, parallelize
+from phalanx.parallel.apply import make_engine, make_mesh_engine, needs_mesh_engine
 from phalanx.parallel.mesh_engine import MeshEngine
 from phalanx.parallel.pipeline import (check_graph_order, executed_order, measured_bubble, partition,
                                        profile_actions)
@@ -235,7 +235,7 @@ def test_errors_name_the_key(devices):
     assert needs_mesh_engine(make_cfg(pp=2, microbatches=2)) and not needs_mesh_engine(make_cfg(dp=2))
     with pytest.raises(TypeError, match="takes a GPTTask"):
         make_mesh_engine(cfg, mesh_of(devices), object())
-    engine = parallelize(cfg.model, mesh_of(devices), cfg)
+    engine = make_engine(cfg.model, mesh_of(devices), cfg)
     assert engine.num_params() == sum(int(np.prod(w.shape)) for w in engine.weights().values())
 
 

@@ -35,3 +35,20 @@ def test_readme_python_example_runs(tmp_path, init):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "'mae'" in done.stdout and (tmp_path / "model.keras").is_file()
     assert len(list((tmp_path / "runs").iterdir())) == 1
+
+
+@pytest.mark.slow
+def test_readme_parallelism_example_runs(tmp_path):
+    """The Parallelism section's keras-hub example, verbatim: dp2 x tp2 x pp2 on 8 logical CPUs."""
+    text = README.read_text()
+    code = re.search(r"```python\n(.*?)```", text[text.index("## Parallelism"):], re.S).group(1)
+    assert '"parallel.dp=2", "parallel.tp=2", "parallel.pp=2"' in code
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "gpt2.keras").is_file()
+    import keras_hub  # noqa: F401  (registers the classes the file names)
+    import keras
+    loaded = keras.saving.load_model(tmp_path / "gpt2.keras")
+    assert type(loaded).__name__ == "GPT2CausalLM"

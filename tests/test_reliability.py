@@ -1,7 +1,8 @@
 """Issue 12, "trustworthy runs" (the fast part; multi-process fault tests: test_faults.py).
 
 * verified checkpoints: a manifest of sha256 per file; a damaged newest checkpoint
-  (truncated, bit-flipped, garbage meta.json, missing or garbage data position, a
+  (truncated, bit-flipped or missing shard file, garbage meta.json or index, an index
+  piece outside its file or a slice missing, missing or garbage data position, a
   step that disagrees with its directory) is skipped with a warning naming the file
   for the newest valid one; none valid is a clear error; non-finite tensors are
   never written; format-1 checkpoints load with a warning;
@@ -63,11 +64,22 @@ def test_manifest_has_a_sha256_per_file_and_is_written_last(tmp_path):
     save_steps(tmp_path, (4,))
     path = tmp_path / "step-00000004"
     manifest = json.loads((path / "manifest.json").read_text())
-    assert sorted(manifest["files"]) == ["data/data_iterator.json", "meta.json", "tensors.npz"]
+    assert sorted(manifest["files"]) == ["data/data_iterator.json", "index.json", "meta.json", "shards/tensors.bin"]
     for rel, entry in manifest["files"].items():
         assert entry["sha256"] == checkpoint.sha256_file(path / rel)
         assert entry["bytes"] == (path / rel).stat().st_size
-    assert json.loads((path / "meta.json").read_text())["format"] == checkpoint.FORMAT_VERSION == 2
+    assert json.loads((path / "meta.json").read_text())["format"] == checkpoint.FORMAT_VERSION == 3
+
+
+#: the data file of a checkpoint of whole tensors (one shard set, "tensors")
+DATA = "shards/tensors.bin"
+
+
+def _edit_index(path: Path, change) -> None:
+    """Change the first tensor's entry of index.json (and sign it in the manifest)."""
+    index = json.loads((path / "index.json").read_text())
+    change(index["tensors"]["block_0/w"])
+    _rewrite_signed(path, "index.json", json.dumps(index))
 
 
 def _flip_byte(path: Path) -> None:
@@ -90,8 +102,17 @@ def _rewrite_signed(path: Path, rel: str, text: str) -> None:
 
 
 DAMAGE = {
-    "truncated tensors": (lambda p: _truncate(p / "tensors.npz"), "tensors.npz", "truncated or overwritten"),
-    "bit-flipped tensors": (lambda p: _flip_byte(p / "tensors.npz"), "tensors.npz", "checksum mismatch"),
+    "truncated tensors": (lambda p: _truncate(p / DATA), "tensors.bin", "truncated or overwritten"),
+    "bit-flipped tensors": (lambda p: _flip_byte(p / DATA), "tensors.bin", "checksum mismatch"),
+    "missing shard file": (lambda p: (p / DATA).unlink(), "tensors.bin", "missing (listed in manifest.json)"),
+    "garbage index, manifest updated": (lambda p: _rewrite_signed(p, "index.json", "{not json"), "index.json",
+                                        "not valid JSON"),
+    "index piece past its file's end": (lambda p: _edit_index(p, lambda e: e["pieces"][0].update(offset=10**6)),
+                                        "index.json", "runs past its end"),
+    "index piece in an unlisted file": (lambda p: _edit_index(p, lambda e: e["pieces"][0].update(file="x.bin")),
+                                        "index.json", "a file the manifest does not list"),
+    "index missing a slice": (lambda p: _edit_index(p, lambda e: e["pieces"][0].update(box=[[0, 10]])),
+                              "index.json", "pieces cover 10 of its 1000 elements"),
     "garbage meta.json": (lambda p: (p / "meta.json").write_text("{not json"), "meta.json", "bytes"),
     "garbage meta.json, manifest updated": (lambda p: _rewrite_signed(p, "meta.json", "{not json"), "meta.json",
                                             "not valid JSON"),
@@ -102,9 +123,9 @@ DAMAGE = {
     "data position of another step": (lambda p: _rewrite_signed(p, "data/data_iterator.json", '{"step": 7}'),
                                       "data_iterator.json", "puts the data at step 7, but the checkpoint is step 3"),
     "meta step differs from the directory": (
-        lambda p: _rewrite_signed(p, "meta.json", json.dumps({"format": 2, "step": 1})), "meta.json",
+        lambda p: _rewrite_signed(p, "meta.json", json.dumps({"format": 3, "step": 1})), "meta.json",
         "says step 1, but its directory step-00000003 is step 3"),
-    "missing manifest": (lambda p: (p / "manifest.json").unlink(), "manifest.json", "missing; a format-2 checkpoint"),
+    "missing manifest": (lambda p: (p / "manifest.json").unlink(), "manifest.json", "missing; a format-3 checkpoint"),
     "garbage manifest": (lambda p: (p / "manifest.json").write_text("[]"), "manifest.json", "not a JSON object but a list"),
 }
 
@@ -131,7 +152,7 @@ def test_no_valid_checkpoint_is_a_clear_error_and_none_is_none(tmp_path):
     assert checkpoint.restore_latest(tmp_path / "nothing") is None
     save_steps(tmp_path, (1, 2))
     for path in checkpoint.all_checkpoints(tmp_path):
-        _flip_byte(path / "tensors.npz")
+        _flip_byte(path / DATA)
     with pytest.warns(CheckpointWarning), pytest.raises(CheckpointError, match="none of its 2 checkpoints is valid"):
         checkpoint.restore_latest(tmp_path)
 
@@ -178,12 +199,13 @@ def test_format_1_checkpoint_loads_unverified_with_a_warning(tmp_path):
 
 def test_disk_full_during_save_is_one_clean_error(tmp_path, monkeypatch):
     save_steps(tmp_path, (1, 2))
-    before = {p.name: checkpoint.sha256_file(p / "tensors.npz") for p in checkpoint.all_checkpoints(tmp_path)}
+    before = {p.name: checkpoint.sha256_file(p / DATA) for p in checkpoint.all_checkpoints(tmp_path)}
 
-    def full(path, tensors):
+    def full(directory, shard, values=None):
+        path = directory / "shards" / f"{shard.name}.bin"
         path.write_bytes(b"x" * 100)  # a partial file, as a real ENOSPC leaves
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-    monkeypatch.setattr(checkpoint, "write_tensors", full)
+    monkeypatch.setattr(checkpoint, "write_shard_set", full)
     with pytest.raises(CheckpointError) as info:
         save_steps(tmp_path, (3,))
     message = str(info.value)
@@ -192,13 +214,13 @@ def test_disk_full_during_save_is_one_clean_error(tmp_path, monkeypatch):
     assert f"needs {checkpoint._human(needed)} ({needed:,} bytes)" in message
     assert "previous checkpoints are intact (newest step-00000002)" in message
     assert not list(tmp_path.glob(".tmp-*"))
-    assert {p.name: checkpoint.sha256_file(p / "tensors.npz") for p in checkpoint.all_checkpoints(tmp_path)} == before
+    assert {p.name: checkpoint.sha256_file(p / DATA) for p in checkpoint.all_checkpoints(tmp_path)} == before
 
 
 def test_other_io_errors_name_the_path(tmp_path, monkeypatch):
-    def denied(path, tensors):
-        raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(path))
-    monkeypatch.setattr(checkpoint, "write_tensors", denied)
+    def denied(directory, shard, values=None):
+        raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(directory))
+    monkeypatch.setattr(checkpoint, "write_shard_set", denied)
     with pytest.raises(CheckpointError, match=r"Permission denied \[EACCES\].*check the file system"):
         save_steps(tmp_path, (1,))
 
@@ -206,12 +228,12 @@ def test_other_io_errors_name_the_path(tmp_path, monkeypatch):
 def test_old_checkpoints_are_pruned_before_the_new_one_is_written(tmp_path, monkeypatch):
     save_steps(tmp_path, (1, 2, 3, 4))
     seen = []
-    real = checkpoint.write_tensors
+    real = checkpoint.write_shard_set
 
-    def spy(path, tensors):
+    def spy(directory, shard, values=None):
         seen.append([p.name for p in checkpoint.all_checkpoints(tmp_path)])
-        real(path, tensors)
-    monkeypatch.setattr(checkpoint, "write_tensors", spy)
+        return real(directory, shard, values)
+    monkeypatch.setattr(checkpoint, "write_shard_set", spy)
     save_steps(tmp_path, (5,), keep=2)
     assert seen == [["step-00000004"]]  # keep - 1 old ones while writing
     assert [p.name for p in checkpoint.all_checkpoints(tmp_path)] == ["step-00000004", "step-00000005"]
@@ -320,11 +342,11 @@ def rows(run_dir: Path) -> list[dict]:
 def test_resume_past_a_corrupted_newest_checkpoint_equals_an_uninterrupted_run(tmp_path, corpus, capsys):
     _, full = train(tmp_path, corpus, "full", train__steps=6, checkpoint__every=2)
     _, run_dir = train(tmp_path, corpus, "hurt", train__steps=4, checkpoint__every=2)
-    _flip_byte(run_dir / "checkpoints" / "step-00000004" / "tensors.npz")
+    _flip_byte(run_dir / "checkpoints" / "step-00000004" / DATA)
     capsys.readouterr()
     summary, _ = train(tmp_path, corpus, "hurt", train__steps=6, checkpoint__every=2)
     err = capsys.readouterr().err
-    assert "warning: skipping damaged checkpoint step-00000004" in err and "tensors.npz: checksum mismatch" in err
+    assert "warning: skipping damaged checkpoint step-00000004" in err and "tensors.bin: checksum mismatch" in err
     assert summary.steps == 6
     got = rows(run_dir)
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]  # steps 3, 4 re-run, their old rows dropped
@@ -349,7 +371,7 @@ def test_another_model_without_config_yaml_is_refused_by_key(tmp_path, corpus):
 
 def test_a_checkpoint_of_other_shapes_without_any_config_is_a_clear_error(tmp_path, corpus):
     checkpoint.save(tmp_path / "x" / "checkpoints", 3, {"embed/tokens": np.zeros((3, 3), np.float32)})
-    with pytest.raises(CheckpointError, match=r"tensors.npz: does not fit this model: checkpoint lacks"):
+    with pytest.raises(CheckpointError, match=r"index.json: does not fit this model: checkpoint lacks"):
         train(tmp_path, corpus, "x", train__steps=4)
 
 

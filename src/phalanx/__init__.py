@@ -25,7 +25,8 @@ _LAZY = {
     "evaluate": ("phalanx.api", "evaluate"),
     "predict": ("phalanx.api", "predict"),
     "export": ("phalanx.export.api", "export"),
-    "parallelize": ("phalanx.parallel.apply", "parallelize"),
+    "parallelize": ("phalanx.models.parallelize", "parallelize"),
+    "unparallelize": ("phalanx.models.parallelize", "unparallelize"),
 }
 
 __all__ = sorted(_LAZY)

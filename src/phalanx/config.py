@@ -41,7 +41,7 @@ class ConfigError(ValueError):
         self.key = key
 
 
-PRECISION_POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
+PRECISION_POLICIES = ("auto", "float32", "mixed_bfloat16", "mixed_float16")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 STRATEGIES = ("auto", "mirrored", "multi_worker", "parameter_server", "mesh")
 RECOMPUTE = ("none", "full", "selective")
@@ -93,6 +93,10 @@ class ParallelConfig:
     the device count leaves, see :meth:`Config.resolved`.
     ``devices``: ``auto`` (GPUs if any, else the CPU), ``cpu:N`` (the host CPU
     split into N logical devices) or ``gpu:N`` (the first N GPUs).
+    ``ep``: expert parallelism — the experts of ``phalanx.layers.MoE(ep=...)`` layers are
+    sharded over groups of ``ep`` data replicas (``ep`` divides ``dp``).
+    ``sequence_parallel``: Megatron sequence parallelism alongside ``tp`` (Korthikanti et
+    al. 2022) in the model's ``phalanx.layers.TransformerBlock`` layers.
     """
 
     dp: int = 1
@@ -105,20 +109,30 @@ class ParallelConfig:
     strategy: str = "auto"
     zero: int = 0
     recompute: str = "none"
+    ep: int = 1
+    sequence_parallel: bool = False
 
 
 @dataclass(frozen=True)
 class PrecisionConfig:
     """Compute precision. Master weights and the loss stay float32 always.
 
+    ``policy``: ``auto`` (the default: ``mixed_bfloat16`` where the hardware has bfloat16
+    units — AVX512_BF16 or AMX CPUs, Ampere or newer GPUs, TPUs — else ``float32``; see
+    :mod:`phalanx.precision`), ``float32``, ``mixed_bfloat16`` or ``mixed_float16``.
+    :class:`Config` resolves ``auto`` when it is built, so ``cfg.precision.policy`` is
+    always the policy that runs; ``cfg.precision.reason`` says why (one line).
+
     Dynamic loss scaling applies to ``mixed_float16`` only: the scale starts at
     ``loss_scale_init``, halves on a step whose gradients overflow (that step is
     skipped and counted) and doubles after ``loss_scale_growth_interval`` good steps.
     """
 
-    policy: str = "float32"
+    policy: str = "auto"
     loss_scale_init: float = 32768.0
     loss_scale_growth_interval: int = 2000
+
+    reason: typing.ClassVar[str | None] = None  # set on the instance when ``auto`` was resolved
 
 
 @dataclass(frozen=True)
@@ -201,10 +215,26 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Save every ``every`` steps (0: only at the end), keep the newest ``keep``."""
+    """Save every ``every`` steps (0: only at the end), keep the newest ``keep``.
+
+    ``async`` (the key; the field is ``async_``, ``async`` being a Python keyword): write
+    each checkpoint in a background thread from a snapshot taken at the step boundary,
+    while training goes on; the next save and the end of training wait for it.
+    """
 
     every: int = 100
     keep: int = 3
+    async_: bool = field(default=False, metadata={"key": "async"})
+
+
+# ``cfg.checkpoint.async`` is a syntax error, but getattr(cfg.checkpoint, "async") (code that
+# looks keys up by name) works.
+setattr(CheckpointConfig, "async", property(lambda self: self.async_))
+
+
+def key_of(f: dataclasses.Field) -> str:
+    """The config key of a dataclass field (its name unless ``metadata["key"]`` says)."""
+    return f.metadata.get("key", f.name)
 
 
 @dataclass(frozen=True)
@@ -217,8 +247,22 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
+    def __post_init__(self):
+        # precision.policy=auto -> the policy this machine runs (phalanx.precision), so that
+        # every reader of cfg.precision.policy sees it; the reason is kept beside it.
+        if self.precision.policy == "auto":
+            from phalanx.precision import resolve_policy
+
+            try:
+                policy, reason = resolve_policy("auto", devices=self.parallel.devices)
+            except ValueError as err:
+                raise ConfigError("precision.policy", str(err)) from None
+            resolved = dataclasses.replace(self.precision, policy=policy)
+            object.__setattr__(resolved, "reason", reason)
+            object.__setattr__(self, "precision", resolved)
+
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+        return _as_dict(self)
 
     def replace(self, **sections: Mapping[str, Any]) -> "Config":
         """A copy with some fields of some sections changed, validated.
@@ -229,7 +273,17 @@ class Config:
         merged = self.to_dict()
         for section, values in sections.items():
             _deep_update(merged.setdefault(section, {}), values)
-        return from_dict(merged)
+        new = from_dict(merged)
+        reason = getattr(self.precision, "reason", None)
+        if reason and "policy" not in (sections.get("precision") or {}) and new.precision.policy == self.precision.policy:
+            object.__setattr__(new.precision, "reason", reason)  # still the policy auto chose
+        return new
+
+
+def _as_dict(obj) -> dict[str, Any]:
+    """``dataclasses.asdict`` under the config keys (:func:`key_of`)."""
+    return {key_of(f): _as_dict(v) if dataclasses.is_dataclass(v := getattr(obj, f.name)) else v
+            for f in dataclasses.fields(obj)}
 
 
 def _deep_update(target: dict, values: Mapping[str, Any]) -> None:
@@ -394,13 +448,14 @@ def _section_type(f: dataclasses.Field) -> type:
 
 
 def _build_section(section: str, cls: type, values: Mapping[str, Any]) -> Any:
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {key_of(f): f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     kwargs = {}
-    for name, value in values.items():
-        key = f"{section}.{name}"
-        if name not in fields:
+    for key_name, value in values.items():
+        key = f"{section}.{key_name}"
+        if key_name not in fields:
             raise ConfigError(key, f"unknown key; valid keys of {section!r}: {', '.join(fields)}")
+        name = fields[key_name].name
         if dataclasses.is_dataclass(hints[name]):  # a nested section, e.g. train.prune
             if value is None:
                 value = {}
@@ -489,9 +544,9 @@ def validate(cfg: Config) -> None:
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
             if dataclasses.is_dataclass(value):
-                nested.append((f"{prefix}.{f.name}", value))
+                nested.append((f"{prefix}.{key_of(f)}", value))
             elif isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"{prefix}.{f.name}", f"expected a finite number, got {value}")
+                raise ConfigError(f"{prefix}.{key_of(f)}", f"expected a finite number, got {value}")
     for key, value in (("model.layers", m.layers), ("model.d_model", m.d_model), ("model.heads", m.heads),
                        ("model.vocab", m.vocab), ("model.seq_len", m.seq_len)):
         _require(value >= 1, key, f"must be >= 1, got {value}")
@@ -524,6 +579,10 @@ def validate(cfg: Config) -> None:
     _one_of("parallel.strategy", p.strategy, STRATEGIES)
     _require(p.zero in (0, 1, 2), "parallel.zero", f"{p.zero} is not valid; choose 0, 1 or 2")
     _one_of("parallel.recompute", p.recompute, RECOMPUTE)
+    _require(p.ep >= 1, "parallel.ep", f"must be >= 1, got {p.ep}")
+    _require(p.dp < 1 or p.dp % p.ep == 0, "parallel.ep",
+             f"{p.ep} does not divide parallel.dp={p.dp}: experts are sharded over the data replicas in groups "
+             f"of ep; pick ep from {_divisors(max(p.dp, 1))}")
 
     if p.tp > 1:
         _require(m.heads % p.tp == 0, "parallel.tp",

@@ -53,6 +53,7 @@ import keras
 import tensorflow as tf
 
 from phalanx.config import Config, ConfigError
+from phalanx.layers.sharding import placement_of
 from phalanx.mesh import Mesh
 from phalanx.parallel.pipeline import accumulate_gradient, run_schedule, schedule_for
 
@@ -130,6 +131,58 @@ def _reindex_optimizer(optimizer) -> None:
             opt._trainable_variables_indices = {opt._var_key(v): i for i, v in enumerate(opt._trainable_variables)}
 
 
+def check_tensor_layout(model, tp: int) -> None:
+    """Refuse a tensor-parallel layout the model's weights or optimizer cannot honour.
+
+    With ``tp > 1`` the model must hold tensor shards (layers from
+    :mod:`phalanx.layers.tensor_parallel`, or :func:`phalanx.parallelize`) cut into ``tp``
+    pieces, and its optimizer must update each shard as it would the whole weight: true of
+    element-wise optimizers, not of per-tensor clipping (``clipnorm``) or of optimizers that
+    look at a whole matrix (Adafactor, LAMB, Muon).
+    """
+    shards = {placement_of(v).shards for v in model.weights
+              if placement_of(v) is not None and placement_of(v).axis == "tensor"}
+    if tp == 1:
+        return
+    if not shards:
+        raise ConfigError("parallel.tp", f"{tp}: model {model.name!r} has no tensor-parallel layers; build it from "
+                                         f"phalanx.layers (ColumnParallelDense, ParallelSelfAttention, ...) or call "
+                                         f"phalanx.parallelize(model, tp={tp}) first (automatic for keras-hub models "
+                                         f"with a preset)")
+    if shards != {tp}:
+        raise ConfigError("parallel.tp", f"{tp}: model {model.name!r} holds weights cut into {sorted(shards)} "
+                                         f"tensor shards; parallel.tp must equal that")
+    optimizer = getattr(model, "optimizer", None)
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if inner is not None:
+        if getattr(inner, "clipnorm", None):
+            raise ConfigError("parallel.tp", f"{tp}: {type(inner).__name__}(clipnorm={inner.clipnorm}) clips each "
+                                             f"weight by its own norm, which a weight cut into {tp} shards does "
+                                             f"not have; use global_clipnorm (the norm over all weights), or tp=1")
+        if type(inner).__name__ in ("Adafactor", "Lamb", "Muon"):
+            raise ConfigError("parallel.tp", f"{tp}: {type(inner).__name__} scales each update by statistics of the "
+                                             f"whole weight matrix, which a weight cut into {tp} shards does not "
+                                             f"see; use an element-wise optimizer (SGD, Adam, AdamW, RMSprop, "
+                                             f"Lion, ...) or tp=1")
+
+
+def check_expert_layout(model, ep: int, dp: int) -> None:
+    """Refuse an expert-parallel degree the model's expert layers are not cut for."""
+    shards = {placement_of(v).shards for v in model.weights
+              if placement_of(v) is not None and placement_of(v).axis == "expert"}
+    if ep == 1:  # shards, if any, stay with each replica (as a tensor-parallel model on tp=1)
+        return
+    if not shards:
+        raise ConfigError("parallel.ep", f"{ep}: model {model.name!r} has no expert-parallel layers; build its "
+                                         f"mixture-of-experts layers as phalanx.layers.MoE(..., ep={ep})")
+    if shards and shards != {ep}:
+        raise ConfigError("parallel.ep", f"{ep}: model {model.name!r} holds experts cut into {sorted(shards)} "
+                                         f"shards (phalanx.layers.MoE(ep=...)); parallel.ep must equal that")
+    if dp % ep:
+        raise ConfigError("parallel.ep", f"{ep} does not divide dp={dp}: experts are sharded over the "
+                                         f"data replicas, in groups of ep")
+
+
 # -- stages --------------------------------------------------------------------------------
 
 
@@ -187,10 +240,10 @@ class KerasModelEngine:
     def __init__(self, model, cfg: Config, mesh: Mesh, sample_batch, inference_only: bool = False,
                  workers=None):
         p = cfg.parallel
-        if mesh.tp > 1:
-            raise ConfigError("parallel.tp", f"{mesh.tp}: tensor parallelism for your own Keras model is not built "
-                                             f"yet; split it over data and pipe (parallel.tp=1). The built-in GPT "
-                                             f"(phalanx train) takes any tp")
+        self.ep = p.ep
+        if not inference_only:
+            check_tensor_layout(model, mesh.tp)
+            check_expert_layout(model, p.ep, mesh.dp)
         if p.zero:
             raise ConfigError("parallel.zero", f"{p.zero}: for a Keras model the optimizer state stays next to each "
                                                f"weight on its pipeline stage; ZeRO shards the built-in GPT's AdamW "
@@ -223,7 +276,7 @@ class KerasModelEngine:
         for s, stage in enumerate(self.stages):
             for v in stage.trainable_variables + stage.non_trainable_variables:
                 if self.home.get(id(v), s) == s:
-                    moved |= place_variable(v, self.stage_device(0, s))
+                    moved |= place_variable(v, self.variable_device(v, 0, s))
         if moved:
             _reindex_optimizer(getattr(model, "optimizer", None))
             # Keras's own cached step functions captured the old storage.
@@ -233,12 +286,18 @@ class KerasModelEngine:
         self.copies: dict[tuple[int, int], list[tf.Variable | None]] = {}
         for d in range(self.dp):
             for s, stage in enumerate(self.stages):
-                with tf.init_scope(), tf.device(self.stage_device(d, s)):
-                    self.copies[(d, s)] = [
-                        None if d == 0 and self.home[id(v)] == s else
-                        tf.Variable(v.value.read_value(), trainable=True,
-                                    name=f"replica{d}_stage{s}/" + v.value.name.split(":")[0])
-                        for v in stage.trainable_variables]
+                copies = []
+                for v in stage.trainable_variables:
+                    owner = self._copy_owner(v, d)
+                    if owner == 0 and self.home[id(v)] == s:
+                        copies.append(None)
+                    elif owner != d:  # an expert shard: read the copy its owner holds
+                        copies.append(self.copies[(owner, s)][len(copies)])
+                    else:
+                        with tf.init_scope(), tf.device(self.variable_device(v, d, s)):
+                            copies.append(tf.Variable(v.value.read_value(), trainable=True,
+                                                      name=f"replica{d}_stage{s}/" + v.value.name.split(":")[0]))
+                self.copies[(d, s)] = copies
         # Weight regularisation of a cut model: computed once per step on the weights
         # themselves (a one-stage model returns it from stateless_call with the rest).
         self.regularized = [v for v in model.trainable_variables if getattr(v, "regularizer", None) is not None] \
@@ -252,7 +311,36 @@ class KerasModelEngine:
     # -- set-up ------------------------------------------------------------------------------
 
     def stage_device(self, replica: int, stage: int) -> str:
+        """Where stage ``stage`` of replica ``replica`` runs what is not sharded: tensor rank 0."""
         return self.mesh.device(replica, stage % self.pp, 0)
+
+    def variable_device(self, variable, replica: int, stage: int) -> str:
+        """Where replica ``replica``'s copy of ``variable`` for stage ``stage`` lives: a
+        tensor shard (:mod:`phalanx.layers.sharding`) on its rank's device, the rest on the
+        stage's device."""
+        placement = placement_of(variable)
+        if placement is not None and placement.axis == "expert":
+            return self.mesh.device(self.expert_owner(variable, replica), stage % self.pp, 0)
+        rank = placement.rank if placement is not None else 0
+        return self.mesh.device(replica, stage % self.pp, rank % self.mesh.tp)
+
+    def expert_owner(self, variable, replica: int) -> int:
+        """The replica whose devices hold the copy of an expert shard that ``replica`` reads.
+
+        The data replicas form groups of ``ep`` consecutive replicas; within a group, expert
+        shard ``j`` lives only with the group's ``j``-th replica, and every replica of the
+        group sends its tokens there (the all-to-all of expert parallelism). The groups hold
+        data-parallel copies of the experts."""
+        group = replica // self.ep
+        return group * self.ep + placement_of(variable).rank % self.ep
+
+    def _copy_owner(self, variable, replica: int) -> int:
+        """The replica that holds the copy ``replica`` reads: itself, or for an expert shard
+        the first replica of its group (group 0: the variable itself)."""
+        placement = placement_of(variable)
+        if placement is None or placement.axis != "expert":
+            return replica
+        return replica // self.ep * self.ep
 
     def _home_stages(self) -> dict[int, int]:
         """Variable id -> the stage that holds it: the first stage that reads it."""
@@ -304,7 +392,13 @@ class KerasModelEngine:
         x, y, sw = micro
         training = mode == "train"
         with tf.device(self.stage_device(replica, s)):
-            values = [tf.convert_to_tensor(v) for v in self._params(replica, s)]
+            values = []
+            for v, param in zip(stage.trainable_variables, self._params(replica, s)):
+                if placement_of(v) is None:
+                    values.append(tf.convert_to_tensor(param))
+                else:  # a shard: its value carries its device, and the layer's ops follow it
+                    with tf.device(self.variable_device(v, replica, s)):
+                        values.append(tf.identity(param))
             added = tf.zeros([], tf.float32)  # this micro-batch's add_loss terms so far
             if self.split is None:
                 available = {"x": x}
@@ -328,7 +422,10 @@ class KerasModelEngine:
                 extra = tf.convert_to_tensor(extra)
                 added += tf.cast(tf.reduce_sum(extra), tf.float32)
             if s < self.chunks - 1:
-                return [available[k] for k in self.split.crossing(s)] + [added]
+                # Through an identity: the next stage must differentiate this very tensor. A
+                # row-parallel layer there would otherwise read a column layer's concat
+                # inputs directly, and the concat handed on here would get no gradient.
+                return [tf.identity(available[k]) for k in self.split.crossing(s)] + [added]
             if self.split is None:
                 y_pred = available["y"]
             else:
@@ -434,10 +531,7 @@ class KerasModelEngine:
                 state[s][k] = value
         self.optimizer.apply(grads, variables)
         # TensorFlow orders ops on one variable as written: the copies read updated weights.
-        for (d, s), copies in self.copies.items():
-            for copy, v in zip(copies, self.stages[s].trainable_variables):
-                if copy is not None:
-                    copy.assign(v.value)
+        self._refresh_copies()
         for s, stage in enumerate(self.stages):
             for v, new, old in zip(stage.non_trainable_variables, state[s], start[s]):
                 if new is not old:
@@ -497,9 +591,14 @@ class KerasModelEngine:
     def sync_copies(self) -> None:
         """Refresh the replicas' weight copies after the model's weights were assigned
         outside a step (a restored checkpoint, the chief's broadcast weights)."""
+        self._refresh_copies()
+
+    def _refresh_copies(self) -> None:
+        done = set()  # an expert shard's copy is shared by the replicas of its group
         for (d, s), copies in self.copies.items():
             for copy, v in zip(copies, self.stages[s].trainable_variables):
-                if copy is not None:
+                if copy is not None and id(copy) not in done:
+                    done.add(id(copy))
                     copy.assign(v.value)
 
     def test_step(self, batch) -> dict[str, tf.Tensor]:

@@ -144,20 +144,19 @@ def checkpoint_sparsity(checkpoint_dir: str | Path) -> dict | None:
     the pruned weights (:func:`phalanx.prune.prunable`) and the masks' share; None when the
     checkpoint holds no ``prune/mask/*`` tensors. Reads only those tensors."""
     from phalanx import checkpoint, prune
-    file = Path(checkpoint_dir) / checkpoint.TENSORS
-    if not file.is_file():
+    try:
+        reader = checkpoint.open_reader(checkpoint_dir)  # any checkpoint format; reads one tensor at a time
+    except checkpoint.CheckpointError:
         return None
-    with np.load(file, allow_pickle=False) as data:
-        names = {checkpoint._decode(k): k for k in data.files}
-        masks = [n for n in names if n.startswith(prune.MASK_PREFIX)]
-        if not masks:
-            return None
-        zeros = total = masked = 0
-        for m in masks:
-            w = data[names[m[len(prune.MASK_PREFIX):]]]
-            zeros += int(np.count_nonzero(w == 0))
-            masked += int(np.count_nonzero(data[names[m]] == 0))
-            total += int(w.size)
+    masks = [n for n in reader.names() if n.startswith(prune.MASK_PREFIX)]
+    if not masks:
+        return None
+    zeros = total = masked = 0
+    for m in masks:
+        w = reader.read(m[len(prune.MASK_PREFIX):])
+        zeros += int(np.count_nonzero(w == 0))
+        masked += int(np.count_nonzero(reader.read(m) == 0))
+        total += int(w.size)
     return {"weights": len(masks), "pruned_params": total, "zero_fraction": zeros / total,
             "mask_fraction": masked / total}
 

@@ -33,7 +33,7 @@ coefficient).
 Example:
     >>> import numpy as np
     >>> moe = MoE(num_experts=4, hidden_dim=16, top_k=2)
-    >>> moe(np.ones([2, 3, 8], "float32")).shape
+    >>> tuple(moe(np.ones([2, 3, 8], "float32")).shape)
     (2, 3, 8)
 """
 
@@ -44,17 +44,24 @@ import math
 import keras
 from keras import ops
 
+from phalanx.layers.sharding import ShardedLayer, on_device_of, shard_values
+
 
 @keras.saving.register_keras_serializable(package="phalanx")
-class MoE(keras.layers.Layer):
+class MoE(ShardedLayer):
     """Mixture of ``num_experts`` MLP experts of width ``hidden_dim`` (see the module
     docstring). ``gated=True`` makes each expert a SwiGLU MLP (``activation`` on the
-    gate branch, Shazeer 2020)."""
+    gate branch, Shazeer 2020). ``ep``: the experts are cut into ``ep`` shards of
+    ``num_experts / ep`` experts; with ``parallel.ep=ep`` each shard lives on one data
+    replica of a group and the group's tokens are sent to it (expert parallelism)."""
 
     def __init__(self, num_experts: int, hidden_dim: int, top_k: int = 2, capacity_factor: float = 0.0,
                  aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0, gated: bool = False,
-                 activation: str = "gelu", kernel_initializer="glorot_uniform", **kwargs):
+                 activation: str = "gelu", kernel_initializer="glorot_uniform", ep: int = 1, **kwargs):
         super().__init__(**kwargs)
+        if not isinstance(ep, int) or ep < 1 or num_experts % ep if isinstance(num_experts, int) else False:
+            raise ValueError(f"ep: {ep!r} must be a positive integer that divides num_experts={num_experts}")
+        self.ep = ep
         if not isinstance(num_experts, int) or num_experts < 1:
             raise ValueError(f"num_experts: {num_experts!r} is not a positive integer")
         if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
@@ -73,18 +80,22 @@ class MoE(keras.layers.Layer):
     def build(self, input_shape):
         d, e, f = input_shape[-1], self.num_experts, self.hidden_dim
         # The router stays float32 under mixed precision (routing decisions are brittle).
-        self.router = self.add_weight(shape=(d, e), initializer=self.kernel_initializer, name="router",
-                                      dtype="float32", autocast=False)
-        self.w_in = self.add_weight(shape=(e, d, f), initializer=self.kernel_initializer, name="w_in")
-        self.b_in = self.add_weight(shape=(e, f), initializer="zeros", name="b_in")
+        self.router = self.add_logical_weight("router", (d, e), None, self.kernel_initializer,
+                                              dtype="float32", autocast=False)[0]
+
+        def experts(name, shape, initializer):  # cut by expert over the `ep` shards
+            return self.add_logical_weight(name, shape, 0, initializer, axis="expert", shards=self.ep)
+
+        self.w_in = experts("w_in", (e, d, f), self.kernel_initializer)
+        self.b_in = experts("b_in", (e, f), "zeros")
         if self.gated:
-            self.w_gate = self.add_weight(shape=(e, d, f), initializer=self.kernel_initializer, name="w_gate")
-        self.w_out = self.add_weight(shape=(e, f, d), initializer=self.kernel_initializer, name="w_out")
-        self.b_out = self.add_weight(shape=(e, d), initializer="zeros", name="b_out")
+            self.w_gate = experts("w_gate", (e, d, f), self.kernel_initializer)
+        self.w_out = experts("w_out", (e, f, d), self.kernel_initializer)
+        self.b_out = experts("b_out", (e, d), "zeros")
         for name in ("dropped_fraction", "load_min", "load_max", "balance"):
             # only_first_replica: under tf.distribute each replica may write it (no reduction).
-            setattr(self, name, self.add_weight(shape=(), initializer="zeros", trainable=False, name=name,
-                                                dtype="float32", autocast=False, aggregation="only_first_replica"))
+            setattr(self, name, self.add_logical_weight(name, (), None, "zeros", trainable=False, dtype="float32",
+                                                        autocast=False, aggregation="only_first_replica")[0])
 
     def capacity(self, tokens: int) -> int:
         """Slots per expert for a call of ``tokens`` tokens (``tokens`` when nothing drops)."""
@@ -92,13 +103,14 @@ class MoE(keras.layers.Layer):
             return tokens
         return max(1, math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts))
 
-    def _expert(self, e: int, x):
-        h = ops.matmul(x, self.w_in[e]) + self.b_in[e]
+    def _expert(self, shard: dict, i: int, x):
+        """Local expert ``i`` of a shard (``shard``: its weight values) on tokens ``x``."""
+        h = ops.matmul(x, shard["w_in"][i]) + shard["b_in"][i]
         if self.gated:
-            h = self.activation(ops.matmul(x, self.w_gate[e])) * h
+            h = self.activation(ops.matmul(x, shard["w_gate"][i])) * h
         else:
             h = self.activation(h)
-        return ops.matmul(h, self.w_out[e]) + self.b_out[e]
+        return ops.matmul(h, shard["w_out"][i]) + shard["b_out"][i]
 
     def call(self, inputs, training=None):
         import tensorflow as tf  # the dispatch uses TensorFlow's gather/scatter ops
@@ -122,14 +134,23 @@ class MoE(keras.layers.Layer):
         kept = tf.transpose(position < tf.maximum(capacity, 1))               # [n, k]
         out = tf.zeros_like(x)
         load = []
-        for e in range(self.num_experts):
-            mine = tf.logical_and(tf.equal(chosen, e), kept)                 # [n, k]
-            where = tf.where(mine)                                           # (token, choice) pairs
-            tokens = where[:, 0]
-            gate = tf.gather_nd(gates, where)
-            y = self._expert(e, tf.gather(x, tokens))
-            out = tf.tensor_scatter_nd_add(out, tokens[:, None], y * tf.cast(gate[:, None], y.dtype))
-            load.append(tf.reduce_sum(tf.cast(mine, tf.float32)))
+        names = ["w_in", "b_in", "w_out", "b_out"] + (["w_gate"] if self.gated else [])
+        per_shard = self.num_experts // self.ep
+        for j in range(self.ep):
+            shard = dict(zip(names, shard_values(self, [getattr(self, name)[j] for name in names])))
+            for i in range(per_shard):
+                e = j * per_shard + i
+                mine = tf.logical_and(tf.equal(chosen, e), kept)             # [n, k]
+                where = tf.where(mine)                                       # (token, choice) pairs
+                tokens = where[:, 0]
+                gate = tf.gather_nd(gates, where)
+                routed = tf.gather(x, tokens)
+                # Expert parallelism: the expert runs where its shard lives (the engine puts
+                # it on another replica's device); its tokens go there and come back.
+                with on_device_of(shard["w_in"]):
+                    y = self._expert(shard, i, routed)
+                out = tf.tensor_scatter_nd_add(out, tokens[:, None], y * tf.cast(gate[:, None], y.dtype))
+                load.append(tf.reduce_sum(tf.cast(mine, tf.float32)))
         balance = self._add_losses(logits, probs, chosen)
         if training:
             self.balance.assign(balance)
@@ -162,5 +183,5 @@ class MoE(keras.layers.Layer):
         config.update({"num_experts": self.num_experts, "hidden_dim": self.hidden_dim, "top_k": self.top_k,
                        "capacity_factor": self.capacity_factor, "aux_loss_coef": self.aux_loss_coef,
                        "z_loss_coef": self.z_loss_coef, "gated": self.gated, "activation": self._activation_name,
-                       "kernel_initializer": keras.initializers.serialize(self.kernel_initializer)})
+                       "kernel_initializer": keras.initializers.serialize(self.kernel_initializer), "ep": self.ep})
         return config

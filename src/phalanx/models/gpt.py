@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import keras
 import numpy as np
@@ -29,6 +30,7 @@ import tensorflow as tf
 from phalanx.config import ModelConfig
 from phalanx.layers.moe import MoE
 from phalanx.models import gpt_ops
+from phalanx.models import init as init_ops
 
 INIT_STD = 0.02
 
@@ -63,26 +65,39 @@ def num_params(cfg: ModelConfig) -> int:
     return sum(int(np.prod(s)) for s in weight_shapes(cfg).values())
 
 
+def initializer(cfg: ModelConfig, seed: int) -> Callable[..., np.ndarray]:
+    """``init(name, box=None)``: the initial float32 values of ``box`` (``((start, stop), ...)``,
+    default the whole tensor) of weight ``name``, made alone (:mod:`phalanx.models.init`:
+    fixed tiles, each seeded by ``(seed, name, tile)``), equal to that part of
+    :func:`initial_weights`. Engines that shard the weights make only their shards."""
+    shapes = weight_shapes(cfg)
+    residual_std = INIT_STD / math.sqrt(2 * cfg.layers)
+
+    def init(name: str, box=None) -> np.ndarray:
+        shape = shapes[name]
+        box = tuple((0, n) for n in shape) if box is None else box
+        dims = tuple(b - a for a, b in box)
+        if name.endswith("/gamma"):
+            return np.ones(dims, np.float32)
+        if name.endswith(("/beta", "/bias", "moe/b_in", "moe/b_out")):
+            return np.zeros(dims, np.float32)
+        std = residual_std if name.endswith(("attn/out/kernel", "mlp/proj/kernel", "moe/w_out")) else INIT_STD
+        return init_ops.normal(seed, name, shape, box, std)
+
+    return init
+
+
 def initial_weights(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     """Seeded float32 initial weights by logical name (GPT-2 scheme).
 
     Kernels and embeddings ~ N(0, 0.02); the two residual projections per block
     (attn/out, mlp/proj) are scaled by 1/sqrt(2 * layers) so the residual stream's
     variance does not grow with depth (Radford et al. 2019); biases 0, LN gamma 1.
+    Each tensor is drawn in fixed tiles seeded by ``(seed, name, tile)``
+    (:func:`initializer`), so a shard of it can be made alone with the same values.
     """
-    rng = np.random.default_rng(seed)
-    residual_std = INIT_STD / math.sqrt(2 * cfg.layers)
-    weights = {}
-    for name, shape in weight_shapes(cfg).items():
-        if name.endswith("/gamma"):
-            w = np.ones(shape, np.float32)
-        elif name.endswith(("/beta", "/bias", "moe/b_in", "moe/b_out")):
-            w = np.zeros(shape, np.float32)
-        else:
-            std = residual_std if name.endswith(("attn/out/kernel", "mlp/proj/kernel", "moe/w_out")) else INIT_STD
-            w = (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
-        weights[name] = w
-    return weights
+    init = initializer(cfg, seed)
+    return {name: init(name) for name in weight_shapes(cfg)}
 
 
 def decays(name: str) -> bool:
@@ -96,7 +111,7 @@ class _Named(keras.layers.Layer):
 
     def _weight(self, logical_name: str, shape: tuple[int, ...]):
         w = self.add_weight(name=logical_name.rsplit("/", 1)[-1], shape=shape, initializer="zeros",
-                            dtype="float32")
+                            dtype="float32", autocast=False)
         self.named[logical_name] = w
         return w
 
@@ -120,7 +135,7 @@ class Block(_Named):
                            kernel_initializer="zeros", dtype=kwargs.get("dtype"))
             self.moe.build((None, None, d))
             for short in ("router", "w_in", "b_in", "w_out", "b_out"):
-                self.named[p + "moe/" + short] = getattr(self.moe, short)
+                self.named[p + "moe/" + short] = self.moe.whole_variable(short)
         else:
             self.fc_k, self.fc_b = self._weight(p + "mlp/fc/kernel", (d, f)), self._weight(p + "mlp/fc/bias", (f,))
             self.proj_k, self.proj_b = (self._weight(p + "mlp/proj/kernel", (f, d)),
@@ -139,7 +154,7 @@ class Block(_Named):
         h = gpt_ops.layer_norm(x, self.ln2_g, self.ln2_b)
         if self.moe is not None:
             return self.moe(h, training=training)
-        h = gpt_ops.gelu(gpt_ops.dense(h, self.fc_k, self.fc_b))
+        h = gpt_ops.gelu(gpt_ops.dense(h, self.fc_k), self.fc_b)  # the bias inside the fused GELU
         return gpt_ops.dense(h, self.proj_k, self.proj_b)
 
     def call(self, x, training=False):
@@ -152,6 +167,11 @@ class GPT(keras.Model):
 
     ``dtype_policy`` is a Keras policy name (``float32``, ``mixed_bfloat16``,
     ``mixed_float16``): variables stay float32, matmuls run in the compute dtype.
+    Variables are read as float32 (``autocast=False``) and cast where the math wants
+    the compute dtype (``gpt_ops``): the token embedding is gathered from float32 rows
+    and summed with the positions in float32 before one cast (Keras's autocast would
+    cast the whole ``[vocab, d]`` table first), and LayerNorm's gamma and beta stay
+    float32 instead of a round trip through bfloat16.
     """
 
     def __init__(self, cfg: ModelConfig, dtype_policy: str = "float32", **kwargs):
@@ -159,20 +179,23 @@ class GPT(keras.Model):
         self.cfg = cfg
         self.named: dict = {}
         d = cfg.d_model
-        self.tokens_w = self.add_weight(name="tokens", shape=(cfg.vocab, d), initializer="zeros", dtype="float32")
+        self.tokens_w = self.add_weight(name="tokens", shape=(cfg.vocab, d), initializer="zeros", dtype="float32",
+                                        autocast=False)
         self.positions_w = self.add_weight(name="positions", shape=(cfg.seq_len, d), initializer="zeros",
-                                           dtype="float32")
+                                           dtype="float32", autocast=False)
         self.named.update({"embed/tokens": self.tokens_w, "embed/positions": self.positions_w})
         self.blocks = [Block(cfg, i, dtype=dtype_policy) for i in range(cfg.layers)]
         for block in self.blocks:
             self.named.update(block.named)
-        self.final_g = self.add_weight(name="final_ln_gamma", shape=(d,), initializer="zeros", dtype="float32")
-        self.final_b = self.add_weight(name="final_ln_beta", shape=(d,), initializer="zeros", dtype="float32")
+        self.final_g = self.add_weight(name="final_ln_gamma", shape=(d,), initializer="zeros", dtype="float32",
+                                        autocast=False)
+        self.final_b = self.add_weight(name="final_ln_beta", shape=(d,), initializer="zeros", dtype="float32",
+                                        autocast=False)
         self.named.update({"final_ln/gamma": self.final_g, "final_ln/beta": self.final_b})
         self.head_w = None
         if not cfg.tie_embeddings:
             self.head_w = self.add_weight(name="head_kernel", shape=(d, cfg.vocab), initializer="zeros",
-                                          dtype="float32")
+                                          dtype="float32", autocast=False)
             self.named["head/kernel"] = self.head_w
         self.embed_drop = keras.layers.Dropout(cfg.dropout) if cfg.dropout > 0 else None
         # Put the weights in logical order so that `trainable_variables` lines up with
@@ -189,18 +212,20 @@ class GPT(keras.Model):
             var.assign(weights[name])
 
     def embed(self, tokens, training=False):
-        x = tf.gather(self.tokens_w, tokens) + self.positions_w[: tf.shape(tokens)[1]]
-        x = tf.cast(x, self.compute_dtype)
+        with tf.name_scope("embed"):
+            x = tf.gather(self.tokens_w, tokens) + self.positions_w[: tf.shape(tokens)[1]]
+            x = tf.cast(x, self.compute_dtype)
         if self.embed_drop is not None:
             x = self.embed_drop(x, training=training)
         return x
 
     def logits(self, x):
         x = gpt_ops.layer_norm(x, self.final_g, self.final_b)
-        if self.head_w is None:
-            return tf.matmul(tf.reshape(x, [-1, self.cfg.d_model]), tf.cast(self.tokens_w, x.dtype),
-                             transpose_b=True)
-        return tf.reshape(x, [-1, self.cfg.d_model]) @ tf.cast(self.head_w, x.dtype)
+        with tf.name_scope("head"):
+            if self.head_w is None:
+                return tf.matmul(tf.reshape(x, [-1, self.cfg.d_model]), tf.cast(self.tokens_w, x.dtype),
+                                 transpose_b=True)
+            return tf.reshape(x, [-1, self.cfg.d_model]) @ tf.cast(self.head_w, x.dtype)
 
     def call(self, tokens, training=False):
         x = self.embed(tokens, training)

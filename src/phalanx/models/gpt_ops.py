@@ -4,6 +4,21 @@ The Keras layers in :mod:`phalanx.models.gpt` and the tensor/pipeline-parallel e
 both call these, so the single-device model and every parallel layout compute the
 same thing from the same code.
 
+Matmuls run in the compute dtype (bfloat16 under ``mixed_bfloat16``) through oneDNN.
+The element-wise pieces around them — LayerNorm, bias + GELU, the causal softmax and
+the loss head's softmax-cross-entropy — are fused kernels: each is one XLA-compiled
+function for its forward and one for its backward (``tf.custom_gradient``), reading
+and writing the compute dtype and computing in float32 inside. As chains of separate
+TensorFlow ops they were 15-25% of a bfloat16 step of the reference GPT on CPU (every
+op a pass over memory, plus the casts to and from float32 around each of them);
+fused, they cost a few percent (benchmarks/results/profile_gpt.md). The matmuls stay
+out of XLA: oneDNN's are faster on CPU.
+
+Precision: LayerNorm statistics, the softmaxes and GELU are computed in float32 and
+rounded once to the compute dtype; the attention softmax's backward reads the
+probabilities as stored for the ``probs @ v`` matmul (compute dtype); the loss is
+float32 from bfloat16 logits.
+
 Example:
     >>> import tensorflow as tf
     >>> x = tf.random.normal([2, 5, 8])
@@ -15,62 +30,180 @@ Example:
 from __future__ import annotations
 
 import math
+import os
 
 import tensorflow as tf
 
 LAYER_NORM_EPS = 1e-5
+_F32 = tf.float32
+_GELU_C = math.sqrt(2.0 / math.pi)
+_GELU_A = 0.044715
+
+
+# PHALANX_XLA_KERNELS=0 runs the same functions as ordinary TensorFlow ops (same math and
+# gradients, unfused): for a platform without XLA, or to measure what the fusion buys.
+XLA_KERNELS = os.environ.get("PHALANX_XLA_KERNELS", "1").strip().lower() not in ("0", "false", "no")
+
+
+def _fused(fn):
+    """``fn`` as one XLA kernel (compiled once per input shape and dtype)."""
+    return tf.function(fn, jit_compile=XLA_KERNELS, autograph=False)
+
+
+def _rows(x: tf.Tensor) -> tf.Tensor:
+    """``x`` as a matrix ``[-1, last dim]`` (a reshape: no copy)."""
+    return x if x.shape.rank == 2 else tf.reshape(x, [-1, x.shape[-1]])
+
+
+# -- LayerNorm -------------------------------------------------------------------------
+
+
+@_fused
+def _layer_norm_fwd(x, gamma, beta):
+    x32 = tf.cast(x, _F32)
+    mean = tf.reduce_mean(x32, axis=-1, keepdims=True)
+    centred = x32 - mean
+    rstd = tf.math.rsqrt(tf.reduce_mean(tf.square(centred), axis=-1, keepdims=True) + LAYER_NORM_EPS)
+    return tf.cast(centred * rstd * gamma + beta, x.dtype), mean, rstd
+
+
+@_fused
+def _layer_norm_bwd(dy, x, mean, rstd, gamma):
+    xhat = (tf.cast(x, _F32) - mean) * rstd
+    dy32 = tf.cast(dy, _F32)
+    g = dy32 * gamma
+    dx = rstd * (g - tf.reduce_mean(g, axis=-1, keepdims=True)
+                 - xhat * tf.reduce_mean(g * xhat, axis=-1, keepdims=True))
+    return tf.cast(dx, x.dtype), tf.reduce_sum(dy32 * xhat, axis=0), tf.reduce_sum(dy32, axis=0)
+
+
+@tf.custom_gradient
+def _layer_norm(x, gamma, beta):
+    y, mean, rstd = _layer_norm_fwd(x, gamma, beta)
+
+    def grad(dy):
+        return _layer_norm_bwd(dy, x, mean, rstd, gamma)
+
+    return y, grad
 
 
 def layer_norm(x: tf.Tensor, gamma: tf.Tensor, beta: tf.Tensor) -> tf.Tensor:
-    """LayerNorm over the last dim, statistics in float32 (stable under bfloat16/float16)."""
-    x32 = tf.cast(x, tf.float32)
-    mean, var = tf.nn.moments(x32, axes=[-1], keepdims=True)
-    y = (x32 - mean) * tf.math.rsqrt(var + LAYER_NORM_EPS)
-    y = y * tf.cast(gamma, tf.float32) + tf.cast(beta, tf.float32)
-    return tf.cast(y, x.dtype)
+    """LayerNorm over the last dim, statistics in float32 (stable under bfloat16/float16);
+    the result in the dtype of ``x``."""
+    with tf.name_scope("layer_norm"):
+        gamma, beta = tf.cast(tf.convert_to_tensor(gamma), _F32), tf.cast(tf.convert_to_tensor(beta), _F32)
+        return tf.reshape(_layer_norm(_rows(x), gamma, beta), tf.shape(x))
 
 
-def gelu(x: tf.Tensor) -> tf.Tensor:
-    """GELU, tanh approximation (as in GPT-2)."""
-    return tf.nn.gelu(x, approximate=True)
+# -- bias + GELU -----------------------------------------------------------------------
+
+
+def _gelu_terms(u):
+    u2 = u * u
+    return u2, tf.tanh(u * (_GELU_C + _GELU_C * _GELU_A * u2))
+
+
+@_fused
+def _gelu_fwd(h, bias):
+    u = tf.cast(h, _F32) + bias
+    _, t = _gelu_terms(u)
+    return tf.cast(0.5 * u * (1.0 + t), h.dtype)
+
+
+@_fused
+def _gelu_bwd(dy, h, bias):
+    u = tf.cast(h, _F32) + bias
+    u2, t = _gelu_terms(u)
+    slope = 0.5 * (1.0 + t) + 0.5 * u * (1.0 - t * t) * (_GELU_C + 3.0 * _GELU_C * _GELU_A * u2)
+    du = tf.cast(dy, _F32) * slope
+    return tf.cast(du, h.dtype), tf.reduce_sum(du, axis=0)
+
+
+@tf.custom_gradient
+def _bias_gelu(h, bias):
+    def grad(dy):
+        return _gelu_bwd(dy, h, bias)
+
+    return _gelu_fwd(h, bias), grad
+
+
+def gelu(x: tf.Tensor, bias: tf.Tensor | None = None) -> tf.Tensor:
+    """GELU (tanh approximation, as in GPT-2) of ``x + bias``, in the dtype of ``x``.
+
+    The bias add (float32) is part of the fused kernel, and so is its gradient (a
+    float32 column sum): pass a matmul's bias here rather than to :func:`dense`.
+    """
+    with tf.name_scope("gelu"):
+        rows = _rows(x)
+        b = tf.zeros([x.shape[-1]], _F32) if bias is None else tf.cast(tf.convert_to_tensor(bias), _F32)
+        return tf.reshape(_bias_gelu(rows, b), tf.shape(x))
+
+
+# -- dense -----------------------------------------------------------------------------
 
 
 def dense(x: tf.Tensor, kernel: tf.Tensor, bias: tf.Tensor | None = None) -> tf.Tensor:
     """``x @ kernel + bias`` in the dtype of ``x`` (variables are float32 masters).
 
     Leading dims are flattened into one 2-D matmul: the gradient of an ellipsis
-    ``einsum`` was ~100x slower on TF 2.21 CPU (measured).
+    ``einsum`` was ~100x slower on TF 2.21 CPU (measured). The bias is added to the
+    2-D matmul result, before the reshape back, so that Grappler fuses MatMul + BiasAdd
+    into one oneDNN kernel (a reshape between them prevents it).
     """
     kernel = tf.cast(kernel, x.dtype)
-    if x.shape.rank == 2:
-        y = tf.matmul(x, kernel)
-    else:
-        lead = tf.shape(x)[:-1]
-        y = tf.matmul(tf.reshape(x, [-1, x.shape[-1]]), kernel)
-        y = tf.reshape(y, tf.concat([lead, [kernel.shape[-1]]], 0))
+    y = tf.matmul(_rows(x), kernel)
     if bias is not None:
-        # bias_add, not `+`: the same sum, but Grappler fuses MatMul + BiasAdd into one
-        # kernel (oneDNN) and its gradient is a plain column sum.
+        # bias_add, not `+`: the same sum, but fusable, and its gradient is a plain column sum.
         y = tf.nn.bias_add(y, tf.cast(bias, x.dtype))
-    return y
+    if x.shape.rank == 2:
+        return y
+    return tf.reshape(y, tf.concat([tf.shape(x)[:-1], [kernel.shape[-1]]], 0))
+
+
+# -- attention -------------------------------------------------------------------------
+
+
+@_fused
+def _causal_softmax_fwd(scores, scale):
+    z = tf.cast(scores, _F32) * scale
+    tq, tk = tf.shape(scores)[-2], tf.shape(scores)[-1]
+    # query i (of the last tq positions) sees keys 0 .. i + tk - tq
+    visible = tf.range(tk)[None, :] <= tf.range(tq)[:, None] + (tk - tq)
+    z = tf.where(visible, z, _F32.min)
+    e = tf.exp(z - tf.reduce_max(z, axis=-1, keepdims=True))
+    return tf.cast(e / tf.reduce_sum(e, axis=-1, keepdims=True), scores.dtype)
+
+
+@_fused
+def _causal_softmax_bwd(dprobs, probs, scale):
+    p, dp = tf.cast(probs, _F32), tf.cast(dprobs, _F32)
+    return tf.cast(p * (dp - tf.reduce_sum(dp * p, axis=-1, keepdims=True)) * scale, probs.dtype)
+
+
+@tf.custom_gradient
+def _causal_softmax(scores, scale):
+    probs = _causal_softmax_fwd(scores, scale)
+
+    def grad(dprobs):
+        return _causal_softmax_bwd(dprobs, probs, scale), None
+
+    return probs, grad
+
+
+def causal_softmax(scores: tf.Tensor, scale: float) -> tf.Tensor:
+    """``softmax(scores * scale)`` over the last axis with a causal mask (query ``i``
+    sees keys ``<= i``), computed in float32, returned in the dtype of ``scores``."""
+    with tf.name_scope("softmax"):
+        return _causal_softmax(scores, tf.constant(scale, _F32))
 
 
 def causal_attention(q: tf.Tensor, k: tf.Tensor, v: tf.Tensor) -> tf.Tensor:
     """Scaled dot-product attention with a causal mask.
 
-    q, k, v: ``[batch, heads, seq, head_dim]``; softmax in float32.
+    q, k, v: ``[batch, heads, seq, head_dim]``; the scale ``1/sqrt(head_dim)`` and the
+    mask are applied inside the fused softmax (no pass over q or a mask tensor).
     """
-    head_dim = q.shape[-1]
-    seq = tf.shape(q)[2]
-    # Scale q ([b, h, t, hd]) rather than the scores ([b, h, t, t]): t/hd times fewer
-    # multiplies forward and backward (exact in any dtype when hd is a power of 4).
-    q = q * tf.cast(1.0 / math.sqrt(head_dim), q.dtype)
-    scores = tf.cast(tf.matmul(q, k, transpose_b=True), tf.float32)
-    # An additive mask instead of tf.where: the same softmax (exp(-1e9) is 0 either
-    # way), and its gradient passes straight through instead of another select.
-    causal = tf.linalg.band_part(tf.ones([seq, seq], tf.float32), -1, 0)
-    scores = scores + (causal - 1.0) * 1e9
-    probs = tf.cast(tf.nn.softmax(scores, axis=-1), v.dtype)
+    probs = causal_softmax(tf.matmul(q, k, transpose_b=True), 1.0 / math.sqrt(q.shape[-1]))
     return tf.matmul(probs, v)
 
 
@@ -98,7 +231,43 @@ def attention_core(qkv: tf.Tensor, heads: int) -> tf.Tensor:
     return merge_heads(out)
 
 
+# -- loss head -------------------------------------------------------------------------
+
+
+@_fused
+def _cross_entropy_fwd(logits, targets):
+    z = tf.cast(logits, _F32)
+    top = tf.reduce_max(z, axis=-1)
+    lse = tf.math.log(tf.reduce_sum(tf.exp(z - top[:, None]), axis=-1)) + top
+    target = tf.reduce_sum(tf.where(tf.range(tf.shape(z)[-1])[None, :] == targets[:, None], z, 0.0), axis=-1)
+    return lse - target, lse
+
+
+@_fused
+def _cross_entropy_bwd(dloss, logits, targets, lse):
+    z = tf.cast(logits, _F32)
+    hit = tf.cast(tf.range(tf.shape(z)[-1])[None, :] == targets[:, None], _F32)
+    return tf.cast((tf.exp(z - lse[:, None]) - hit) * dloss[:, None], logits.dtype)
+
+
+@tf.custom_gradient
+def _cross_entropy(logits, targets):
+    loss, lse = _cross_entropy_fwd(logits, targets)
+
+    def grad(dloss):
+        return _cross_entropy_bwd(dloss, logits, targets, lse), None
+
+    return loss, grad
+
+
 def token_cross_entropy(logits: tf.Tensor, targets: tf.Tensor) -> tf.Tensor:
-    """Per-token cross-entropy in float32, shape of ``targets``."""
-    return tf.nn.sparse_softmax_cross_entropy_with_logits(
-        labels=targets, logits=tf.cast(logits, tf.float32))
+    """Per-token cross-entropy in float32, shape of ``targets``.
+
+    The logits stay in their dtype (bfloat16 under ``mixed_bfloat16``: no float32 copy
+    of ``[tokens, vocab]``); the softmax-cross-entropy and its gradient are computed in
+    float32 inside the fused kernel. Targets must lie in ``[0, vocab)``.
+    """
+    with tf.name_scope("cross_entropy"):
+        targets = tf.cast(targets, tf.int32)
+        loss = _cross_entropy(_rows(logits), tf.reshape(targets, [-1]))
+        return tf.reshape(loss, tf.shape(targets))

@@ -1,4 +1,4 @@
-"""``parallelize``: apply the mesh to a model from outside, and get an Engine back.
+"""``make_engine``: apply the mesh to a model from outside, and get an Engine back.
 
 The model code is written for one device; this step decides how it runs on the mesh
 (torchtitan's principle):
@@ -17,7 +17,7 @@ Example:
     >>> from phalanx.train.task import GPTTask
     >>> cfg = Config().replace(model={"layers": 2, "d_model": 16, "heads": 2, "ffn": 32, "seq_len": 8},
     ...                        train={"global_batch": 2})
-    >>> engine = parallelize(GPTTask(cfg.model), Mesh.from_devices(["/device:CPU:0"], 1, 1, 1), cfg)
+    >>> engine = make_engine(GPTTask(cfg.model), Mesh.from_devices(["/device:CPU:0"], 1, 1, 1), cfg)
     >>> type(engine).__name__, engine.dp
     ('MeshEngine', 1)
 """
@@ -51,7 +51,7 @@ def make_mesh_engine(cfg: Config, mesh: Mesh, task):
     raise TypeError(f"make_mesh_engine takes a GPTTask, got {type(task).__name__}")
 
 
-def parallelize(model_or_task, mesh: Mesh, cfg: Config, sample_batch=None):
+def make_engine(model_or_task, mesh: Mesh, cfg: Config, sample_batch=None):
     """An Engine that trains ``model_or_task`` on ``mesh`` as ``cfg.parallel`` says.
 
     Accepts a GPTTask, ``ModelConfig``, ``gpt.GPT`` (its current weights are the starting

@@ -4,8 +4,10 @@ A subclass says what a stage computes (:meth:`PipelinedEngine.forward`), which
 variables each stage reads (``stage_keys``) and how a batch is cut into micro-batches;
 this class runs the step in :class:`~phalanx.train.engine.StrategyEngine`'s order
 (per-replica pipelines -> sum over copies and replicas -> unscale, global norm, clip,
-skip on non-finite -> AdamW, ZeRO-sharded when asked) and converts state to and from
-whole logical tensors.
+skip on non-finite -> AdamW, ZeRO-sharded when asked) and describes its state as one
+shard set per device, by logical name and box (:meth:`PipelinedEngine.checkpoint_slots`:
+sharded checkpoints that load into any layout), or as whole logical tensors
+(``state_dict``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from phalanx import checkpoint
+from phalanx.checkpoint import ShardSet, Slot
 from phalanx.config import Config, ConfigError
 from phalanx.mesh import Mesh
 from phalanx.parallel.params import ShardedParams, ShardKey
@@ -152,29 +156,36 @@ class PipelinedEngine:
 
     # -- state ------------------------------------------------------------------------
 
+    def checkpoint_slots(self) -> list[ShardSet]:
+        """The state as one shard set per mesh device (``dp0-pp1-tp0``, ...): the weight shards,
+        ``m``/``v`` parts (ZeRO pieces on their own replica) and, on device (0, 0, 0), the
+        optimizer step and loss scale, each slot by logical name and box
+        (:mod:`phalanx.checkpoint`). A checkpoint written from these loads into any layout."""
+        names = {}
+        for d in range(self.dp):
+            for r in range(self.pp):
+                for t in range(self.tp):
+                    names.setdefault(_canonical(self.mesh.device(d, r, t)), f"dp{d}-pp{r}-tp{t}")
+        first = self.mesh.device(0, 0, 0)
+        scalars = [(first, _scalar_slot("optimizer/step", self.optimizer.step))]
+        scalars += [(first, _scalar_slot(k, v)) for k, v in self.loss_scale.state().items()]
+        sets: dict[str, ShardSet] = {}
+        for device, slot in scalars + self.params.checkpoint_slots() + self.optimizer.checkpoint_slots():
+            key = _canonical(device)
+            name = names.get(key) or "dev-" + "".join(c if c.isalnum() else "-" for c in key).strip("-")
+            sets.setdefault(name, ShardSet(name)).slots.append(slot)
+        order = {name: i for i, name in enumerate(names.values())}  # mesh order: dp, then pp, then tp
+        return sorted(sets.values(), key=lambda s: (order.get(s.name, len(order)), s.name))
+
     def state_dict(self) -> dict[str, np.ndarray]:
-        state = {name: self.params.logical(name) for name in self.params.names}
-        state["optimizer/step"] = np.asarray(self.optimizer.step.numpy())
-        for name in self.params.names:
-            state[f"optimizer/m/{name}"] = self.optimizer.logical_state(name, "m")
-            state[f"optimizer/v/{name}"] = self.optimizer.logical_state(name, "v")
-        state.update({k: np.asarray(v.numpy()) for k, v in self.loss_scale.state().items()})
-        return state
+        """Whole logical tensors under the StrategyEngine keys (assembles the whole model on the
+        host: for tests and tools; checkpoints use :meth:`checkpoint_slots`)."""
+        return checkpoint.gather(self.checkpoint_slots())
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
-        expected = set(self.params.names) | {"optimizer/step"} | set(self.loss_scale.state())
-        expected |= {f"optimizer/{s}/{n}" for s in ("m", "v") for n in self.params.names}
-        missing = sorted(expected - set(state))
-        if missing:
-            raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}; "
-                           f"was it written for a different model?")
-        for name in self.params.names:
-            self.params.assign_logical(name, state[name])
-        self.optimizer.assign_logical_states({s: {n: state[f"optimizer/{s}/{n}"] for n in self.params.names}
-                                              for s in ("m", "v")})
-        self.optimizer.step.assign(int(state["optimizer/step"]))
-        for key, var in self.loss_scale.state().items():
-            var.assign(np.asarray(state[key]).astype(var.dtype.as_numpy_dtype))
+        """Load whole logical tensors (any layout's :meth:`state_dict`); KeyError names missing
+        tensors, ValueError a shape that differs."""
+        checkpoint.load_shard_sets(checkpoint.DictReader(state), self.checkpoint_slots())
 
     def num_params(self) -> int:
         return self.params.num_params()
@@ -190,3 +201,16 @@ class PipelinedEngine:
     def weights(self) -> dict[str, np.ndarray]:
         """Whole logical weights by name."""
         return {name: self.params.logical(name) for name in self.params.names}
+
+
+def _canonical(device: str) -> str:
+    """A device name in the full form variables report (``/job:localhost/replica:0/task:0/device:CPU:1``)."""
+    spec = tf.DeviceSpec.from_string(device)
+    spec = spec.replace(job=spec.job or "localhost", replica=spec.replica or 0, task=spec.task or 0)
+    return spec.to_string()
+
+
+def _scalar_slot(name: str, var: tf.Variable) -> Slot:
+    dtype = var.dtype.as_numpy_dtype
+    return Slot(name, (), dtype, (), [((), ())], fetch=var.read_value,
+                assign=lambda x: var.assign(np.asarray(x).astype(dtype)))

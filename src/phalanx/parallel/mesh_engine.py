@@ -15,9 +15,11 @@ step as :class:`phalanx.train.engine.StrategyEngine`, in the same order:
    a non-finite norm skips the step (``tf.where``) and only moves the loss scale;
 4. AdamW on every shard (optimizer states sharded over ``data`` with ZeRO >= 1).
 
-Weights start from :func:`phalanx.models.gpt.initial_weights` cut into shards, and
-``state_dict()`` returns whole logical tensors under the StrategyEngine keys, so
-checkpoints move freely between layouts.
+Weights start from :func:`phalanx.models.gpt.initializer`, each shard made alone from
+its boxes (equal to :func:`~phalanx.models.gpt.initial_weights` cut into shards, in every
+layout); ``checkpoint_slots()`` describes every device's state by logical name and box
+(sharded checkpoints: :mod:`phalanx.checkpoint`), so checkpoints move freely between
+layouts, and ``state_dict()`` assembles whole tensors under the StrategyEngine keys.
 
 Example:
     >>> from phalanx.config import Config
@@ -77,7 +79,10 @@ class MeshEngine(PipelinedEngine):
             raise ConfigError("parallel.pp", str(err)) from None
         self.stage_of_block = {i: s for s, (a, b) in enumerate(self.bounds) for i in range(a, b)}
         seed = getattr(task, "seed", cfg.train.seed)
-        params = ShardedParams(gpt.initial_weights(m, seed), tensor.gpt_splits(m), self.tp, self.dp, self._place)
+        # Each shard is made alone from its boxes of the per-tensor tiled initialiser: no whole
+        # weight exists on the host, and the values equal gpt.initial_weights in every layout.
+        params = ShardedParams(gpt.weight_shapes(m), tensor.gpt_splits(m), self.tp, self.dp, self._place,
+                               init=gpt.initializer(m, seed))
         self.stage_keys = [self._stage_keys(s, params) for s in range(self.chunks)]
         self._setup(params, gpt.decays)
 

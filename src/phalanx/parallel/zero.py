@@ -36,7 +36,9 @@ import numpy as np
 import tensorflow as tf
 
 from phalanx.config import TrainConfig
-from phalanx.parallel.params import ShardedParams, ShardKey
+from phalanx.checkpoint import boxes
+from phalanx.checkpoint.sharded import Slot
+from phalanx.parallel.params import ShardedParams, ShardKey, restrict
 from phalanx.train import optim
 
 
@@ -103,6 +105,18 @@ class ShardedAdamW:
                             self.masks[i].append(tf.Variable(tf.ones_like(self.m[i][d]), trainable=False,
                                                              name="mask"))
 
+        # The flat parameters (whole group, or this replica's ZeRO piece) are updated in place by
+        # optim.apply_adamw, which works on variables: one scratch variable per group and replica
+        # holds them during the update only (emptied after, so it costs no memory between steps).
+        self.scratch: list[list[tf.Variable]] = []
+        for g in self.groups:
+            row = []
+            for d in range(self.dp):
+                with tf.device(g.devices[d]):
+                    row.append(tf.Variable(tf.zeros([0]), shape=tf.TensorShape([None]), trainable=False,
+                                           name="adamw_params"))
+            self.scratch.append(row)
+
     def piece_size(self, size: int) -> int:
         return -(-size // self.dp)
 
@@ -124,8 +138,8 @@ class ShardedAdamW:
         for g, parts in zip(self.groups, reduced):
             for d, part in enumerate(parts):
                 with tf.device(g.devices[d]):
-                    squares.append(tf.reduce_sum(tf.square(part)))
-        norm = tf.sqrt(tf.add_n(squares)) / scale
+                    squares.append(tf.nn.l2_loss(part))  # sum(part^2) / 2, one pass
+        norm = tf.sqrt(2.0 * tf.add_n(squares)) / scale
         finite = tf.math.is_finite(norm)
         factor = optim.clip_factor(norm, self.cfg.clip_norm) / scale
         lr = optim.learning_rate(self.step, self.cfg)
@@ -166,8 +180,7 @@ class ShardedAdamW:
         if self.zero == 0 or self.dp == 1:
             for d in range(self.dp):
                 with tf.device(g.devices[d]):
-                    new = self._adam(self._flat_params(g, d), parts[0], self.m[i][d], self.v[i][d],
-                                     factor, t, lr, finite, g.decay, self._mask(i, d))
+                    new = self._adam(i, d, self._flat_params(g, d), parts[0], factor, t, lr, finite)
                     self._assign(g, d, new)
             return
         n = self.piece_size(g.total)
@@ -175,8 +188,7 @@ class ShardedAdamW:
         for d in range(self.dp):
             with tf.device(g.devices[d]):
                 flat = tf.pad(self._flat_params(g, d), [[0, n * self.dp - g.total]])
-                new_pieces.append(self._adam(flat[d * n:(d + 1) * n], parts[d], self.m[i][d], self.v[i][d],
-                                             factor, t, lr, finite, g.decay, self._mask(i, d)))
+                new_pieces.append(self._adam(i, d, flat[d * n:(d + 1) * n], parts[d], factor, t, lr, finite))
         for d in range(self.dp):  # all-gather the updated pieces into every replica's copies
             with tf.device(g.devices[d]):
                 self._assign(g, d, tf.concat(new_pieces, 0)[: g.total])
@@ -191,56 +203,62 @@ class ShardedAdamW:
     def _mask(self, i: int, d: int):
         return None if self.masks[i] is None else self.masks[i][d]
 
-    def _adam(self, p, grad, m, v, factor, t, lr, finite, decay, mask=None):
-        new_p, new_m, new_v = optim.adamw_update(p, grad * factor, m, v, t, lr, self.cfg, decay)
-        if mask is not None:  # pruned: masked weights (and their moments) stay exactly zero
-            new_p, new_m, new_v = new_p * mask, new_m * mask, new_v * mask
-        m.assign(tf.where(finite, new_m, m))
-        v.assign(tf.where(finite, new_v, v))
-        return tf.where(finite, new_p, p)
+    def _adam(self, i, d, p, grad, factor, t, lr, finite):
+        """AdamW on replica ``d``'s flat parameters ``p`` of group ``i`` (whole, or its ZeRO
+        piece) with that replica's ``m``/``v``; returns the new flat parameters."""
+        scratch = self.scratch[i][d]
+        scratch.assign(p)
+        optim.apply_adamw(scratch, self.m[i][d], self.v[i][d], grad, step=t, lr=lr, factor=factor, finite=finite,
+                          cfg=self.cfg, decay=self.groups[i].decay, mask=self._mask(i, d))
+        new = tf.identity(scratch.read_value())
+        scratch.assign(tf.zeros([0]))
+        return new
 
     # -- state -------------------------------------------------------------------
 
-    def _flat_state(self, i: int, which: str) -> np.ndarray:
-        slots = (self.m if which == "m" else self.v)[i]
-        if self.zero == 0:
-            return slots[0].numpy()
-        return np.concatenate([s.numpy() for s in slots])[: self.groups[i].total]
+    def checkpoint_slots(self) -> list[tuple[str, Slot]]:
+        """``(device, slot)`` for every part of ``m`` and ``v``, by logical name
+        (``optimizer/m/<weight>``) and box, written by the device that holds it.
 
-    def logical_state(self, name: str, which: str) -> np.ndarray:
-        """Whole logical ``m`` or ``v`` of weight ``name``."""
-        pieces = []
-        for key in self.params.keys_of(name):
-            i, pos = self.where[key]
-            g = self.groups[i]
-            flat = self._flat_state(i, which)[g.offsets[pos]: g.offsets[pos] + g.sizes[pos]]
-            pieces.append(flat.reshape(self.params.shards[key].shape))
-        return self.params.splits[name].join(pieces)
-
-    def assign_logical_states(self, values: dict[str, dict[str, np.ndarray]]) -> None:
-        """Load ``values[which][name]`` (``which`` in ``m``, ``v``): whole logical tensors."""
-        for which, by_name in values.items():
-            flats = [self._flat_state(i, which).copy() for i in range(len(self.groups))]
-            for name, value in by_name.items():
-                value = np.asarray(value, np.float32)
-                if value.shape != self.params.full_shapes[name]:
-                    raise ValueError(f"optimizer/{which}/{name} has shape {value.shape}, the model expects "
-                                     f"{self.params.full_shapes[name]}")
-                for key, piece in zip(self.params.keys_of(name),
-                                      self.params.splits[name].shard(value, self.params.tp)):
-                    i, pos = self.where[key]
-                    g = self.groups[i]
-                    flats[i][g.offsets[pos]: g.offsets[pos] + g.sizes[pos]] = piece.reshape(-1)
-            for i, flat in enumerate(flats):
-                slots = (self.m if which == "m" else self.v)[i]
-                if self.zero == 0:
-                    for var in slots:
-                        var.assign(flat)
-                    continue
-                n = self.piece_size(self.groups[i].total)
-                flat = np.pad(flat, (0, n * self.dp - self.groups[i].total))
-                for d, var in enumerate(slots):
-                    var.assign(flat[d * n:(d + 1) * n])
+        ``zero=0``: every replica holds whole moments; shard ``key``'s range of the flat
+        group buffer is written by the shard's owner replica (as its weight is) and
+        restored into every replica. ``zero>=1``: replica ``d`` holds piece ``d`` of the
+        flat buffer, which spans parts of several shards; each part is cut into boxes of
+        its shard (:func:`~phalanx.checkpoint.boxes.flat_boxes`, contiguous in the buffer)
+        and then into boxes of the logical tensor, written and restored by replica ``d``
+        alone. Padding past the group's end is not saved (it stays zero).
+        """
+        out = []
+        params = self.params
+        for which, slots in (("m", self.m), ("v", self.v)):
+            for i, g in enumerate(self.groups):
+                piece = g.total if self.zero == 0 or self.dp == 1 else self.piece_size(g.total)
+                for pos, key in enumerate(g.keys):
+                    name, t = key
+                    shape, full = params.shards[key].shape, params.full_shapes[name]
+                    regions = params.regions(name, t)
+                    off, size = g.offsets[pos], g.sizes[pos]
+                    if self.zero == 0 or self.dp == 1:
+                        owner = params.owner(key)
+                        var = slots[i][owner]
+                        out.append((var.device, Slot(
+                            f"optimizer/{which}/{name}", full, np.float32, shape, regions,
+                            fetch=lambda v=var, a=off, n=size, s=shape: tf.reshape(v[a:a + n], s),
+                            assign=lambda x, vs=slots[i], a=off, n=size: [v[a:a + n].assign(x.reshape(-1))
+                                                                          for v in vs])))
+                        continue
+                    for d in range(self.dp):
+                        lo, hi = max(d * piece, off), min((d + 1) * piece, off + size)
+                        var = slots[i][d]
+                        for start, box in boxes.flat_boxes(shape, lo - off, hi - off):
+                            a = off + start - d * piece
+                            n = boxes.volume(box)
+                            out.append((var.device, Slot(
+                                f"optimizer/{which}/{name}", full, np.float32, boxes.shape_of(box),
+                                restrict(regions, box),
+                                fetch=lambda v=var, a=a, n=n, s=boxes.shape_of(box): tf.reshape(v[a:a + n], s),
+                                assign=lambda x, v=var, a=a, n=n: v[a:a + n].assign(x.reshape(-1)))))
+        return out
 
     def set_masks(self, masks: dict[str, np.ndarray]) -> None:
         """Install pruning masks (whole logical 0/1 tensors by weight name), cut like the

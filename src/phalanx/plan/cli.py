@@ -4,10 +4,14 @@ Reads the same configuration as ``phalanx train`` (a YAML file and ``section.key
 overrides, anywhere among the flags). Every knob of the training config has one name,
 its key (``parallel.zero=1``, ``parallel.schedule=gpipe``, ``train.global_batch=64``);
 flags are only for what the config does not have (device count and kind, hardware
-overrides, MoE and sequence parallelism, output). Two values the engine does not run
-are accepted here to plan them, labelled *plan only*: ``parallel.zero=3`` and
-``parallel.schedule=zb``. With ``--search``, the parallel keys you set (dp, tp, pp,
-microbatches, zero, schedule, recompute, virtual_stages) fix that dimension.
+overrides, sequence parallelism, output). A mixture of experts comes from ``model.experts``,
+``model.top_k`` and ``model.moe_every``, expert parallelism from ``parallel.ep``. Two values
+the engine does not run are accepted here to plan them, labelled *plan only*:
+``parallel.zero=3`` and ``parallel.schedule=zb``; layouts it cannot run for the built-in GPT
+(e.g. ``parallel.ep=2``) are planned and labelled the same way. With ``--search``, the
+parallel keys you set (dp, tp, pp, microbatches, zero, schedule, recompute,
+virtual_stages, ep) fix that dimension; for a mixture of experts, ep is searched over the
+divisors of dp and of ``model.experts``.
 
 Examples:
     phalanx plan my.yaml --hardware this-cpu
@@ -15,6 +19,7 @@ Examples:
     phalanx plan model.layers=128 model.d_model=25600 model.heads=160 model.vocab=51200 \\
         model.seq_len=2048 --devices 3072 --hardware a100-80gb --tokens 450e9 --search --top 5
     phalanx plan my.yaml parallel.tp=2 parallel.devices=cpu:2 --calibrate
+    phalanx plan configs/demo.yaml model.experts=8 model.top_k=2 parallel.dp=4 parallel.ep=2 --hardware a100-80gb
 
     >>> main(["model.layers=2", "--hardware", "a100-40gb", "--json"])  # doctest: +ELLIPSIS
     {...
@@ -34,7 +39,7 @@ from phalanx.config import ConfigError, load_config, parse_devices, parse_overri
 GiB = 2**30
 # Values of config keys that the planner models but the engine does not run (plan only).
 PLAN_ONLY_VALUES = {"parallel.zero": (3,), "parallel.schedule": ("zb",)}
-SEARCH_KEYS = ("dp", "tp", "pp", "microbatches", "zero", "schedule", "recompute", "virtual_stages")
+SEARCH_KEYS = ("dp", "tp", "pp", "microbatches", "zero", "schedule", "recompute", "virtual_stages", "ep")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, default=None, help="devices per node (preset default)")
     p.add_argument("--tokens", type=float, default=None, help="training tokens, for the days estimate")
     p.add_argument("--search", action="store_true",
-                   help="search dp/tp/pp/microbatches/zero/recompute/schedule (keys you set stay fixed); "
+                   help="search dp/tp/pp/microbatches/zero/recompute/schedule/ep (keys you set stay fixed); "
                         "with train.global_batch unset, one sequence per device")
     p.add_argument("--top", type=int, default=5, help="candidates shown by --search")
     p.add_argument("--json", action="store_true", help="print one JSON document")
@@ -59,10 +64,6 @@ def _parser() -> argparse.ArgumentParser:
                    help="run real training steps here (parallel.devices=cpu:N for N logical CPUs): "
                         "predicted vs measured peak memory per device, and step time")
     p.add_argument("--calibrate-steps", type=int, default=3)
-    g = p.add_argument_group("model (planner-only, plan only: the engine has no MoE)")
-    g = p.add_argument_group("layout (planner-only)")
-    g.add_argument("--sequence-parallel", action="store_true",
-                   help="Megatron sequence parallelism with tp (plan only: not in the engine)")
     g = p.add_argument_group("hardware and efficiency overrides")
     g.add_argument("--utilization", type=float, default=None,
                    help="achieved fraction of peak FLOP/s in compute (default 0.5)")
@@ -154,7 +155,7 @@ def _run(args: argparse.Namespace) -> int:
     from phalanx.plan.engine_rules import engine_schedules, engine_zero_stages
     from phalanx.plan.estimate import estimate
     from phalanx.plan.hardware import get_hardware
-    from phalanx.plan.layout import Layout
+    from phalanx.plan.layout import Layout, expert_parallel_error
     from phalanx.plan.memory import DEFAULT_OVERHEAD_FRACTION
     from phalanx.plan.search import search
     from phalanx.plan.timing import DEFAULT_UTILIZATION
@@ -162,13 +163,17 @@ def _run(args: argparse.Namespace) -> int:
     path, overrides = split_config_args(args.args)
     overrides, plan_only = _split_plan_only(overrides)
     explicit = _explicit_keys(path, overrides) | set(plan_only)
+    if ({"parallel.ep"} <= explicit and "parallel.dp" not in explicit
+            and (args.search or args.devices is not None or "parallel.devices" in explicit)):
+        # parallel.ep=N with dp unset: dp fills the devices (else the default dp=1 refuses any ep > 1)
+        overrides = overrides + ["parallel.dp=-1"]
     cfg = load_config(path, overrides)
     p = cfg.parallel
     notes: list[str] = []
     devices, (dp, pp, tp) = _devices(args, cfg, explicit, notes)
     model = ModelSpec.from_config(cfg.model)
     if args.calibrate and not args.search:
-        from phalanx.plan.calibrate import prepare_devices
+        from phalanx.train.calibrate import prepare_devices
 
         prepare_devices(cfg)  # before the hardware probe runs a TensorFlow op
     hw = get_hardware(args.hardware, devices=devices, peak_tflops=args.peak_tflops, memory_gb=args.memory_gb,
@@ -193,16 +198,19 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.search:
         fixed = {}
-        for name in ("dp", "tp", "pp", "microbatches"):
+        for name in ("dp", "tp", "pp", "microbatches", "ep"):
             if f"parallel.{name}" in explicit and getattr(p, name) != -1:
                 fixed[name] = getattr(p, name)
+        if "ep" in fixed and (not model.experts or model.experts % fixed["ep"]):
+            # (whether ep divides dp is checked for each dp the search tries)
+            raise ConfigError("parallel.ep", expert_parallel_error(model.experts, fixed["ep"], fixed["ep"]))
         schedules = (schedule,) if "parallel.schedule" in explicit else engine_schedules() + ("zb",)
         zeros = (zero,) if "parallel.zero" in explicit else engine_zero_stages() + (3,)
         recomputes = (p.recompute,) if "parallel.recompute" in explicit else ("none", "selective", "full")
         vs = (p.virtual_stages,) if "parallel.virtual_stages" in explicit else (2,)
         res = search(model, hw, devices, global_batch, policy=policy, top=args.top, tokens=args.tokens,
                      utilization=util, overhead_fraction=ofrac, dp_overlap=args.dp_overlap,
-                     sequence_parallel=args.sequence_parallel, schedules=schedules, zero_stages=zeros,
+                     sequence_parallel=p.sequence_parallel, schedules=schedules, zero_stages=zeros,
                      recompute_modes=recomputes, virtual_stages=vs, fixed=fixed, reduction=reduction)
         if args.json:
             print(json.dumps({"devices": devices, "hardware": hw.name, "global_batch": global_batch,
@@ -225,14 +233,14 @@ def _run(args: argparse.Namespace) -> int:
     layout = Layout(dp=dp, tp=tp, pp=pp, microbatches=p.microbatches, micro_batch=micro_batch, schedule=schedule,
                     virtual_stages=p.virtual_stages if schedule == "interleaved" else 1,
                     zero=zero, recompute=p.recompute,
-                    sequence_parallel=args.sequence_parallel and tp > 1, policy=policy, accum=accum,
-                    reduction=reduction)
+                    sequence_parallel=p.sequence_parallel and tp > 1, policy=policy, accum=accum,
+                    reduction=reduction, ep=p.ep)
     plan = estimate(model, layout, hw, args.tokens, util, ofrac, args.dp_overlap)
     calibration = None
     if args.calibrate:
         if plan.plan_only:
             raise ConfigError("--calibrate", f"the engine cannot run this layout ({'; '.join(plan.plan_only)})")
-        from phalanx.plan.calibrate import calibrate
+        from phalanx.train.calibrate import calibrate
 
         calibration = calibrate(cfg, plan, steps=args.calibrate_steps)
     if args.json:
@@ -289,28 +297,40 @@ def _plan_text(plan) -> str:
             ("activations", mem.activations), ("overhead", mem.overhead)]
     lines = [f"layout: {lay.describe()}  (global batch {lay.global_batch} x {plan.model.seq_len} tokens)"
              + (f"\nPLAN ONLY: the engine cannot run {'; '.join(plan.plan_only)}" if plan.plan_only else ""),
-             f"memory per device (pipeline rank {mem.rank}, {mem.params / 1e9:.3g}B params, "
-             f"{mem.in_flight} activation sets in flight):"]
+             f"memory per device (pipeline rank {mem.rank}, {_human(mem.params)} params"
+             + (f" of which {_human(mem.expert_params)} in experts ({plan.model.experts // lay.ep} of "
+                f"{plan.model.experts} per MoE block{f', ep={lay.ep}' if lay.ep > 1 else ''})"
+                if plan.model.experts else "")
+             + f", {mem.in_flight} activation sets in flight):"]
     for name, v in rows:
         lines.append(f"  {name:<12} {v / GiB:10.2f} GiB")
     verdict = "fits" if plan.fits else f"does NOT fit (+{(mem.total / cap - 1) * 100:.1f}%)"
     lines.append(f"  {'total':<12} {mem.total / GiB:10.2f} GiB of {cap / GiB:.2f} GiB: {verdict}")
+    a2a = ""
+    if lay.ep > 1:
+        a2a = (f", expert all-to-all {t.moe_comm_s:.3g} s for "
+               f"{t.comm_bytes['moe_all_to_all'] / GiB:.3g} GiB per device")
     lines.append(f"time per step: {t.step_time_s:.4g} s  (pipeline {t.compute_s:.4g} s incl. bubble "
-                 f"{t.bubble_fraction:.1%}, tp comm {t.tp_comm_s:.3g} s, exposed dp comm {t.dp_comm_s:.3g} s)")
+                 f"{t.bubble_fraction:.1%}, tp comm {t.tp_comm_s:.3g} s{a2a}, "
+                 f"exposed dp comm {t.dp_comm_s:.3g} s)")
     days = f", {plan.days:.1f} days for {plan.tokens:.3g} tokens" if plan.days is not None else ""
     lines.append(f"throughput: {plan.tokens_per_s:,.0f} tokens/s, MFU {plan.mfu:.1%}{days}")
     return "\n".join(lines)
 
 
-def _candidate_rows(plans, start: int = 1) -> list[str]:
-    head = (f"{'#':>2} {'dp':>5} {'tp':>3} {'pp':>4} {'m':>5} {'b':>3} {'schedule':<16} {'zero':>4} "
-            f"{'recompute':<9} {'mem GiB':>8} {'bubble':>7} {'step s':>9} {'tokens/s':>12} {'MFU':>6} {'days':>8}")
+def _candidate_rows(plans, start: int = 1, ep: bool = False) -> list[str]:
+    """Table rows; ``ep``: with an ep column (mixture-of-experts models)."""
+    ep_head = f" {'ep':>3}" if ep else ""
+    head = (f"{'#':>2} {'dp':>5}{ep_head} {'tp':>3} {'pp':>4} {'m':>5} {'b':>3} "
+            f"{'schedule':<16} {'zero':>4} {'recompute':<9} {'mem GiB':>8} {'bubble':>7} {'step s':>9} "
+            f"{'tokens/s':>12} {'MFU':>6} {'days':>8}")
     lines = [head]
     for i, c in enumerate(plans, start):
         lay = c.layout
         sched = lay.schedule + (f"(v={lay.virtual_stages})" if lay.virtual_stages > 1 else "")
         days = f"{c.days:8.1f}" if c.days is not None else f"{'-':>8}"
-        lines.append(f"{i:>2} {lay.dp:>5} {lay.tp:>3}{'s' if lay.sequence_parallel else ' '}{lay.pp:>3} "
+        ep_col = f" {lay.ep:>3}" if ep else ""
+        lines.append(f"{i:>2} {lay.dp:>5}{ep_col} {lay.tp:>3}{'s' if lay.sequence_parallel else ' '}{lay.pp:>3} "
                      f"{lay.microbatches:>5} {lay.micro_batch:>3} {sched:<16} {lay.zero:>4} {lay.recompute:<9} "
                      f"{c.memory.total / GiB:8.1f} {c.time.bubble_fraction:7.1%} {c.time.step_time_s:9.3g} "
                      f"{c.tokens_per_s:12,.0f} {c.mfu:6.1%} {days}")
@@ -319,12 +339,13 @@ def _candidate_rows(plans, start: int = 1) -> list[str]:
 
 def _search_table(res, hw) -> str:
     lines = [f"searched {res.considered} layouts; top {len(res.candidates)} the engine runs, by throughput:"]
-    lines += _candidate_rows(res.candidates)
+    ep = bool((res.candidates or res.plan_only) and (res.candidates or res.plan_only)[0].model.experts)
+    lines += _candidate_rows(res.candidates, ep=ep)
     if not res.candidates:
         lines.append("  no layout the engine runs fits: add devices, memory, or allow more ZeRO/recompute")
     if res.plan_only:
         lines.append("plan only (modelled, but the engine cannot run them; never proposed as best):")
-        rows = _candidate_rows(res.plan_only)
+        rows = _candidate_rows(res.plan_only, ep=ep)
         lines.append(rows[0] + "  why not runnable")
         for row, c in zip(rows[1:], res.plan_only):
             lines.append(f"{row}  {'; '.join(res.plan_only_reasons(c))}")

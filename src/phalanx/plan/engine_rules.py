@@ -1,9 +1,9 @@
 """What phalanx's engines run, as the planner needs to know it.
 
 The planner can model more than the engines run (ZeRO-3, the ``zb`` schedule,
-sequence parallelism, mixture of experts). Such a layout is *plan only*: shown in its
-own labelled list, never proposed as the best. What is runnable is read from the
-engine's own rules, not restated here:
+sequence parallelism, expert parallelism and tp/pp/ZeRO/recompute for the mixture-of-experts
+GPT). Such a layout is *plan only*: shown in its own labelled list, never proposed as the
+best. What is runnable is read from the engine's own rules where they can be probed:
 
 * ZeRO stages and schedules: the values :func:`phalanx.config.validate` accepts for
   ``parallel.zero`` and ``parallel.schedule`` (the same checks the engine relies on);
@@ -14,7 +14,11 @@ engine's own rules, not restated here:
   ``ReductionToOneDevice``) sums each shard's replicas with ``add_n`` on one device and
   every replica reads the sum back (reduce-to-one + broadcast); ZeRO-2 reduce-scatters
   directly (replica ``d`` sums piece ``d``); only ``parallel.strategy=multi_worker``
-  uses ``MultiWorkerMirroredStrategy``'s collective RING all-reduce.
+  uses ``MultiWorkerMirroredStrategy``'s collective RING all-reduce;
+* the mixture-of-experts GPT: two flags, :data:`GPT_EXPERT_PARALLEL` and
+  :data:`GPT_MOE_ON_MESH`, stated here because the refusals sit inside the engines'
+  constructors; ``tests/test_plan_engine.py`` checks each against the engine's refusal,
+  so when an engine learns one the test says which flag to flip.
 
 Example:
     >>> from phalanx.plan.arithmetic import ModelSpec
@@ -24,6 +28,9 @@ Example:
     ['ZeRO-3 (the engine runs parallel.zero 0, 1, 2)']
     >>> plan_only_reasons(m, Layout(dp=2, zero=2))
     []
+    >>> moe = ModelSpec(layers=4, d_model=64, heads=4, vocab=256, seq_len=32, experts=4)
+    >>> plan_only_reasons(moe, Layout(dp=4)), len(plan_only_reasons(moe, Layout(dp=4, ep=2)))
+    ([], 1)
     >>> engine_zero_stages(), engine_schedules()
     ((0, 1, 2), ('gpipe', '1f1b', 'interleaved'))
 """
@@ -33,6 +40,17 @@ from __future__ import annotations
 from functools import lru_cache
 
 from phalanx.config import SCHEDULES, ConfigError, from_dict
+
+
+# What the built-in GPT's engines run for a mixture-of-experts model (``model.experts``).
+# Flip a flag when the engine runs it: the planner then proposes those layouts.
+# False while `phalanx train` refuses parallel.ep > 1 (train/trainer.py make_engine): the GPT's
+# experts train data parallel; expert parallelism runs only for a Keras model built with
+# phalanx.layers.MoE(..., ep=N), through phalanx.fit.
+GPT_EXPERT_PARALLEL = False
+# False while the mesh engine (tp, pp, ZeRO, recompute) refuses model.experts
+# (parallel/mesh_engine.py MeshEngine): the MoE GPT trains on tf.distribute (one device, dp, multi_worker).
+GPT_MOE_ON_MESH = False
 
 
 @lru_cache(maxsize=None)
@@ -65,9 +83,14 @@ def plan_only_reasons(m, lay) -> list[str]:
         reasons.append(f"the {lay.schedule} schedule (the executor runs {', '.join(engine_schedules())})")
     if lay.sequence_parallel:
         reasons.append("sequence parallelism (not in the mesh engine)")
-    if m.experts:
-        reasons.append("mixture of experts (no MoE layers in the engine)")
     mesh_engine = lay.tp > 1 or lay.pp > 1 or lay.zero > 0 or lay.recompute != "none"
+    if m.experts and lay.ep > 1 and not GPT_EXPERT_PARALLEL:
+        reasons.append(f"expert parallelism parallel.ep={lay.ep} for the built-in GPT (phalanx train refuses "
+                       f"parallel.ep > 1: its experts train data parallel; ep runs for Keras models with "
+                       f"phalanx.layers.MoE(ep=...) through phalanx.fit)")
+    if m.experts and mesh_engine and not GPT_MOE_ON_MESH:
+        reasons.append("mixture of experts with tp/pp/ZeRO/recompute (the mesh engine refuses model.experts; "
+                       "the MoE GPT trains data parallel)")
     if m.dropout > 0 and mesh_engine:
         reasons.append("dropout with tp/pp/ZeRO/recompute (the mesh engine refuses model.dropout > 0)")
     return reasons
@@ -88,8 +111,9 @@ def stage_bounds(m, pp: int, virtual_stages: int = 1) -> tuple[tuple[int, int], 
 
     The engine balances stages by forward FLOPs per token (the embedding on the first
     stage, the head and loss on the last), so the last stage usually holds fewer blocks.
-    Dense models use the engine's own ``layer_costs``; a mixture-of-experts model (plan
-    only) uses the planner's per-block FLOPs with the same partitioner.
+    Dense models use the engine's own ``layer_costs``; a mixture-of-experts model (which
+    the mesh engine does not cut yet) uses the planner's per-block FLOPs with the same
+    partitioner.
 
     >>> from phalanx.plan.arithmetic import ModelSpec
     >>> stage_bounds(ModelSpec(layers=8, d_model=64, heads=4, vocab=4096, seq_len=32), 2)  # a heavy head

@@ -6,12 +6,17 @@ Example:
     (16, 8)
     >>> stage_layers(10, pp=2, virtual_stages=2)   # equal counts (the engine balances FLOPs instead)
     [3, 3, 2, 2]
+    >>> Layout(dp=4, ep=2).describe()
+    'dp=4 ep=2 tp=1 pp=1 m=1 b=1 1f1b zero=0 recompute=none'
+    >>> expert_parallel_error(8, ep=3, dp=6)
+    '3 does not divide model.experts=8: each replica of an ep group holds experts/ep experts; pick ep from [1, 2]'
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from phalanx.config import ConfigError
 from phalanx.plan.arithmetic import RECOMPUTE_MODES
 from phalanx.parallel.schedules import SCHEDULE_NAMES
 
@@ -47,11 +52,14 @@ class Layout:
     policy: str = "mixed_bfloat16"
     accum: int = 1
     reduction: str = "one"
+    ep: int = 1
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "microbatches", "micro_batch", "virtual_stages", "accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.ep < 1 or self.dp % self.ep:
+            raise ConfigError("parallel.ep", _ep_dp_error(self.ep, self.dp))
         if self.schedule not in SCHEDULE_NAMES:
             raise ValueError(f"schedule {self.schedule!r} is not known; choose one of {SCHEDULE_NAMES}")
         if self.zero not in (0, 1, 2, 3):
@@ -73,7 +81,8 @@ class Layout:
 
     def describe(self) -> str:
         sched = self.schedule + (f"(v={self.virtual_stages})" if self.virtual_stages > 1 else "")
-        return (f"dp={self.dp} tp={self.tp}{'+sp' if self.sequence_parallel else ''} pp={self.pp} "
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return (f"dp={self.dp}{ep} tp={self.tp}{'+sp' if self.sequence_parallel else ''} pp={self.pp} "
                 f"m={self.microbatches} b={self.micro_batch}{f' accum={self.accum}' if self.accum > 1 else ''} {sched} zero={self.zero} recompute={self.recompute}")
 
     def to_dict(self) -> dict:
@@ -81,7 +90,42 @@ class Layout:
                 "micro_batch": self.micro_batch, "schedule": self.schedule,
                 "virtual_stages": self.virtual_stages, "zero": self.zero, "recompute": self.recompute,
                 "sequence_parallel": self.sequence_parallel, "policy": self.policy,
-                "grad_accum": self.accum, "reduction": self.reduction}
+                "grad_accum": self.accum, "reduction": self.reduction, "ep": self.ep}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _ep_dp_error(ep: int, dp: int) -> str:
+    if ep < 1:
+        return f"must be >= 1, got {ep}"
+    return (f"{ep} does not divide parallel.dp={dp}: experts are sharded over groups of ep data replicas; "
+            f"pick ep from {_divisors(dp)}")
+
+
+def expert_parallel_error(experts: int, ep: int, dp: int) -> str | None:
+    """Why ``parallel.ep=ep`` is impossible for a model with ``experts`` experts per MoE block
+    on ``dp`` data replicas (None: it is possible). ep divides dp and the expert count; a
+    dense model (``experts == 0``) has nothing to shard and takes ep=1 only."""
+    if ep == 1:
+        return None
+    if ep < 1 or dp % ep:
+        return _ep_dp_error(ep, dp)
+    if not experts:
+        return f"{ep} needs a mixture-of-experts model (model.experts >= 2); a dense model takes ep=1"
+    if experts % ep:
+        return (f"{ep} does not divide model.experts={experts}: each replica of an ep group holds experts/ep "
+                f"experts; pick ep from {[d for d in _divisors(dp) if experts % d == 0]}")
+    return None
+
+
+def check_expert_parallel(m, lay: Layout) -> None:
+    """Raise :class:`~phalanx.config.ConfigError` (key ``parallel.ep``) when ``lay.ep`` is
+    impossible for model ``m`` (see :func:`expert_parallel_error`)."""
+    err = expert_parallel_error(m.experts, lay.ep, lay.dp)
+    if err:
+        raise ConfigError("parallel.ep", err)
 
 
 def stage_layers(layers: int, pp: int, virtual_stages: int = 1) -> list[int]:

@@ -17,6 +17,14 @@ ZeRO over the ``dp`` replicas, as the engine does it:
 With ``pp > 1`` and tied embeddings the last stage holds a second copy of the token
 embedding (weights and gradient; its AdamW states live with the first copy).
 
+Expert parallelism (``parallel.ep``, :class:`~phalanx.plan.layout.Layout` ``ep``): each
+replica of an ep group holds ``experts/ep`` experts of every MoE block, so the experts'
+weights, gradients and AdamW states per device are divided by ``ep``; the attention,
+router, LayerNorms and embeddings stay whole (data parallel). ZeRO shards the dense states
+over the ``dp`` replicas and the expert states over the ``dp/ep`` replicas that hold the
+same experts. Activations do not change with ``ep`` under balanced routing: a device runs
+its experts on ``top_k`` x its own token count, received from the group.
+
 Activations per transformer layer and micro-batch (Korthikanti et al. 2022, "Reducing
 Activation Recomputation in Large Transformer Models", section 4): with 16-bit
 activations and dropout, ``s b h (34 + 5 a s / h)`` bytes; with tensor parallelism
@@ -40,12 +48,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from math import gcd
-
 from phalanx.parallel.schedules import build_schedule
 from phalanx.plan.arithmetic import ModelSpec
 from phalanx.plan.engine_rules import stage_bounds
-from phalanx.plan.layout import Layout
+from phalanx.plan.layout import Layout, check_expert_parallel
 
 # bytes per parameter the engine keeps, for every policy: (weights, gradients, optimizer states)
 ENGINE_STATE_BYTES = (4, 4, 8)
@@ -65,6 +71,7 @@ class Memory:
     rank: int = 0                 # which pipeline rank this is
     params: float = 0.0           # parameters held on that device (before ZeRO-3 sharding)
     in_flight: int = 0            # peak activation sets (micro-batch x chunk) on that rank
+    expert_params: float = 0.0    # of ``params``, expert weights (1/ep of each MoE block's experts)
 
     @property
     def total(self) -> float:
@@ -199,7 +206,8 @@ def memory_per_device(m: ModelSpec, lay: Layout, overhead_bytes: float = 0.0,
     w_b, g_b, o_b = ENGINE_STATE_BYTES
     e = ACTIVATION_BYTES[lay.policy]
     v, tp, dp = lay.virtual_stages, lay.tp, lay.dp
-    ep = gcd(m.experts, dp) if m.experts else 1
+    check_expert_parallel(m, lay)
+    ep = lay.ep
     if exact_schedule:
         peaks, last_peak = schedule_in_flight(lay.schedule, lay.pp, lay.microbatches, v)
     else:
@@ -251,7 +259,7 @@ def memory_per_device(m: ModelSpec, lay: Layout, overhead_bytes: float = 0.0,
         optim = sharded(o_b, lay.zero >= 1)
         subtotal = weights + grads + optim + acts
         mem = Memory(weights, grads, optim, acts, overhead_bytes + overhead_fraction * subtotal, r,
-                     params + copy, peaks[r])
+                     params + copy, peaks[r], expert)
         if best is None or mem.total > best.total:
             best = mem
     assert best is not None

@@ -1,4 +1,5 @@
-"""Search (dp, tp, pp, micro-batches, ZeRO, recomputation, schedule) for the fastest layout that fits.
+"""Search (dp, tp, pp, micro-batches, ZeRO, recomputation, schedule, and ep for a mixture of
+experts) for the fastest layout that fits.
 
 Two passes: every candidate is first scored with closed-form in-flight counts and
 bubble (microseconds each); the best ones are then re-estimated exactly, replaying the
@@ -6,11 +7,15 @@ schedule tables in the simulator, and any that no longer fit are rejected. So a
 returned candidate always fits by the exact count and always divides.
 
 Rejections are counted by reason: tp not dividing heads/ffn/vocab (the engine's rule),
-tp crossing a node, global batch not divisible, pipeline deeper than the model, not
-fitting (by how much).
+tp crossing a node, global batch not divisible, pipeline deeper than the model, a fixed
+ep that does not divide dp and the expert count, not fitting (by how much).
+
+Expert parallelism: for a mixture-of-experts model every ``ep`` that divides both ``dp``
+and ``model.experts`` is tried (:func:`ep_choices`); a dense model takes ep=1.
 
 Only layouts the engine runs are ranked as candidates. Layouts the planner can model
-but the engine cannot run (ZeRO-3, the ``zb`` schedule, sequence parallelism, MoE; see
+but the engine cannot run (ZeRO-3, the ``zb`` schedule, sequence parallelism, ep > 1 and
+tp/pp/ZeRO/recompute for the built-in MoE GPT; see
 :func:`phalanx.plan.engine_rules.plan_only_reasons`) are searched too and returned in
 ``plan_only``, each with its reasons; they are never the best candidate.
 
@@ -33,7 +38,7 @@ from phalanx.plan.arithmetic import ModelSpec
 from phalanx.plan.engine_rules import divisibility_reason, plan_only_reasons
 from phalanx.plan.estimate import Plan, estimate
 from phalanx.plan.hardware import GiB, Hardware
-from phalanx.plan.layout import Layout
+from phalanx.plan.layout import Layout, expert_parallel_error
 from phalanx.plan.memory import DEFAULT_OVERHEAD_FRACTION
 from phalanx.plan.timing import DEFAULT_UTILIZATION
 
@@ -91,6 +96,18 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def ep_choices(m: ModelSpec, dp: int) -> list[int]:
+    """Expert-parallel degrees to try on ``dp`` replicas: divisors of both ``dp`` and the
+    expert count (``[1]`` for a dense model).
+
+    >>> ep_choices(ModelSpec(layers=2, d_model=8, heads=2, experts=8), 12)
+    [1, 2, 4]
+    """
+    if not m.experts:
+        return [1]
+    return [e for e in _divisors(dp) if m.experts % e == 0]
+
+
 def search(m: ModelSpec, hw: Hardware, devices: int, global_batch: int, *, policy: str = "mixed_bfloat16",
            top: int = 5, tokens: float | None = None, utilization: float = DEFAULT_UTILIZATION,
            overhead_fraction: float = DEFAULT_OVERHEAD_FRACTION, dp_overlap: float = 0.0,
@@ -100,8 +117,8 @@ def search(m: ModelSpec, hw: Hardware, devices: int, global_batch: int, *, polic
            fused: bool | None = None) -> SearchResult:
     """The ``top`` fastest fitting layouts of ``devices`` devices for ``global_batch`` sequences per step.
 
-    ``fixed``: degrees the user set (``{"dp": 2, "tp": 1, "pp": 2, "microbatches": 4}``, any
-    subset); only layouts with those values are searched. ``reduction``: how the engine that
+    ``fixed``: degrees the user set (``{"dp": 2, "tp": 1, "pp": 2, "microbatches": 4, "ep": 2}``,
+    any subset); only layouts with those values are searched. ``reduction``: how the engine that
     will run sums gradients (``one`` for the single-process mesh, ``ring`` for multi_worker).
     """
     if devices < 1 or global_batch < 1 or top < 1:
@@ -131,27 +148,35 @@ def search(m: ModelSpec, hw: Hardware, devices: int, global_batch: int, *, polic
                 rej.add("global batch not divisible by dp", f"{global_batch} sequences over dp={dp}")
                 continue
             per_replica = global_batch // dp
-            for b in MICRO_BATCH_CHOICES:
-                if per_replica % b:
+            eps = ep_choices(m, dp)
+            if "ep" in fixed:
+                if fixed["ep"] not in eps:
+                    rej.add("parallel.ep does not divide dp and model.experts",
+                            f"parallel.ep={expert_parallel_error(m.experts, fixed['ep'], dp)}")
                     continue
-                mb = per_replica // b
-                if fixed.get("microbatches", mb) != mb:
-                    continue
-                for sched, v in _schedule_options(schedules, virtual_stages, pp, mb, m.layers, rej):
-                    for recompute in recompute_modes:
-                        for zero in zero_stages:
-                            if zero and dp == 1:
-                                continue  # nothing to shard
-                            considered += 1
-                            lay = Layout(dp, tp, pp, mb, b, sched, v, zero, recompute,
-                                         sequence_parallel and tp > 1, policy, reduction=reduction)
-                            plan = estimate(m, lay, hw, tokens, utilization, overhead_fraction, dp_overlap,
-                                            exact_schedule=False, fused=fused)
-                            if not plan.fits:
-                                rej.misfit(plan)
-                                continue
-                            scored.append((plan.tokens_per_s, plan))
-                            break  # higher ZeRO stages cost as much or more time: the lowest that fits wins
+                eps = [fixed["ep"]]
+            for ep in eps:
+                for b in MICRO_BATCH_CHOICES:
+                    if per_replica % b:
+                        continue
+                    mb = per_replica // b
+                    if fixed.get("microbatches", mb) != mb:
+                        continue
+                    for sched, v in _schedule_options(schedules, virtual_stages, pp, mb, m.layers, rej):
+                        for recompute in recompute_modes:
+                            for zero in zero_stages:
+                                if zero and dp == 1:
+                                    continue  # nothing to shard
+                                considered += 1
+                                lay = Layout(dp, tp, pp, mb, b, sched, v, zero, recompute,
+                                             sequence_parallel and tp > 1, policy, reduction=reduction, ep=ep)
+                                plan = estimate(m, lay, hw, tokens, utilization, overhead_fraction, dp_overlap,
+                                                exact_schedule=False, fused=fused)
+                                if not plan.fits:
+                                    rej.misfit(plan)
+                                    continue
+                                scored.append((plan.tokens_per_s, plan))
+                                break  # higher ZeRO stages cost as much or more time: the lowest that fits wins
     scored.sort(key=lambda sp: -sp[0])
     final: list[Plan] = []
     plan_only: list[Plan] = []

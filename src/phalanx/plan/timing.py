@@ -31,7 +31,21 @@ Model:
   - ZeRO-3 (plan only): 1.5x the ring volume (Rajbhandari et al. 2020 section 7.2.2).
 
   A fraction ``dp_overlap`` (default 0) is hidden behind the backward.
-* MoE: an all-to-all dispatch and combine per expert block, forward and backward.
+* Expert parallelism (``ep > 1``), the pattern of GShard (Lepikhin et al. 2020, "GShard:
+  Scaling Giant Models with Conditional Computation and Automatic Sharding": a dispatch
+  all-to-all, the experts, a combine all-to-all) as DeepSpeed-MoE trains it (Rajbhandari et
+  al. 2022, "DeepSpeed-MoE": expert parallelism over the data-parallel ranks, non-expert
+  weights data parallel): per MoE block and micro-batch each
+  device sends every token routed to an expert of another replica of its ep group and gets
+  the expert's output back. With balanced routing a fraction ``(ep-1)/ep`` of the ``top_k``
+  copies of its ``b s`` tokens leaves the device, so one all-to-all moves
+  ``b s h x bytes-per-activation x top_k x (ep-1)/ep`` bytes out of (and as many into) each
+  device (:func:`all_to_all_bytes`): dispatch and combine in the forward, their gradients in
+  the backward (4 per block and micro-batch; 6 under full recomputation, which re-runs the
+  forward's two). Priced on the link of the data axis (ep groups are data replicas), on the
+  critical path, not overlapped. Tokens over an expert's capacity are not sent; padding to
+  the capacity (GShard's dense dispatch) is not counted. The experts' gradients are summed
+  over the ``dp/ep`` replicas holding the same experts, the rest over all ``dp``.
 
 Links: ranks are numbered tp fastest, then dp, then pp (Megatron's order), so a tp group
 shares a node when ``tp`` divides the node size; a dp group or pipeline neighbour crosses
@@ -51,13 +65,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from math import gcd
 
 from phalanx.parallel.schedules import build_schedule, bubble_formula
 from phalanx.plan.arithmetic import (ModelSpec, layer_forward_flops_per_token, logits_forward_flops_per_token,
                                      attention_core_flops_per_token)
 from phalanx.plan.hardware import Hardware
-from phalanx.plan.layout import Layout
+from phalanx.plan.layout import Layout, check_expert_parallel
 from phalanx.plan.memory import ACTIVATION_BYTES, ENGINE_STATE_BYTES, memory_per_device, stage_kinds
 from phalanx.plan.simulator import simulate
 
@@ -72,7 +85,7 @@ class StepTime:
     tp_comm_s: float             # per step, on the critical path
     pp_comm_s: float             # per transfer
     dp_comm_s: float             # exposed gradient synchronisation
-    moe_comm_s: float
+    moe_comm_s: float            # expert-parallel all-to-alls per step, on the busiest rank (in the pipeline time)
     comm_bytes: dict             # per device per step, by collective
 
     def to_dict(self) -> dict:
@@ -110,6 +123,21 @@ def dp_sync_bytes(grad_bytes: float, dp: int, zero: int, reduction: str) -> floa
     return 2 * piece                          # reduce-scatter, then all-gather, every device alike
 
 
+def all_to_all_bytes(m: ModelSpec, lay: Layout) -> float:
+    """Bytes one device sends (and receives) in one expert-parallel all-to-all — the dispatch or
+    the combine of one MoE block for one micro-batch, forward or backward: its tokens x
+    ``d_model`` x bytes per activation x ``top_k`` x ``(ep-1)/ep`` (see the module docstring).
+
+    >>> m = ModelSpec(layers=2, d_model=64, heads=4, vocab=256, seq_len=32, experts=8, top_k=2)
+    >>> all_to_all_bytes(m, Layout(dp=4, ep=4, micro_batch=2, policy="float32")) == 2 * 32 * 64 * 4 * 2 * 3 / 4
+    True
+    """
+    if lay.ep <= 1 or not m.experts:
+        return 0.0
+    tokens = lay.micro_batch * m.seq_len / (lay.tp if lay.sequence_parallel else 1)
+    return tokens * m.d_model * ACTIVATION_BYTES[lay.policy] * m.top_k * (lay.ep - 1) / lay.ep
+
+
 def links(lay: Layout, hw: Hardware) -> dict[str, float]:
     """Bandwidth used by each kind of traffic, given the rank order tp < dp < pp."""
     node = hw.devices_per_node
@@ -138,6 +166,7 @@ def step_time(m: ModelSpec, lay: Layout, hw: Hardware, utilization: float = DEFA
         raise ValueError(f"utilization must be in (0, 1], got {utilization}")
     if not 0 <= dp_overlap <= 1:
         raise ValueError(f"dp_overlap must be in [0, 1], got {dp_overlap}")
+    check_expert_parallel(m, lay)
     rate = hw.peak_flops(lay.policy) * utilization
     if rate <= 0:
         raise ValueError(f"hardware {hw.name!r} has no peak FLOP/s for {lay.policy}; pass --peak-tflops")
@@ -154,9 +183,11 @@ def step_time(m: ModelSpec, lay: Layout, hw: Hardware, utilization: float = DEFA
     tp_ar = tp_pass_bytes / 2 / bw["tp"] if lay.tp > 1 else 0.0
     tp_fwd, tp_bwd = 2 * tp_ar, 2 * tp_ar + (2 * tp_ar if lay.recompute == "full" else 0.0)
 
-    # MoE all-to-all: tokens leave the device with probability (ep-1)/ep, top_k copies, twice per pass
-    ep = gcd(m.experts, lay.dp) if m.experts else 1
-    a2a = (2 * act * m.top_k * (ep - 1) / ep / bw["dp"]) if ep > 1 else 0.0
+    # expert parallelism: a dispatch and a combine all-to-all per MoE block and pass (GShard;
+    # DeepSpeed-MoE), on the data axis's link; full recomputation re-runs the forward's two
+    a2a_bytes = all_to_all_bytes(m, lay)
+    a2a = a2a_bytes / bw["dp"]
+    a2a_fwd, a2a_bwd = 2 * a2a, 2 * a2a + (2 * a2a if lay.recompute == "full" else 0.0)
 
     kinds = stage_kinds(m, lay.pp, lay.virtual_stages)
     counts = [a + b for a, b in kinds]
@@ -168,13 +199,12 @@ def step_time(m: ModelSpec, lay: Layout, hw: Hardware, utilization: float = DEFA
             extra = fl
         elif lay.recompute == "selective":
             extra = attention_core_flops_per_token(m) * tokens / lay.tp / rate
-        per_block[moe] = (fl + tp_fwd + (a2a if moe else 0.0), 2 * fl + extra + tp_bwd + (2 * a2a if moe else 0.0))
+        per_block[moe] = (fl + tp_fwd + (a2a_fwd if moe else 0.0),
+                          2 * fl + extra + tp_bwd + (a2a_bwd if moe else 0.0))
     f_costs, b_costs = [], []
-    moe_total = 0.0
     for n_dense, n_moe in kinds:
         f_costs.append(n_dense * per_block[False][0] + (n_moe * per_block[True][0] if n_moe else 0.0))
         b_costs.append(n_dense * per_block[False][1] + (n_moe * per_block[True][1] if n_moe else 0.0))
-        moe_total += 3 * a2a * n_moe
     logits = logits_forward_flops_per_token(m) * tokens / lay.tp / rate
     f_costs[-1] += logits
     b_costs[-1] += 2 * logits
@@ -197,13 +227,18 @@ def step_time(m: ModelSpec, lay: Layout, hw: Hardware, utilization: float = DEFA
         bubble = bubble_formula(lay.pp, lay.microbatches, eff_v) if lay.pp > 1 else 0.0
         makespan = busiest / (1 - bubble) + 2 * (lay.pp - 1) * p2p * lay.virtual_stages
 
-    # data-parallel gradient synchronisation, once per step
+    # data-parallel gradient synchronisation, once per step; with ep the experts' gradients
+    # are summed over the dp/ep replicas that hold the same experts, the rest over all dp
     mem = memory_per_device(m, lay, exact_schedule=False)
-    grad_bytes = mem.params * ENGINE_STATE_BYTES[1]  # the engine's gradients are float32
-    dp_bytes = dp_sync_bytes(grad_bytes, lay.dp, lay.zero, lay.reduction)
+    g_b = ENGINE_STATE_BYTES[1]  # the engine's gradients are float32
+    dp_bytes = (dp_sync_bytes((mem.params - mem.expert_params) * g_b, lay.dp, lay.zero, lay.reduction)
+                + dp_sync_bytes(mem.expert_params * g_b, lay.dp // lay.ep, lay.zero, lay.reduction))
     dp_s = dp_bytes / bw["dp"] * (1 - dp_overlap) if lay.dp > 1 else 0.0
 
     blocks_per_rank = sum(counts[0::lay.pp])  # rank 0 holds the most blocks
+    moe_per_rank = max(sum(n_moe for _, n_moe in kinds[r::lay.pp]) for r in range(lay.pp))
+    n_a2a = 4 + (2 if lay.recompute == "full" else 0)
+    a2a_step_bytes = n_a2a * a2a_bytes * moe_per_rank * lay.microbatches
     n_ar = 4 + (2 if lay.recompute == "full" else 0)
     tp_bytes = tp_pass_bytes / 2 * n_ar * blocks_per_rank * lay.microbatches if lay.tp > 1 else 0.0
     comm_bytes = {
@@ -211,11 +246,10 @@ def step_time(m: ModelSpec, lay: Layout, hw: Hardware, utilization: float = DEFA
         "dp_gradients": dp_bytes,
         "pp_p2p": 2 * act / (lay.tp if lay.sequence_parallel else 1) * lay.microbatches * lay.virtual_stages
         if lay.pp > 1 else 0.0,
-        "moe_all_to_all": (4 * act * m.top_k * (ep - 1) / ep) * lay.microbatches * (m.moe_layers / lay.pp)
-        if ep > 1 else 0.0,
+        "moe_all_to_all": a2a_step_bytes,
     }
     tp_s = tp_bytes / bw["tp"] if lay.tp > 1 else 0.0
     a = lay.accum  # the schedule runs once per accumulation step; gradients sync once per step
     comm_bytes = {k: (v if k == "dp_gradients" else v * a) for k, v in comm_bytes.items()}
     return StepTime(a * makespan + dp_s, a * makespan, bubble, a * tp_s, p2p, dp_s,
-                    a * moe_total * lay.microbatches, comm_bytes)
+                    a * a2a_step_bytes / bw["dp"], comm_bytes)

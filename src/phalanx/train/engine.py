@@ -200,14 +200,9 @@ class StrategyEngine:
 
     def _apply_one(self, var, grad, m, v, factor, t, lr, finite, decay, mask=None):
         # Runs once per device copy of `var`; m and v are that device's slot copies.
-        new_p, new_m, new_v = optim.adamw_update(var, grad * factor, m, v, t, lr, self.cfg.train, decay)
-        if mask is not None:  # pruned: masked weights (and their moments) stay exactly zero
-            new_p, new_m, new_v = new_p * mask, new_m * mask, new_v * mask
-        # Non-finite gradients: keep every value (tf.where, not tf.cond, so the
-        # same graph runs on every replica and engine).
-        m.assign(tf.where(finite, new_m, m))
-        v.assign(tf.where(finite, new_v, v))
-        return var.assign(tf.where(finite, new_p, var))
+        # Non-finite gradients change nothing (optim.apply_adamw skips the update).
+        return optim.apply_adamw(var, m, v, grad, step=t, lr=lr, factor=factor, finite=finite,
+                                 cfg=self.cfg.train, decay=decay, mask=mask)
 
     def _replica_eval(self, batch):
         return self.task.loss(self.model, self._local_rows(batch), training=False) / float(self.dp)

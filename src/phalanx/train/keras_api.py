@@ -7,8 +7,10 @@ follow Keras's rules, Keras callbacks get the same hooks and logs (``History``,
 metrics. What phalanx adds is *where* each step runs
 (:class:`~phalanx.engines.keras_model.KerasModelEngine`) and a run directory: one
 checkpoint at the end of every epoch (weights, optimizer state, history), resumed when
-the same model is fitted into the same ``run.dir`` again, and ``metrics.jsonl`` with one
-row per epoch.
+the same model is fitted into the same ``run.dir`` again, and one row per epoch in
+``metrics.jsonl`` and as TensorBoard scalars under ``tb/`` (the epoch's logs; for a model
+with :class:`phalanx.layers.MoE` layers also ``moe_aux_loss``, ``moe_balance``,
+``moe_dropped``, ``moe_load_min``, ``moe_load_max``: :mod:`phalanx.train.moe_stats`).
 
 Under a TF_CONFIG cluster (``parallel.strategy=multi_worker``, every worker runs the same
 script) each worker trains on its rows of every global batch and the workers all-reduce
@@ -20,9 +22,9 @@ Use it through :func:`phalanx.fit`, :func:`phalanx.evaluate` and :func:`phalanx.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
-import re
+import keyword
 import sys
 import time
 from pathlib import Path
@@ -36,8 +38,13 @@ from phalanx.config import Config, ConfigError
 from phalanx.data.keras_inputs import Batches
 from phalanx.engines import keras_cluster
 from phalanx.engines.keras_model import KerasModelEngine, apply_precision
+from phalanx.precision import describe as precision_line
+from phalanx.layers import TransformerBlock
 from phalanx.mesh import Mesh
-from phalanx.train.progress import drop_rows_after
+from phalanx.models import parallelize
+from phalanx.train.moe_stats import MoEStats
+from phalanx.train import keras_state
+from phalanx.train.progress import RunOutput
 
 DEFAULT_RUN_DIR = "runs/default"
 METRICS_FILE = "metrics.jsonl"
@@ -51,6 +58,7 @@ _GPT_ONLY = {
     "train.log_every": "fit's verbose= and Keras callbacks",
     "train.peak_flops": "nothing (fit reports no MFU)",
     "checkpoint.every": "nothing: fit checkpoints at the end of every epoch",
+    "checkpoint.async": "nothing: fit writes its end-of-epoch checkpoints synchronously",
 }
 _OPTIMIZER_KEYS = ("lr", "min_lr_ratio", "warmup", "clip_norm", "weight_decay", "beta1", "beta2", "eps")
 
@@ -92,6 +100,7 @@ def check_config_for_keras(cfg: Config, model) -> None:
                                                          "model and the data you pass to fit define their own")
     for key, instead in _GPT_ONLY.items():
         section, name = key.split(".")
+        name = name + "_" if keyword.iskeyword(name) else name  # checkpoint.async is the field async_
         value = getattr(getattr(cfg, section), name)
         if value != getattr(getattr(defaults, section), name):
             raise ConfigError(key, f"{value!r} is for the built-in GPT's trainer; a Keras model uses {instead}")
@@ -112,6 +121,33 @@ def check_config_for_keras(cfg: Config, model) -> None:
     # Refuses parameter_server (and a strategy that cannot span a cluster's workers);
     # multi_worker runs on every worker of a TF_CONFIG cluster (phalanx.engines.keras_cluster).
     keras_cluster.cluster_mode(cfg)
+
+
+def split_for_tensor_parallel(model, cfg: Config, mesh: Mesh, verbose) -> None:
+    """With ``parallel.tp > 1``, give a model that has no tensor-parallel layers yet those of
+    its keras-hub family's preset (:func:`phalanx.parallelize`, in place: the same object,
+    the same weights). Any other model is left as it is: the engine then refuses the
+    layout, saying how to build the model for it. ``parallel.sequence_parallel=true`` turns
+    on sequence parallelism in every :class:`phalanx.layers.TransformerBlock`."""
+    if mesh.tp > 1 and not parallelize.is_parallelized(model):
+        rules = parallelize.preset_for(model, mesh.tp)
+        if rules is not None:
+            parallelize.parallelize(model, mesh.tp, rules)
+            if verbose:
+                print(f"parallel.tp={mesh.tp}: {model.name!r} ({type(model).__name__}) split by its keras-hub "
+                      f"preset (phalanx.unparallelize(model) puts plain keras-hub layers back)", file=sys.stderr,
+                      flush=True)
+    if cfg.parallel.sequence_parallel:
+        blocks = [layer for layer in model._flatten_layers() if isinstance(layer, TransformerBlock)]
+        if not blocks:
+            raise ConfigError("parallel.sequence_parallel", f"true: model {model.name!r} has no layer that runs "
+                                                            f"sequence parallel; build its blocks from "
+                                                            f"phalanx.layers.TransformerBlock")
+        if mesh.tp == 1:
+            raise ConfigError("parallel.sequence_parallel", "true cuts the sequence over the tensor devices; it "
+                                                            "needs parallel.tp > 1")
+        for block in blocks:
+            block.sequence_parallel = True
 
 
 def default_optimizer(cfg: Config, total_steps: int):
@@ -169,16 +205,17 @@ def run_directory(cfg: Config) -> Path:
 
 
 def _variables_signature(model) -> list[list]:
-    """What makes a checkpoint "of the same model": its variables' paths and shapes, in
-    order, without the counters Keras appends to layer names (``dense_3`` -> ``dense``),
-    which depend on how many layers the process made before."""
-    return [["/".join(re.sub(r"_\d+$", "", part) for part in v.path.split("/")), list(v.shape)]
-            for v in model.variables]
+    """What makes a checkpoint "of the same model": its logical weights' names and shapes,
+    in order — without the counters Keras appends to layer names (``dense_3`` -> ``dense``),
+    which depend on how many layers the process made before, and with a weight cut into
+    tensor or expert shards counted once, whole (:mod:`phalanx.train.keras_state`), so that
+    a checkpoint does not depend on the layout."""
+    return [[e.name, list(e.shape)] for e in keras_state.model_entries(model)]
 
 
 def _state(model) -> dict[str, np.ndarray]:
-    tensors = {f"model/{i:05d}": np.asarray(v.numpy()) for i, v in enumerate(model.variables)}
-    tensors.update({f"optimizer/{i:05d}": np.asarray(v.numpy()) for i, v in enumerate(model.optimizer.variables)})
+    tensors = {f"model/{i:05d}": e.value() for i, e in enumerate(keras_state.model_entries(model))}
+    tensors.update({f"optimizer/{i:05d}": e.value() for i, e in enumerate(keras_state.optimizer_entries(model))})
     return tensors
 
 
@@ -199,17 +236,17 @@ def _restore(run_dir: Path, model, say) -> tuple[int, dict]:
                      f"{len(saved)} variables saved vs {len(mine)} in the model")
         raise ConfigError("run.dir", f"{str(run_dir)!r} holds checkpoints of a different model (first difference: "
                                      f"checkpoint {first}); pass a new run.dir, or fit the same model to resume")
-    optimizer_vars = model.optimizer.variables
+    optimizer_vars = keras_state.optimizer_entries(model)
     wanted = {f"optimizer/{i:05d}" for i in range(len(optimizer_vars))}
     have = {k for k in restored.tensors if k.startswith("optimizer/")}
     if wanted != have:
         raise ConfigError("run.dir", f"{str(run_dir)!r}: the checkpoint's optimizer state has {len(have)} tensors but "
                                      f"{type(model.optimizer).__name__} has {len(wanted)}; compile with the optimizer "
                                      f"(and precision policy) of the saved run, or pass a new run.dir")
-    for i, v in enumerate(model.variables):
-        v.assign(restored.tensors[f"model/{i:05d}"])
-    for i, v in enumerate(optimizer_vars):
-        v.assign(restored.tensors[f"optimizer/{i:05d}"])
+    for i, entry in enumerate(keras_state.model_entries(model)):
+        entry.assign(restored.tensors[f"model/{i:05d}"])
+    for i, entry in enumerate(optimizer_vars):
+        entry.assign(restored.tensors[f"optimizer/{i:05d}"])
     say(f"resumed from {path} (epoch {meta['epoch']})")
     return int(meta["epoch"]), meta.get("history", {})
 
@@ -232,9 +269,19 @@ def _jsonable(value):
     return value
 
 
-def _append_metrics(run_dir: Path, row: dict) -> None:
-    with (run_dir / METRICS_FILE).open("a") as f:
-        f.write(json.dumps(_jsonable(row)) + "\n")
+def _metrics_output(run_dir: Path | None, start_step: int):
+    """Where the epochs' rows go: ``metrics.jsonl`` and TensorBoard events under ``tb/``
+    (the writer of ``phalanx train``, quiet: fit prints through Keras's callbacks). Rows
+    past ``start_step`` (left by a run that died after its last checkpoint) are dropped
+    first. A worker other than the chief (``run_dir`` None) writes nothing."""
+    if run_dir is None:
+        return contextlib.nullcontext(None)
+    return RunOutput(run_dir, total_steps=0, start_step=start_step, quiet=True)
+
+
+def _epoch_row(epoch: int, step: int, logs: dict, moe: MoEStats) -> dict:
+    """One epoch's row: its logs (metrics, ``val_*``) and the MoE layers' figures."""
+    return _jsonable({"epoch": epoch, "step": step, **logs, **moe.epoch_row()})
 
 
 # -- the loops ------------------------------------------------------------------------------------
@@ -282,6 +329,7 @@ def fit(model, cfg: Config, mesh: Mesh, x=None, y=None, *, batch_size=None, epoc
     train = Batches(x, y, sample_weight, batch_size=batch_size, steps_per_epoch=steps_per_epoch, shuffle=shuffle,
                     seed=cfg.train.seed, divisor=_divisor(cfg, mesh) * world)
     val = _validation_batches(validation_data, validation_batch_size or batch_size, cfg, mesh)
+    split_for_tensor_parallel(model, cfg, mesh, verbose)
     apply_precision(model, cfg)
     if model.optimizer is None:
         model.optimizer = default_optimizer(cfg, (train.steps or 1) * epochs)
@@ -335,7 +383,19 @@ def _fit_loop(engine, model, cfg, run_dir: Path | None, train: Batches, val, *, 
     start = max(initial_epoch, done)
     if run_dir is not None:
         (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        drop_rows_after(run_dir, int(model.optimizer.iterations.numpy()))  # a resumed run repeats no row
+    # a resumed run repeats no row: the rows past the restored step are dropped
+    with _metrics_output(run_dir, int(model.optimizer.iterations.numpy())) as output:
+        return _train_epochs(engine, model, cfg, run_dir, output, train, val, history, saved_history, start=start,
+                             epochs=epochs, callbacks=callbacks, verbose=verbose, validation_steps=validation_steps,
+                             validation_freq=validation_freq, workers=workers, say=say)
+
+
+def _train_epochs(engine, model, cfg, run_dir: Path | None, output: RunOutput | None, train: Batches, val, history,
+                  saved_history: dict, *, start, epochs, callbacks, verbose, validation_steps, validation_freq,
+                  workers, say):
+    """Epochs ``start..epochs-1`` of :func:`_fit_loop`; ``output`` writes each epoch's row
+    (None: a worker other than the chief, which writes none)."""
+    moe = MoEStats(model if output is not None else None)  # nothing read where nothing is written
     callback_list = _callbacks(callbacks, model, verbose, epochs, train.steps, history)
     model.stop_training = False
     callback_list.on_train_begin()
@@ -345,6 +405,7 @@ def _fit_loop(engine, model, cfg, run_dir: Path | None, train: Batches, val, *, 
     across = "" if workers is None else f"{workers.size} workers x "
     say(f"phalanx.fit: {model.name!r} on {across}dp={engine.dp} pp={engine.pp} (grad_accum {engine.accum}, "
         f"{engine.microbatches} micro-batches), {cfg.precision.policy}; run dir {run_dir}")
+    say(precision_line(cfg))
     epoch_logs: dict = {}
     for epoch in range(start, epochs):
         model.reset_metrics()
@@ -354,6 +415,7 @@ def _fit_loop(engine, model, cfg, run_dir: Path | None, train: Batches, val, *, 
         for step, batch in enumerate(train.epoch()):
             callback_list.on_train_batch_begin(step)
             engine.train_step(batch)
+            moe.update()
             steps_run += 1
             logs = _logs(model)
             callback_list.on_train_batch_end(step, logs)
@@ -370,7 +432,8 @@ def _fit_loop(engine, model, cfg, run_dir: Path | None, train: Batches, val, *, 
         callback_list.on_epoch_end(epoch, epoch_logs)
         if run_dir is not None:
             _save(run_dir, cfg, model, epoch + 1, history.history, step_count)
-            _append_metrics(run_dir, {"epoch": epoch + 1, "step": step_count, **epoch_logs})
+        if output is not None:
+            output.log(_epoch_row(epoch + 1, step_count, epoch_logs, moe))
         if model.stop_training:
             break
     callback_list.on_train_end(logs=epoch_logs)
@@ -384,6 +447,7 @@ def evaluate(model, cfg: Config, mesh: Mesh, x=None, y=None, *, batch_size=None,
     _check_positive("steps", steps, allow_none=True)
     verbose = _verbose(verbose) if keras_cluster.is_chief(cfg) else 0  # every worker evaluates; the chief prints
     batches = Batches(x, y, sample_weight, batch_size=batch_size, divisor=1)
+    split_for_tensor_parallel(model, cfg, mesh, verbose)
     apply_precision(model, cfg)
     engine = KerasModelEngine(model, cfg, mesh, batches.first())
     callback_list = _callbacks(callbacks, model, verbose, 1, steps or batches.steps)
@@ -402,6 +466,7 @@ def predict(model, cfg: Config, mesh: Mesh, x, *, batch_size=None, steps=None, c
     _check_positive("steps", steps, allow_none=True)
     verbose = _verbose(verbose) if keras_cluster.is_chief(cfg) else 0  # every worker predicts; the chief prints
     batches = Batches(x, batch_size=batch_size, divisor=1, need_y=False)
+    split_for_tensor_parallel(model, cfg, mesh, verbose)
     apply_precision(model, cfg)
     first = batches.first()
     engine = KerasModelEngine(model, cfg, mesh, (first[0], None, None), inference_only=True)

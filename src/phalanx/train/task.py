@@ -67,14 +67,17 @@ class GPTTask:
         return gpt.decays(name)
 
     def stats(self, model) -> dict[str, float]:
-        """Extra figures for the logs: the MoE blocks' balancing loss (mean), share of
-        dropped assignments (mean) and expert load (min and max over blocks) of the last
-        training step (replica 0's micro-batch); empty for a dense GPT."""
+        """Extra figures for the logs, with the names and meanings ``phalanx.fit`` uses
+        (:mod:`phalanx.train.moe_stats`): the balancing loss added (``moe_aux_loss``: the sum
+        over blocks of coefficient x balance), the balance before the coefficient (mean over
+        blocks), the share of dropped assignments (mean) and the expert load (min and max over
+        blocks) of the last training step (replica 0's micro-batch); empty for a dense GPT."""
         layers = [b.moe for b in getattr(model, "blocks", []) if getattr(b, "moe", None) is not None]
         if not layers:
             return {}
         read = lambda name: [float(getattr(m, name).numpy()) for m in layers]  # noqa: E731
-        return {"moe_aux_loss": float(np.mean(read("balance"))), "moe_dropped": float(np.mean(read("dropped_fraction"))),
+        return {"moe_aux_loss": self.cfg.aux_loss_coef * float(np.sum(read("balance"))),
+                "moe_balance": float(np.mean(read("balance"))), "moe_dropped": float(np.mean(read("dropped_fraction"))),
                 "moe_load_min": min(read("load_min")), "moe_load_max": max(read("load_max"))}
 
     def flops_per_example(self) -> float:

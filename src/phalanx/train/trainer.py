@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from phalanx import checkpoint
+from phalanx import checkpoint, precision
 from phalanx.config import Config, ConfigError
 from phalanx.fsutil import RunLock
 from phalanx.train.progress import RunOutput, plot_loss
@@ -63,6 +63,14 @@ def make_engine(cfg: Config, task, cluster=None):
     from phalanx.mesh import build_mesh
     from phalanx.train.engine import StrategyEngine, default_strategy
 
+    if cfg.parallel.sequence_parallel:
+        raise ConfigError("parallel.sequence_parallel", "true: the built-in GPT's engines do not run sequence "
+                                                        "parallelism yet; it runs for a Keras model built from "
+                                                        "phalanx.layers.TransformerBlock through phalanx.fit (tp > 1)")
+    if cfg.parallel.ep > 1:
+        raise ConfigError("parallel.ep", f"{cfg.parallel.ep}: the built-in GPT's experts train data parallel so "
+                                         f"far (phalanx train takes parallel.ep=1); expert parallelism runs for a "
+                                         f"Keras model with phalanx.layers.MoE(..., ep=N) through phalanx.fit")
     if getattr(cluster, "devices", None):  # cluster: a mesh whose devices span the workers
         from phalanx.parallel.apply import make_mesh_engine
         return make_mesh_engine(cfg, build_mesh(cfg, list(cluster.devices)), task)
@@ -140,6 +148,7 @@ class Trainer:
         self.task = task
         self._datasets = datasets
         self.is_chief = cluster is None or cluster.is_chief
+        self._saver = checkpoint.AsyncSaver() if cfg.checkpoint.async_ else None
         # which rows of each global batch this process feeds (worker i of N under multi_worker)
         self.worker_index = 0 if cluster is None else cluster.data_index
         self.num_workers = 1 if cluster is None else cluster.data_count
@@ -192,13 +201,16 @@ class Trainer:
                 self._warn(f"moved the skipped checkpoint to {moved}")
         self._check_model(restored)
         try:
-            self.engine.load_state_dict(restored.tensors)
+            # Every device reads only the boxes of each tensor it holds (any layout wrote them).
+            checkpoint.load_into(self.engine, restored)
         except (KeyError, ValueError) as err:
-            raise checkpoint.CheckpointError(path / checkpoint.TENSORS, f"does not fit this model: "
+            index = checkpoint.INDEX if restored.meta.get("format") == 3 else checkpoint.TENSORS
+            raise checkpoint.CheckpointError(path / index, f"does not fit this model: "
                                              f"{str(err).strip(chr(34))}; use the run's own model.* keys or a "
                                              f"new run.dir") from None
         if self.pruner is not None:  # the checkpoint's masks (prune/mask/<name>) hold until the next update
-            self.pruner.load(restored.tensors)
+            from phalanx.prune import MASK_PREFIX
+            self.pruner.load({k: restored.tensors[k] for k in restored.tensors if k.startswith(MASK_PREFIX)})
         if builtin_data and (path / "data").is_dir():
             iterator = pipeline.restore_iterator(self._datasets, path / "data")
         elif builtin_data:
@@ -230,9 +242,11 @@ class Trainer:
         if isinstance(iterator, pipeline.TrainIterator):
             writers["data"] = lambda d: pipeline.save_iterator(iterator, d)
         meta = {"config": self.cfg.to_dict(), "layout": _layout(self.cfg, self.engine)}
-        state = self.engine.state_dict()
-        if self.pruner is not None:
-            state.update(self.pruner.state())
+        # Every device's shard set, by logical name and box; written one slot at a time per thread.
+        state = checkpoint.state_of(self.engine, extra=self.pruner.state() if self.pruner is not None else None)
+        if self._saver is not None:  # checkpoint.async: snapshot now, write in the background
+            return self._saver.save(self.ckpt_dir, step, state, meta=meta, writers=writers,
+                                    keep=self.cfg.checkpoint.keep)
         return checkpoint.save(self.ckpt_dir, step, state, meta=meta, writers=writers,
                                keep=self.cfg.checkpoint.keep)
 
@@ -259,7 +273,13 @@ class Trainer:
         """
         with RunLock(self.run_dir) if self.is_chief else contextlib.nullcontext():
             try:
-                return self._fit()
+                try:
+                    summary = self._fit()
+                except BaseException:
+                    self._wait_for_saves(raising=False)  # let a background save finish; the first error wins
+                    raise
+                self._wait_for_saves()
+                return summary
             except OSError as err:
                 # Checkpoint writes raise CheckpointError themselves; this catches the run's other
                 # files (metrics.jsonl, config.yaml, loss.png) on a full or read-only disk.
@@ -270,6 +290,17 @@ class Trainer:
                                              f"[{errno.errorcode.get(err.errno, err.errno)}]; checkpoints are "
                                              f"intact (newest: {newest.name if newest else 'none'}); free space "
                                              f"or use another run.dir") from None
+
+    def _wait_for_saves(self, raising: bool = True) -> None:
+        """Wait for a background save (``checkpoint.async``) and raise its error, naming the path."""
+        if self._saver is None:
+            return
+        try:
+            self._saver.wait()
+        except checkpoint.CheckpointError as err:
+            if raising:
+                raise
+            self._warn(str(err))
 
     def _fit(self) -> Summary:
         from phalanx.train.metrics import mfu, peak_flops
@@ -284,6 +315,7 @@ class Trainer:
         self._say(f"model: {self.engine.num_params():,} parameters; layout dp={self.engine.dp} "
                   f"tp={cfg.parallel.tp} pp={cfg.parallel.pp}; {cfg.precision.policy}; "
                   f"global batch {t.global_batch} x {self.task.tokens_per_example()} tokens")
+        self._say(precision.describe(cfg))
         last = {"loss": float("nan")}
         eval_loss, rate, util, stopped = None, 0.0, 0.0, False
         window_losses, window_start, window_steps = [], time.monotonic(), 0
@@ -335,7 +367,7 @@ class Trainer:
                     stopped = True
                     out.message(f"signal received: checkpoint saved at step {step}, stopping")
                     break
-        skipped = int(self.engine.state_dict().get("loss_scale/skipped", 0)) if self.is_chief else 0
+        skipped = _skipped_steps(self.engine) if self.is_chief else 0
         if self.is_chief:
             plot_loss(self.run_dir)
         summary = Summary(steps=step, loss=last["loss"], eval_loss=eval_loss, tokens_per_s=rate, mfu=util,
@@ -366,6 +398,17 @@ def load_run_tokenizer(directory: Path):
     import json
     from phalanx.data.tokenize import load_tokenizer
     return load_tokenizer(directory, json.loads((directory / "entry.json").read_text()))
+
+
+def _skipped_steps(engine) -> int:
+    """Steps skipped on non-finite gradients (the loss scale's counter, read alone: the state
+    of the whole model is never gathered for it)."""
+    if hasattr(engine, "join"):  # parameter servers: steps may still be scheduled
+        engine.join()
+    scale = getattr(engine, "loss_scale", None)
+    if scale is not None and hasattr(scale, "skipped"):
+        return int(scale.skipped.numpy())
+    return int(engine.state_dict().get("loss_scale/skipped", 0))
 
 
 def _keras_policy(cfg: Config) -> str:

@@ -1,0 +1,455 @@
+"""Tensor-parallel Keras layers (Megatron-LM, Shoeybi et al. 2019): Dense cut by columns or
+rows, an embedding cut by vocabulary with its cross-entropy, and an MLP block.
+
+Each layer holds ``tp`` shard variables per cut weight (:class:`~phalanx.layers.sharding.ShardedLayer`)
+and runs shard ``r``'s ops under :func:`~phalanx.layers.sharding.on_device_of` shard ``r``'s
+value, so the ops follow the weights wherever the engine put them. Ops that combine shards
+(the row-parallel sum, the column concat) run on shard 0's device. No layer names a device:
+outside an engine a tp=2 layer runs where Keras puts it and gives the numbers of a tp=1
+layer, which is a plain Keras layer.
+
+What flows between layers is an ordinary tensor. Inside a block the activation stays cut:
+:class:`ParallelMLP` keeps its hidden layer in shards, and a :class:`RowParallelDense` fed
+(in a graph) straight by a :class:`ColumnParallelDense` of the same ``tp`` takes the
+column shards from the concat's inputs instead of slicing the concat, so the full
+activation is never formed (the unused concat is pruned by Grappler; see
+:func:`input_slices` for the one case where that needs care).
+
+Logical weights (what ``.keras`` files, :meth:`~ShardedLayer.logical_weights` and
+:meth:`~ShardedLayer.set_logical_weights` see, whatever ``tp`` is):
+
+================================  =====================================================
+``ColumnParallelDense``           ``kernel`` [in, units] (cut dim 1), ``bias`` [units] (cut)
+``RowParallelDense``              ``kernel`` [in, units] (cut dim 0), ``bias`` [units] (whole)
+``VocabParallelEmbedding``        ``embeddings`` [vocab, dim] (cut dim 0)
+``ParallelMLP``                   ``up`` [D, F], ``up_bias`` [F], (``gate`` [D, F], ``gate_bias``
+                                  [F] when gated), ``down`` [F, D], ``down_bias`` [D] (whole);
+                                  F cut everywhere
+================================  =====================================================
+
+The Dense layers' names and order are :class:`keras.layers.Dense`'s, the embedding's is
+:class:`keras.layers.Embedding`'s, so their weights load both ways.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from keras.src.backend.common.variables import AutocastScope  # no public way to read a variable un-cast
+
+from phalanx.layers.sharding import ShardedLayer, on_device_of, shard_values
+
+# Activations that are not element-wise must see the whole output, so a column layer
+# applies them after the concat.
+_NOT_ELEMENTWISE = ("softmax", "log_softmax")
+
+
+def dims(x) -> list:
+    """The shape of ``x``: static where known, dynamic scalars elsewhere (for reshapes that keep
+    the static shape)."""
+    dynamic = None
+    out = []
+    for i, d in enumerate(x.shape):
+        if d is None:
+            dynamic = tf.shape(x) if dynamic is None else dynamic
+            d = dynamic[i]
+        out.append(d)
+    return out
+
+
+def matmul(x, w, transpose_b: bool = False):
+    """``x [..., k] @ w [k, n]`` as one 2-D MatMul: the gradient of a batched einsum was ~100x
+    slower on CPU (ARCHITECTURE.md)."""
+    n = w.shape[0] if transpose_b else w.shape[-1]
+    if x.shape.rank == 2:
+        return tf.matmul(x, w, transpose_b=transpose_b)
+    y = tf.matmul(tf.reshape(x, [-1, x.shape[-1]]), w, transpose_b=transpose_b)
+    return tf.reshape(y, dims(x)[:-1] + [n])
+
+
+def add_shards(parts, device_of):
+    """The sum of per-shard partial results, on the device of ``device_of`` (shard 0)."""
+    if len(parts) == 1:
+        return parts[0]
+    with on_device_of(device_of):
+        return tf.add_n(parts)
+
+
+_COLUMN_MARK = "_phalanx_column_shards"  # set on a ColumnParallelDense's concat op: its tp
+
+
+def input_slices(x, n: int) -> list:
+    """``x`` cut into ``n`` equal slices of its last axis.
+
+    When ``x`` is (in a graph) the concat made by a :class:`ColumnParallelDense` with the
+    same ``tp``, the concat's inputs are used as they are: the whole activation is never
+    formed and each piece stays where it was made. The price: nothing downstream reads the
+    concat, so a gradient taken with respect to the concat itself (rather than the weights)
+    is None. A pipeline stage boundary between the two layers must therefore hand the
+    activation on through ``tf.identity``, which turns this off.
+    """
+    if n == 1:
+        return [x]
+    width = x.shape[-1] // n
+    try:
+        op = x.op  # eager tensors and KerasTensors have none
+    except AttributeError:
+        op = None
+    if getattr(op, _COLUMN_MARK, None) == n and op.type == "ConcatV2" and len(op.inputs) == n + 1:
+        axis, rank = tf.get_static_value(op.inputs[-1]), x.shape.rank
+        pieces = list(op.inputs[:-1])
+        if (axis is not None and rank is not None and int(axis) % rank == rank - 1
+                and all(p.shape[-1] == width for p in pieces)):
+            return pieces
+    # Slice where x is, so only the slice travels to its shard's device.
+    with on_device_of(x):
+        return [x[..., r * width:(r + 1) * width] for r in range(n)]
+
+
+def _check_divisible(layer, what: str, size: int, tp: int) -> None:
+    if size % tp:
+        raise ValueError(f"layer {layer.name!r}: {what} {size} is not divisible by tp={tp}")
+
+
+def _serialize(obj):
+    return keras.initializers.serialize(obj)
+
+
+class _DenseBase(ShardedLayer):
+    def __init__(self, units: int, tp: int = 1, activation=None, use_bias: bool = True,
+                 kernel_initializer="glorot_uniform", bias_initializer="zeros", **kwargs):
+        super().__init__(tp=tp, **kwargs)
+        self.units, self.use_bias = int(units), use_bias
+        self.activation = keras.activations.get(activation)
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.bias_initializer = keras.initializers.get(bias_initializer)
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape[:-1]) + (self.units,)
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units, "use_bias": self.use_bias,
+                "activation": keras.activations.serialize(self.activation),
+                "kernel_initializer": _serialize(self.kernel_initializer),
+                "bias_initializer": _serialize(self.bias_initializer)}
+
+
+@keras.saving.register_keras_serializable(package="phalanx")
+class ColumnParallelDense(_DenseBase):
+    """A Dense layer whose kernel ``[in, units]`` is cut into ``tp`` shards along ``units``.
+
+    Shard ``r`` computes its ``units/tp`` outputs on its own device (bias and an
+    element-wise activation included); the result is their concat, an ordinary tensor.
+    Weights: ``kernel``, ``bias``, as :class:`keras.layers.Dense`.
+
+    Example:
+        >>> import numpy as np
+        >>> x = np.random.default_rng(0).normal(size=(2, 3, 4)).astype("float32")
+        >>> dense = keras.layers.Dense(6)
+        >>> _ = dense(x)
+        >>> col = ColumnParallelDense(6, tp=2)
+        >>> col.build((None, 3, 4))
+        >>> col.set_logical_weights(dict(zip(["kernel", "bias"], dense.get_weights())))
+        >>> [tuple(v.shape) for v in col.weights]
+        [(4, 3), (4, 3), (3,), (3,)]
+        >>> bool(np.allclose(col(x), dense(x), atol=1e-6))
+        True
+    """
+
+    def __init__(self, units: int, tp: int = 1, **kwargs):
+        super().__init__(units, tp=tp, **kwargs)
+        _check_divisible(self, "units", self.units, tp)
+
+    def build(self, input_shape):
+        self.kernel = self.add_logical_weight("kernel", (input_shape[-1], self.units), split_axis=1,
+                                              initializer=self.kernel_initializer)
+        self.bias = (self.add_logical_weight("bias", (self.units,), split_axis=0, initializer=self.bias_initializer)
+                     if self.use_bias else None)
+
+    def call(self, inputs):
+        kernels = shard_values(self, self.kernel)
+        biases = shard_values(self, self.bias) if self.use_bias else [None] * self.tp
+        late = getattr(self.activation, "__name__", "") in _NOT_ELEMENTWISE
+        x = tf.cast(inputs, self.compute_dtype)
+        outs = []
+        for kernel, bias in zip(kernels, biases):
+            with on_device_of(kernel):
+                y = matmul(x, kernel)
+                y = y if bias is None else y + bias
+                outs.append(y if late else self.activation(y))
+        if len(outs) > 1:
+            with on_device_of(kernels[0]):
+                y = tf.concat(outs, axis=-1)
+            if not late and not tf.executing_eagerly():
+                setattr(y.op, _COLUMN_MARK, self.tp)  # a RowParallelDense may read the shards instead
+        else:
+            y = outs[0]
+        return self.activation(y) if late else y
+
+
+@keras.saving.register_keras_serializable(package="phalanx")
+class RowParallelDense(_DenseBase):
+    """A Dense layer whose kernel ``[in, units]`` is cut into ``tp`` shards along ``in``.
+
+    Shard ``r`` multiplies its slice of the input by its kernel rows on its own device; the
+    partial products are summed on shard 0's device, where the whole bias is added once
+    (then the activation). Fed by a :class:`ColumnParallelDense` of the same ``tp``, it takes
+    that layer's shard outputs directly (see :func:`input_slices`). Weights: ``kernel``,
+    ``bias``, as :class:`keras.layers.Dense`.
+
+    Example:
+        >>> import numpy as np
+        >>> x = np.random.default_rng(0).normal(size=(2, 4)).astype("float32")
+        >>> dense = keras.layers.Dense(3)
+        >>> _ = dense(x)
+        >>> row = RowParallelDense(3, tp=2)
+        >>> row.build((None, 4))
+        >>> row.set_logical_weights({"kernel": dense.kernel.numpy(), "bias": dense.bias.numpy()})
+        >>> [tuple(v.shape) for v in row.weights]
+        [(2, 3), (2, 3), (3,)]
+        >>> bool(np.allclose(row(x), dense(x), atol=1e-6))
+        True
+    """
+
+    def build(self, input_shape):
+        self.kernel = self.add_logical_weight("kernel", (input_shape[-1], self.units), split_axis=0,
+                                              initializer=self.kernel_initializer)
+        self.bias = (self.add_logical_weight("bias", (self.units,), split_axis=None, initializer=self.bias_initializer)
+                     if self.use_bias else None)
+
+    def call(self, inputs):
+        kernels = shard_values(self, self.kernel)
+        parts = []
+        for piece, kernel in zip(input_slices(inputs, self.tp), kernels):
+            with on_device_of(kernel):
+                parts.append(matmul(tf.cast(piece, self.compute_dtype), kernel))
+        y = add_shards(parts, kernels[0])
+        with on_device_of(kernels[0]):
+            if self.use_bias:
+                y = y + shard_values(self, self.bias)[0]
+            return self.activation(y)
+
+
+@keras.saving.register_keras_serializable(package="phalanx")
+class VocabParallelEmbedding(ShardedLayer):
+    """An embedding whose table ``[vocab, dim]`` is cut into ``tp`` shards of rows.
+
+    ``call(ids)``: shard ``r`` looks up the ids in its range ``[r*vocab/tp, (r+1)*vocab/tp)``
+    on its device (zeros for the others); the lookups are summed on shard 0's device. Ids
+    outside ``[0, vocab)`` give zeros at tp>1 (an error at tp=1, as
+    :class:`keras.layers.Embedding`). ``call(x, reverse=True)`` is the tied output head:
+    logits ``x @ table^T``, the concat of the shard logits (for a loss that never forms the
+    full logits, use :func:`vocab_parallel_cross_entropy`). Weight: ``embeddings``, as
+    :class:`keras.layers.Embedding`.
+
+    Example:
+        >>> import numpy as np
+        >>> emb = VocabParallelEmbedding(8, 4, tp=2)
+        >>> ids = np.array([[0, 5, 7]])
+        >>> tuple(emb(ids).shape), tuple(emb(emb(ids), reverse=True).shape)
+        ((1, 3, 4), (1, 3, 8))
+        >>> bool(np.allclose(emb(ids)[0, 1], emb.logical_weights()["embeddings"][5]))
+        True
+    """
+
+    def __init__(self, vocab: int, dim: int, tp: int = 1, embeddings_initializer="uniform", **kwargs):
+        super().__init__(tp=tp, **kwargs)
+        self.vocab, self.dim = int(vocab), int(dim)
+        _check_divisible(self, "vocab", self.vocab, tp)
+        self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
+
+    def build(self, input_shape=None):
+        self.embeddings = self.add_logical_weight("embeddings", (self.vocab, self.dim), split_axis=0,
+                                                  initializer=self.embeddings_initializer)
+
+    def call(self, inputs, reverse: bool = False):
+        tables = shard_values(self, self.embeddings)
+        if reverse:
+            x = tf.cast(inputs, self.compute_dtype)
+            logits = []
+            for table in tables:
+                with on_device_of(table):
+                    logits.append(matmul(x, table, transpose_b=True))
+            if len(logits) == 1:
+                return logits[0]
+            with on_device_of(tables[0]):
+                return tf.concat(logits, axis=-1)
+        ids = tf.cast(inputs, "int32")
+        if self.tp == 1:
+            return tf.gather(tables[0], ids)
+        rows = self.vocab // self.tp
+        parts = []
+        for r, table in enumerate(tables):
+            with on_device_of(table):
+                local = ids - r * rows
+                mine = (local >= 0) & (local < rows)
+                found = tf.gather(table, tf.where(mine, local, 0))
+                parts.append(found * tf.cast(mine, found.dtype)[..., None])
+        return add_shards(parts, tables[0])
+
+    def compute_output_spec(self, inputs, reverse: bool = False):
+        # (A spec, not a shape: Keras's compute_output_shape takes only *_shape arguments.)
+        shape = tuple(inputs.shape[:-1]) + (self.vocab,) if reverse else tuple(inputs.shape) + (self.dim,)
+        return keras.KerasTensor(shape, dtype=self.compute_dtype)
+
+    def get_config(self):
+        return {**super().get_config(), "vocab": self.vocab, "dim": self.dim,
+                "embeddings_initializer": _serialize(self.embeddings_initializer)}
+
+
+_REDUCTIONS = ("sum_over_batch_size", "mean_with_sample_weight", "sum", "none")
+
+
+def vocab_parallel_cross_entropy(hidden, table, labels, sample_weight=None, reduction: str = "sum_over_batch_size"):
+    """Token cross-entropy of the tied-head logits ``hidden @ table^T`` against ``labels``,
+    computed shard by shard so the full logits are never on one device.
+
+    Shard ``r`` forms its logits ``[..., vocab/tp]`` (float32) on its device and reduces them
+    to a max, then (after the global max is known, on shard 0's device) a sum of exps and the
+    target logit when the label is in its range; shard 0 combines
+    ``loss = max + log(sum of sums) - target``. Equal to
+    ``keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)``.
+
+    Args:
+        hidden: ``[..., dim]`` final hidden states.
+        table: a :class:`VocabParallelEmbedding`, or its table shards (tensors or variables,
+            rank order, each ``[vocab/tp, dim]``).
+        labels: ``[...]`` integer targets in ``[0, vocab)``.
+        sample_weight: optional ``[...]`` per-token weights (e.g. a padding mask).
+        reduction: as a Keras loss: ``"sum_over_batch_size"`` (sum of weighted losses / number
+            of tokens), ``"mean_with_sample_weight"`` (/ sum of weights), ``"sum"`` or ``"none"``.
+            Unlike a Keras loss object it does not rescale under a distribution strategy.
+
+    Example:
+        >>> import numpy as np
+        >>> emb = VocabParallelEmbedding(8, 4, tp=2)
+        >>> h = np.random.default_rng(0).normal(size=(2, 3, 4)).astype("float32")
+        >>> labels = np.array([[1, 7, 4], [0, 2, 6]])
+        >>> loss = vocab_parallel_cross_entropy(h, emb, labels)
+        >>> ref = keras.losses.sparse_categorical_crossentropy(labels, emb(h, reverse=True), from_logits=True)
+        >>> bool(np.allclose(loss, np.mean(ref), rtol=1e-6))
+        True
+    """
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction: {reduction!r} is not one of {_REDUCTIONS}")
+    if isinstance(table, VocabParallelEmbedding):
+        if not table.built:
+            table.build()
+        shards = shard_values(table, table.embeddings)
+    else:
+        with AutocastScope(None):
+            shards = [tf.convert_to_tensor(t) for t in table]
+    labels = tf.cast(labels, "int32")
+    rows = shards[0].shape[0]
+    logits, maxes = [], []
+    for table_r in shards:
+        with on_device_of(table_r):
+            z = tf.cast(matmul(tf.cast(hidden, table_r.dtype), table_r, transpose_b=True), "float32")
+            logits.append(z)
+            maxes.append(tf.reduce_max(z, axis=-1))
+    with on_device_of(shards[0]):
+        # A shift for a stable log-sum-exp; its gradient cancels exactly, so none flows.
+        top = tf.stop_gradient(maxes[0] if len(maxes) == 1 else tf.reduce_max(tf.stack(maxes), axis=0))
+    sums, targets = [], []
+    for r, (table_r, z) in enumerate(zip(shards, logits)):
+        with on_device_of(table_r):
+            sums.append(tf.reduce_sum(tf.exp(z - top[..., None]), axis=-1))
+            local = labels - r * rows
+            mine = (local >= 0) & (local < rows)
+            picked = tf.gather(z, tf.where(mine, local, 0)[..., None], batch_dims=labels.shape.rank)[..., 0]
+            targets.append(picked * tf.cast(mine, z.dtype))
+    with on_device_of(shards[0]):
+        losses = top + tf.math.log(add_shards(sums, shards[0])) - add_shards(targets, shards[0])
+        if reduction == "none":
+            return losses if sample_weight is None else losses * tf.cast(sample_weight, losses.dtype)
+        weight = tf.ones_like(losses) if sample_weight is None else tf.cast(sample_weight, losses.dtype)
+        total = tf.reduce_sum(losses * weight)
+        if reduction == "sum":
+            return total
+        if reduction == "mean_with_sample_weight":
+            count = tf.reduce_sum(weight)
+        else:
+            count = tf.cast(tf.size(losses), total.dtype)
+        return tf.math.divide_no_nan(total, count)
+
+
+@keras.saving.register_keras_serializable(package="phalanx")
+class ParallelMLP(ShardedLayer):
+    """A transformer MLP block, ``down(activation(up(x)))``, or with ``gated=True``
+    ``down(activation(gate(x)) * up(x))`` (SwiGLU when ``activation="silu"``, Shazeer 2020).
+
+    ``up`` (and ``gate``) are column-parallel and ``down`` row-parallel: each shard computes
+    its ``hidden_dim/tp`` hidden units and its partial output on its own device, and only the
+    output is summed (on shard 0's device, then the whole ``down_bias`` is added). The hidden
+    activation is never whole. The input and output width is the input's last dimension.
+    Weights, in order: ``up``, ``up_bias``, ``gate``, ``gate_bias``, ``down``, ``down_bias``
+    (no gate without ``gated``, no biases without ``use_bias``).
+
+    Example:
+        >>> import numpy as np
+        >>> mlp = ParallelMLP(8, tp=2, activation="silu", gated=True, use_bias=False)
+        >>> tuple(mlp(np.ones((2, 3, 4), "float32")).shape)
+        (2, 3, 4)
+        >>> list(mlp.logical_weights())
+        ['up', 'gate', 'down']
+    """
+
+    def __init__(self, hidden_dim: int, tp: int = 1, activation="gelu", gated: bool = False, use_bias: bool = True,
+                 kernel_initializer="glorot_uniform", bias_initializer="zeros", **kwargs):
+        super().__init__(tp=tp, **kwargs)
+        self.hidden_dim, self.gated, self.use_bias = int(hidden_dim), gated, use_bias
+        _check_divisible(self, "hidden_dim", self.hidden_dim, tp)
+        self.activation = keras.activations.get(activation)
+        if getattr(self.activation, "__name__", "") in _NOT_ELEMENTWISE:
+            raise ValueError(f"layer {self.name!r}: activation {activation!r} is not element-wise, so it cannot "
+                             f"run on a hidden layer cut into shards")
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.bias_initializer = keras.initializers.get(bias_initializer)
+
+    def build(self, input_shape):
+        d, f = input_shape[-1], self.hidden_dim
+        self.up, self.up_bias = self._column("up", d, f)
+        self.gate, self.gate_bias = self._column("gate", d, f) if self.gated else (None, None)
+        self.down = self.add_logical_weight("down", (f, d), split_axis=0, initializer=self.kernel_initializer)
+        self.down_bias = (self.add_logical_weight("down_bias", (d,), split_axis=None, initializer=self.bias_initializer)
+                          if self.use_bias else None)
+
+    def _column(self, name, d, f):
+        kernel = self.add_logical_weight(name, (d, f), split_axis=1, initializer=self.kernel_initializer)
+        bias = (self.add_logical_weight(f"{name}_bias", (f,), split_axis=0, initializer=self.bias_initializer)
+                if self.use_bias else None)
+        return kernel, bias
+
+    def _values(self, variables):
+        return shard_values(self, variables) if variables is not None else [None] * self.tp
+
+    def call(self, inputs):
+        x = tf.cast(inputs, self.compute_dtype)
+        up, up_b, gate, gate_b = (self._values(v) for v in (self.up, self.up_bias, self.gate, self.gate_bias))
+        down = shard_values(self, self.down)
+        parts = []
+        for r in range(self.tp):
+            with on_device_of(down[r]):
+                h = matmul(x, up[r])
+                h = h if up_b[r] is None else h + up_b[r]
+                if self.gated:
+                    g = matmul(x, gate[r])
+                    h = self.activation(g if gate_b[r] is None else g + gate_b[r]) * h
+                else:
+                    h = self.activation(h)
+                parts.append(matmul(h, down[r]))
+        y = add_shards(parts, down[0])
+        if self.use_bias:
+            with on_device_of(down[0]):
+                y = y + shard_values(self, self.down_bias)[0]
+        return y
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape)
+
+    def get_config(self):
+        return {**super().get_config(), "hidden_dim": self.hidden_dim, "gated": self.gated,
+                "use_bias": self.use_bias, "activation": keras.activations.serialize(self.activation),
+                "kernel_initializer": _serialize(self.kernel_initializer),
+                "bias_initializer": _serialize(self.bias_initializer)}

@@ -1,0 +1,84 @@
+"""The packages of phalanx import in one direction, bottom to top (docs/DESIGN.md):
+
+    config, fsutil, precision  <-  core  <-  mesh  <-  layers, data, checkpoint  <-  models  <-  parallel, prune
+        <-  plan, cluster  <-  engines  <-  export  <-  train  <-  api, cli
+
+A module may import its own package and any package below it, never one above (function-
+local imports included: a cycle dodged inside a function is still a cycle). Command-line
+modules (``*/cli.py``, ``*_cli.py``) are entry points and stand with ``cli``. ``KNOWN`` lists
+the imports against the direction that the code still has, each to be removed by moving
+the module that causes it; the test fails on any new one, and on a listed one that is gone
+(so the list only shrinks).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "phalanx"
+
+LEVELS = [
+    ("config", "fsutil", "precision"),
+    ("core",),
+    ("mesh",),
+    ("layers", "data", "checkpoint"),
+    ("models",),
+    ("parallel", "prune"),
+    ("plan", "cluster"),
+    ("engines",),
+    ("export",),
+    ("train",),
+    ("api", "cli", "__init__", "__main__"),
+]
+RANK = {package: level for level, packages in enumerate(LEVELS) for package in packages}
+
+# importer module -> imported module, still against the direction (to be moved away).
+KNOWN = {
+    ("phalanx.cluster.ps_engine", "phalanx.train.engine"),      # ps_engine and train/engine -> engines/
+    ("phalanx.export.runtime", "phalanx.train.trainer"),
+    ("phalanx.parallel.apply", "phalanx.train.task"),           # apply.make_engine -> engines/factory
+    ("phalanx.parallel.apply", "phalanx.engines.keras_model"),
+    ("phalanx.parallel.base", "phalanx.train.engine"),          # LossScale -> a core module
+    ("phalanx.parallel.zero", "phalanx.train"),                 # train/optim.py -> a core module
+}
+
+
+def package_of(module: str) -> str:
+    """The package whose level ``module`` has; a command-line module (``plan/cli.py``,
+    ``parallel/schedule_cli.py``) is an entry point and stands with ``cli``."""
+    parts = module.split(".")
+    if parts[-1] == "cli" or parts[-1].endswith("_cli"):
+        return "cli"
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def imports() -> set[tuple[str, str]]:
+    """Every (importer, imported) pair of phalanx modules, module-level and function-local."""
+    found = set()
+    for path in SRC.rglob("*.py"):
+        module = ".".join(path.relative_to(SRC.parent).with_suffix("").parts).removesuffix(".__init__")
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            found.update((module, name) for name in names if name.startswith("phalanx."))
+    return found
+
+
+def test_every_package_has_a_level():
+    packages = {p.stem if p.is_file() else p.name for p in SRC.iterdir()
+                if (p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists()))}
+    assert packages - set(RANK) == set(), "give the new package a level in LEVELS (and docs/DESIGN.md)"
+
+
+def test_imports_follow_the_direction():
+    against = {(a, b) for a, b in imports() if RANK[package_of(b)] > RANK[package_of(a)]}
+    new = against - KNOWN
+    assert not new, "imports against the direction (move the code, do not import upwards):\n" + \
+        "\n".join(f"  {a} -> {b}" for a, b in sorted(new))
+    gone = KNOWN - against
+    assert not gone, f"remove from KNOWN, they are fixed: {sorted(gone)}"
