@@ -12,13 +12,14 @@ follows the engines' placement (read from ``parallel/mesh_engine.py``, ``tensor.
   stage), AdamW ``m`` and ``v`` (float32) on each shard's primary device, divided by ``dp``
   under ZeRO >= 1;
 * activations: each stage's blocks on its devices (the tensor-parallel split of
-  :func:`~phalanx.plan.memory.layer_activation_bytes`, unfused TensorFlow ops, as on this
-  CPU) times the micro-batches the schedule keeps in flight on that rank;
+  :func:`~phalanx.plan.memory.layer_activation_bytes`, counted as fused kernels keep them:
+  phalanx's GPT ops are fused kernels on every device, ``models/gpt_ops.py``) times the
+  micro-batches the schedule keeps in flight on that rank;
 * gradients: a float32 accumulator per weight on the weight's device;
 * the optimizer step of the mesh engine builds flat float32 buffers per parameter group
-  (the gradient concatenation, ZeRO pieces and AdamW's temporaries): ``OPT_BUFFERS`` of
-  them per parameter held, measured; TensorFlow's executor starts a group's update as
-  soon as its gradients exist, so these overlap the end of the backward;
+  (the gradient concatenation, ZeRO pieces; AdamW itself updates in place): ``OPT_BUFFERS``
+  of them per parameter held at the peak, measured; TensorFlow's executor starts a group's
+  update as soon as its gradients exist, so these overlap the end of the backward;
 * the backward: ``GradientTape.gradient`` ops carry no device, so TensorFlow's placer puts
   every one of them on the step function's default device, the mesh's first device
   (measured from the partition graphs: all gradient MatMuls of pp2 and tp2 ran on CPU:0);
@@ -46,13 +47,16 @@ from dataclasses import dataclass
 
 from phalanx.config import Config, parse_devices, resolve_degrees
 
-# Flat float32 buffers, per parameter a device holds, alive at once in the mesh engine's
-# optimizer step (concatenated gradient, its pieces, AdamW's new m, v and weights) —
-# measured with --calibrate at pp2/tp2/dp2 x tp2 x pp2 (4 layers, d_model 256).
-OPT_BUFFERS = 3.0
+# Flat float32 buffers, per parameter a device holds, alive at the peak of the mesh engine's
+# optimizer step (concatenated gradient, its pieces, AdamW's temporaries). Measured with
+# --calibrate at tp2 and pp2 (4 layers, d_model 256): since AdamW updates in place and the
+# GPT's ops are fused kernels (issue 14), no device's peak falls in the optimizer step any
+# more (it was 3.0 when AdamW built new m, v and weights).
+OPT_BUFFERS = 0.0
 # Block activations' worth of gradient tensors alive at the peak on the device that runs the
-# mesh engine's backward (its peak falls late, in the optimizer step).
-MESH_BACKWARD_SETS = 0.25
+# mesh engine's backward (measured as above: 0.6 of a block's fused-kernel activations;
+# 0.25 of the larger unfused set before issue 14).
+MESH_BACKWARD_SETS = 0.6
 
 
 @dataclass(frozen=True)
@@ -100,8 +104,8 @@ def engine_memory_per_device(cfg: Config) -> dict[int, DeviceMemory]:
     peaks, last_peak = schedule_in_flight(p.schedule if pp > 1 else "1f1b", pp, p.microbatches, v)
     e = ACTIVATION_BYTES[cfg.precision.policy]
     d, f, s, V = m.d_model, m.ffn_dim, m.seq_len, m.vocab
-    whole = layer_activation_bytes(spec, micro, 1, p.recompute, False, e, False, fused=False)
-    split_part = layer_activation_bytes(spec, micro, tp, p.recompute, False, e, False, fused=False)
+    whole = layer_activation_bytes(spec, micro, 1, p.recompute, False, e, False, fused=True)
+    split_part = layer_activation_bytes(spec, micro, tp, p.recompute, False, e, False, fused=True)
     # tensor rank 0 keeps the unsplit part (LayerNorms, residual) and its slice of the rest
     unsplit = (whole - split_part * tp) / (1 - tp) if tp > 1 else whole
     out: dict[int, DeviceMemory] = {}

@@ -94,7 +94,7 @@ def estimate(m: ModelSpec, lay: Layout, hw: Hardware, tokens: float | None = Non
     """Memory and time of ``lay`` for model ``m`` on ``hw``.
 
     ``fused``: whether activations are counted as fused kernels keep them; default: the
-    hardware's own (``hw.fused_kernels``; False for ``this-cpu``).
+    hardware's own (``hw.fused_kernels``; True for ``this-cpu`` too: phalanx's GPT ops are fused).
     """
     fused = hw.fused_kernels if fused is None else fused
     mem = memory_per_device(m, lay, hw.overhead_bytes, overhead_fraction, exact_schedule, fused)

@@ -116,8 +116,7 @@ def _this_cpu(devices: int, measure: bool) -> Hardware:
         peak = {dt: measure_matmul_peak(dt) for dt in ("float32", "bfloat16")}
         peak["float16"] = peak["float32"] / 2  # no AVX512-FP16 here: oneDNN falls back to slow paths
     return Hardware("this-cpu", peak, ram / max(devices, 1), max(devices, 1), 20e9, 20e9, 0.0,
-                    notes=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, measured",
-                    fused_kernels=False)
+                    notes=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, measured")
 
 
 # ---------------------------------------------------------------------------

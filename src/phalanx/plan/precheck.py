@@ -17,8 +17,8 @@ Budgets:
   it; TensorFlow does not report a GPU's capacity before allocating), and the host must
   hold the start-up copy.
 
-Activations are counted as unfused TensorFlow ops keep them on CPUs (measured with
-``phalanx plan --calibrate``), as fused kernels keep them on GPUs.
+Activations are counted as fused kernels keep them, on every device: phalanx's GPT ops
+are fused kernels on CPUs too (``models/gpt_ops.py``; checked with ``phalanx plan --calibrate``).
 
 Example:
     >>> from phalanx.config import load_config
@@ -27,7 +27,7 @@ Example:
     ...     check_fits(load_config(None, ["model.d_model=1048576"]), host_memory_bytes=2**34)
     ... except Exception as err:
     ...     print(str(err)[:52])
-    model: does not fit in memory: needs 826,978.8 GiB o
+    model: does not fit in memory: needs 826,306.8 GiB o
 """
 
 from __future__ import annotations
@@ -78,8 +78,7 @@ def estimate_per_device(cfg: Config, device_count: int | None = None):
     lay = Layout(dp=dp, tp=tp, pp=pp, microbatches=p.microbatches, micro_batch=micro, schedule=schedule,
                  virtual_stages=p.virtual_stages if schedule == "interleaved" else 1, zero=p.zero,
                  recompute=p.recompute, policy=cfg.precision.policy, accum=t.grad_accum)
-    fused = _device_kind(p.devices) != "cpu"
-    return memory_per_device(ModelSpec.from_config(cfg.model), lay, fused=fused), count, dp, pp, tp
+    return memory_per_device(ModelSpec.from_config(cfg.model), lay, fused=True), count, dp, pp, tp
 
 
 def check_fits(cfg: Config, device_count: int | None = None, *, device_memory_bytes: float | None = None,

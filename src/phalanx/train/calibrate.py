@@ -183,7 +183,9 @@ def measure_step_memory(engine, batch, device_of_op: dict[str, str]) -> tuple[di
     base: dict[str, float] = {}
     for v in variables:
         # the BFC allocator hands out multiples of 256 bytes
-        nbytes = -(-int(v.shape.num_elements()) * v.dtype.size // 256) * 256
+        # (a variable of unknown shape, e.g. ZeRO's AdamW scratch, is empty between steps)
+        count = v.shape.num_elements() if v.shape.is_fully_defined() else int(tf.size(v))
+        nbytes = -(-int(count) * v.dtype.size // 256) * 256
         base[_short(v.device)] = base.get(_short(v.device), 0.0) + nbytes
     logdir = tempfile.mkdtemp(prefix="phalanx-calibrate-")
     try:
