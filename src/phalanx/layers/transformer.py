@@ -123,7 +123,8 @@ class LayerNorm(ShardedLayer):
         return {**super().get_config(), "epsilon": self.epsilon}
 
 
-@keras.saving.register_keras_serializable(package="phalanx")
+# Its own registered name: export/gpt_keras.py registers another "phalanx>PositionEmbedding".
+@keras.saving.register_keras_serializable(package="phalanx", name="TransformerPositionEmbedding")
 class PositionEmbedding(ShardedLayer):
     """Adds learned position embeddings: ``x [B, T, D] + embeddings[:T]``. Weight:
     ``embeddings`` ``[sequence_length, D]`` (whole at any ``tp``).
