@@ -43,15 +43,23 @@ epochs, the ratio to phalanx's and to Keras's one-device medians, and the median
 same-round ratios.
 
 With ``--ops``, the engine's traced step (``engine._train_fn``) of the one-device, tp2 and
-tp2-layers-one-device layouts is also counted by op type, before and after Grappler
-(the partition graphs TensorFlow runs, with the ``_Send``/``_Recv`` pairs it inserts
-between devices), and written as a second table.
+dp2 x tp2 x pp2 layouts is also counted by op type, before Grappler and as TensorFlow runs
+it (the partition graphs, after Grappler and oneDNN's rewrites, with the ``_Send``/``_Recv``
+pairs it inserts between devices), and written as a table.
+
+With ``--profile``, one training step of each of the one-device, tp2 and dp2 x tp2 x pp2
+engines is recorded ``--profile-steps`` times with the TensorFlow profiler (the layouts
+interleaved, after warm-up steps) and the executed ops are summed by type: the median over
+the recorded steps of each type's count and time, and of the step's total op time. With
+``--inter-op 1`` no two ops overlap, so an op's time is its own work (with TensorFlow's
+default inter-op threads, ops on the 2 cores share them and each one's time is inflated).
 
 Usage::
 
     python benchmarks/bench_keras_hub_tp.py                      # rewrites benchmarks/results/keras_hub_tp.md
     python benchmarks/bench_keras_hub_tp.py --rounds 1 --epochs 2 --output -   # a smoke run
     python benchmarks/bench_keras_hub_tp.py --ops --rounds 0 --output -        # op counts only
+    python benchmarks/bench_keras_hub_tp.py --profile --inter-op 1 --rounds 0 --output -   # op times only
 """
 
 from __future__ import annotations
@@ -83,7 +91,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (default: 3)")
     parser.add_argument("--epochs", type=int, default=3,
                         help="epochs per fit call; the first is discarded (default: 3)")
-    parser.add_argument("--samples", type=int, default=64, help=f"sequences per epoch (default: 64 = {64 // BATCH} steps)")
+    parser.add_argument("--batch", type=int, default=BATCH, help=f"global batch (default: {BATCH})")
+    parser.add_argument("--samples", type=int, default=64, help="sequences per epoch (default: 64 = 8 steps of 8)")
     parser.add_argument("--microbatches", type=int, default=2, help="micro-batches of the dp2 x tp2 x pp2 row (default: 2)")
     parser.add_argument("--devices", type=int, default=8,
                         help="logical CPUs made at start (default: 8; with fewer the dp2 x tp2 x pp2 row is skipped)")
@@ -92,21 +101,31 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-diagnostics", action="store_true", help="skip the tp1-layers / tp2-layers-one-device rows")
     parser.add_argument("--only", default="", help="comma-separated contender names to run (default: all)")
     parser.add_argument("--ops", action="store_true", help="also count the traced step's ops per layout")
+    parser.add_argument("--profile", action="store_true", help="also profile one step per layout (op time by type)")
+    parser.add_argument("--profile-steps", type=int, default=5, help="profiled steps per layout (default: 5)")
+    parser.add_argument("--inter-op", type=int, default=0,
+                        help="inter_op_parallelism_threads for the whole run (default 0: TensorFlow's default)")
     parser.add_argument("--output", default=str(RESULTS), help=f"markdown file to write, or - (default: {RESULTS})")
     args = parser.parse_args()
     if args.epochs < 2:
         parser.error("--epochs must be >= 2: the first epoch of every call is discarded")
-    if args.samples % BATCH:
-        parser.error(f"--samples must be a multiple of the batch ({BATCH})")
+    if args.samples % args.batch:
+        parser.error(f"--samples must be a multiple of the batch ({args.batch})")
     return args
 
 
 ARGS = parse_args()
+BATCH = ARGS.batch
 if ARGS.onednn != "default":
     # Must be set before TensorFlow is imported; every contender lives in this process.
     os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1" if ARGS.onednn == "on" else "0"
 
 import phalanx  # noqa: E402
+
+if ARGS.inter_op:
+    import tensorflow as _tf
+
+    _tf.config.threading.set_inter_op_parallelism_threads(ARGS.inter_op)
 
 # Devices first, once: the 8 logical CPUs of the dp2 x tp2 x pp2 row (the others use the first 1 or 2).
 phalanx.init(f"parallel.devices=cpu:{ARGS.devices}", f"parallel.dp={ARGS.devices}")
@@ -117,11 +136,18 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 
+TP2 = ("parallel.devices=cpu:2", "parallel.tp=2")
+
+
+def dtp_layout() -> tuple[str, ...]:
+    return ("parallel.devices=cpu:8", "parallel.dp=2", "parallel.tp=2", "parallel.pp=2",
+            f"parallel.microbatches={ARGS.microbatches}")
+
+
 def layouts() -> dict[str, tuple[str, ...]]:
-    out = {"keras": (), "phalanx": (), "phalanx tp2": ("parallel.devices=cpu:2", "parallel.tp=2")}
+    out = {"keras": (), "phalanx": (), "phalanx tp2": TP2}
     if ARGS.devices >= 8:
-        out["phalanx dp2 x tp2 x pp2"] = ("parallel.devices=cpu:8", "parallel.dp=2", "parallel.tp=2", "parallel.pp=2",
-                                          f"parallel.microbatches={ARGS.microbatches}")
+        out["phalanx dp2 x tp2 x pp2"] = dtp_layout()
     if not ARGS.no_diagnostics:
         out["phalanx tp1 layers"] = ()
         out["phalanx tp2 layers, 1 device"] = ()
@@ -212,12 +238,9 @@ class Contender:
 # -- op counts of the traced step -----------------------------------------------------------
 
 
-def traced_step_ops(name: str, layout: tuple[str, ...], x, y) -> dict:
-    """Op counts of the engine's training step for ``layout``: the traced graph (before
-    Grappler) and the partition graphs TensorFlow ran (after Grappler and placement, one per
-    device, with the _Send/_Recv pairs between them)."""
-    from tensorflow.python.eager import context
-
+def make_engine(name: str, layout: tuple[str, ...], x, y):
+    """The engine ``phalanx.fit`` would build for ``layout`` (a keras-hub model is split by its
+    preset when ``parallel.tp > 1``, as fit does), and one batch as tensors."""
     from phalanx.api import _config, _mesh
     from phalanx.engines.keras_model import KerasModelEngine, _as_tensors
     from phalanx.layers.sharding import ShardedLayer
@@ -226,37 +249,123 @@ def traced_step_ops(name: str, layout: tuple[str, ...], x, y) -> dict:
     cfg = _config(None, layout)
     mesh = _mesh(cfg, layout)
     if mesh.tp > 1 and not any(isinstance(layer, ShardedLayer) for layer in model._flatten_layers()):
-        phalanx.parallelize(model, mesh.tp)  # as phalanx.fit does with a keras-hub model and parallel.tp > 1
+        phalanx.parallelize(model, mesh.tp)
     batch = ({k: v[:BATCH] for k, v in x.items()}, y[:BATCH], None)
-    engine = KerasModelEngine(model, cfg, mesh, batch)
-    tensors = _as_tensors(batch)
+    return KerasModelEngine(model, cfg, mesh, batch), batch, _as_tensors(batch)
+
+
+def traced_step_ops(name: str, layout: tuple[str, ...], x, y) -> dict:
+    """Op counts of the engine's training step for ``layout``: the traced graph (before
+    Grappler) and the partition graphs TensorFlow runs (after Grappler, oneDNN's rewrites and
+    placement, one per device, with the _Send/_Recv pairs between them)."""
+    from tensorflow.python.eager import context
+
+    engine, batch, tensors = make_engine(name, layout, x, y)
     graph = engine._train_fn.get_concrete_function(*tensors).graph
     before = collections.Counter(op.type for op in graph.get_operations())
-    engine.train_step(batch)  # the first call optimises the graph
     ctx = context.context()
-    ctx.enable_run_metadata()
+    ctx.enable_graph_collection()  # the function's partition graphs, recorded when it is instantiated
     try:
         engine.train_step(batch)
         metadata = ctx.export_run_metadata()
     finally:
-        ctx.disable_run_metadata()
-    after = collections.Counter()
-    devices = set()
-    for partition in metadata.partition_graphs:
-        for node in partition.node:
-            after[node.op] += 1
-            devices.add(node.device)
-    return {"before": before, "after": after, "partitions": len(metadata.partition_graphs),
-            "devices": len([d for d in devices if d])}
+        ctx.disable_graph_collection()
+    step = max(metadata.function_graphs, key=lambda f: sum(len(p.node) for p in f.partition_graphs))
+    after = collections.Counter(node.op for p in step.partition_graphs for node in p.node)
+    devices = {node.device for p in step.partition_graphs for node in p.node if node.device}
+    return {"before": before, "after": after, "partitions": len(step.partition_graphs), "devices": len(devices)}
+
+
+def read_trace(logdir: str) -> collections.Counter:
+    """(op type -> [count, ms]) of the TensorFlow ops executed in the newest profile under
+    ``logdir`` (events named ``<op name>:<op type>`` on the executor threads)."""
+    import glob
+
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    files = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
+    space = xplane_pb2.XSpace()
+    with open(files[-1], "rb") as fh:
+        space.ParseFromString(fh.read())
+    out: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+    for plane in space.planes:
+        for line in plane.lines:
+            if not line.name.startswith("tf_Compute"):
+                continue
+            for event in line.events:
+                full = plane.event_metadata[event.metadata_id].name
+                name, sep, op_type = full.rpartition(":")
+                if not sep or "::" in full or not op_type or " " in op_type:
+                    continue
+                out[op_type][0] += 1
+                out[op_type][1] += event.duration_ps / 1e9
+    return out
+
+
+def profile_layouts(x, y) -> dict:
+    """Per layout: the median over ``--profile-steps`` profiled steps of each op type's
+    [count, ms], of the step's summed op time and of its wall time."""
+    layouts_ = {"phalanx": (), "phalanx tp2": TP2}
+    if ARGS.devices >= 8:
+        layouts_["phalanx dp2 x tp2 x pp2"] = dtp_layout()
+    engines = {}
+    for name, layout in layouts_.items():
+        engine, batch, _ = make_engine(name, layout, x, y)
+        for _ in range(3):  # trace, optimise, warm up
+            float(engine.train_step(batch)["loss"])
+        engines[name] = (engine, batch)
+    records: dict[str, list] = {name: [] for name in engines}
+    names = list(engines)
+    for r in range(ARGS.profile_steps):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            engine, batch = engines[name]
+            float(engine.train_step(batch)["loss"])
+            with tempfile.TemporaryDirectory() as logdir:
+                tf.profiler.experimental.start(logdir)
+                start = time.perf_counter()
+                float(engine.train_step(batch)["loss"])
+                wall = time.perf_counter() - start
+                tf.profiler.experimental.stop()
+                records[name].append((wall, read_trace(logdir)))
+    out = {}
+    for name, recs in records.items():
+        types = set().union(*(ops for _, ops in recs))
+        out[name] = {
+            "wall": statistics.median(w for w, _ in recs),
+            "total": statistics.median(sum(v[1] for v in ops.values()) for _, ops in recs),
+            "types": {t: (statistics.median(ops[t][0] if t in ops else 0 for _, ops in recs),
+                          statistics.median(ops[t][1] if t in ops else 0.0 for _, ops in recs)) for t in types},
+        }
+    return out
+
+
+def profile_table(prof: dict, top: int = 22) -> list[str]:
+    names = list(prof)
+    ref = prof[names[0]]
+    lines = ["| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names),
+             "| profiled step wall, ms | " + " | ".join(f"{1e3 * prof[n]['wall']:.0f} ({prof[n]['wall'] / ref['wall']:.2f}x)"
+                                                   for n in names) + " |",
+             "| summed op time, ms | " + " | ".join(f"{prof[n]['total']:.0f} ({prof[n]['total'] / ref['total']:.2f}x)"
+                                               for n in names) + " |"]
+    everything = set().union(*(p["types"] for p in prof.values()))
+    ranked = sorted(everything, key=lambda t: -max(p["types"].get(t, (0, 0.0))[1] for p in prof.values()))
+    for t in ranked[:top]:
+        cells = []
+        for n in names:
+            count, ms = prof[n]["types"].get(t, (0, 0.0))
+            cells.append(f"{ms:.1f} ms / {count:.0f}" + (f" ({1e3 * ms / count:.0f} us)" if count else ""))
+        lines.append(f"| {t} | " + " | ".join(cells) + " |")
+    return lines
 
 
 OP_GROUPS = {
     "all ops": None,
-    "MatMul / BatchMatMul (incl. fused, oneDNN)": ("MatMul", "BatchMatMul", "_MklMatMul", "_MklBatchMatMul",
+    "MatMul / BatchMatMul / Einsum (incl. fused, oneDNN)": ("MatMul", "BatchMatMul", "_MklMatMul", "_MklBatchMatMul",
                                                    "_FusedMatMul", "_MklFusedMatMul", "_MklNativeFusedMatMul",
                                                    "_MklNativeMatMul", "BatchMatMulV2", "BatchMatMulV3",
-                                                   "_MklBatchMatMulV2", "_MklFusedBatchMatMulV2"),
+                                                   "_MklBatchMatMulV2", "_MklFusedBatchMatMulV2", "Einsum", "_MklEinsum"),
     "_Send / _Recv": ("_Send", "_Recv", "_HostSend", "_HostRecv"),
+    "Unpack / Pack": ("Unpack", "Pack"),
     "Cast": ("Cast",),
     "Identity / IdentityN": ("Identity", "IdentityN"),
     "Reshape": ("Reshape", "_MklReshape"),
@@ -333,14 +442,15 @@ def main() -> None:
                   file=sys.stderr, flush=True)
         ops = {}
         if ARGS.ops:
-            for name, layout in (("phalanx", ()), ("phalanx tp2 layers, 1 device", ()),
-                                 ("phalanx tp2", ("parallel.devices=cpu:2", "parallel.tp=2"))):
+            for name, layout in (("phalanx", ()), ("phalanx tp2", TP2),
+                                 *((("phalanx dp2 x tp2 x pp2", dtp_layout()),) if ARGS.devices >= 8 else ())):
                 ops[name] = traced_step_ops(name, layout, x, y)
+        prof = profile_layouts(x, y) if ARGS.profile else {}
     elapsed = time.perf_counter() - started
-    report(contenders, ops, info, load_before, load(), elapsed)
+    report(contenders, ops, prof, info, load_before, load(), elapsed)
 
 
-def report(contenders, ops, info, load_before, load_after, elapsed) -> None:
+def report(contenders, ops, prof, info, load_before, load_after, elapsed) -> None:
     today = datetime.date.today().isoformat()
     steps = ARGS.samples // BATCH
     measured = ARGS.rounds * (ARGS.epochs - 1)
@@ -399,6 +509,10 @@ def report(contenders, ops, info, load_before, load_after, elapsed) -> None:
             "ratio hides and the CPU ratio shows.",
             "",
         ]
+    if prof:
+        lines += [f"Profiled training steps (median of {ARGS.profile_steps} per layout, interleaved; inter-op threads: "
+                  f"{ARGS.inter_op or 'TensorFlow default'}): each op type's summed time / count (mean per op):", "",
+                  *profile_table(prof), ""]
     if ops:
         lines += ["Op counts of the engine's traced training step (`engine._train_fn`), before Grappler and as run "
                   "(the partition graphs):", "", *op_table(ops), ""]
