@@ -64,8 +64,11 @@ def categorize(name: str, op_type: str) -> str:
         return "other"
     if op_type.startswith(MATMUL_TYPES):
         return "matmul"
-    if "adamw" in scope or op_type.startswith("ResourceApply") or op_type in ("SelectV2", "AssignVariableOp",
-                                                                             "AssignSubVariableOp"):
+    if "/softmax" in scope and "CrossEntropy" not in op_type:
+        return "softmax"
+    # (the engine's skip-on-overflow selects sat at the top level before issue 14)
+    if "adamw" in scope or op_type.startswith("ResourceApply") or (
+            "/" not in name and op_type in ("SelectV2", "AssignVariableOp", "AssignSubVariableOp")):
         return "adamw"
     if "global_norm" in scope or op_type == "L2Loss":
         return "grad norm"

@@ -60,7 +60,7 @@ CASES = {
     "gelu": (gpt_ops.gelu, ref_gelu,
              lambda rng, dt: [tf.cast(rng.standard_normal([4, 7, 40]) * 2, dt),
                               tf.constant(rng.standard_normal(40) * 0.5, tf.float32)]),
-    "causal_softmax": (lambda s: gpt_ops.causal_softmax(s, 0.125), lambda s: ref_softmax(s, 0.125),
+    "causal_softmax": (gpt_ops.causal_softmax, lambda s: ref_softmax(s, 1.0),
                        lambda rng, dt: [tf.cast(rng.standard_normal([2, 3, 16, 16]) * 8, dt)]),
     "cross_entropy": (gpt_ops.token_cross_entropy, ref_cross_entropy,
                       lambda rng, dt: [tf.cast(rng.standard_normal([2, 9, 50]) * 3, dt),
@@ -93,12 +93,26 @@ def test_fused_kernels_keep_the_compute_dtype(name):
     assert out.dtype == (tf.float32 if name == "cross_entropy" else tf.bfloat16)
 
 
-def test_causal_mask_and_scale():
-    s = tf.random.normal([1, 1, 6, 6])
-    p = gpt_ops.causal_softmax(s, 0.5).numpy()[0, 0]
-    assert np.all(np.triu(p, 1) == 0)  # no query sees a later key
-    np.testing.assert_allclose(p.sum(-1), 1.0, rtol=1e-6)
-    np.testing.assert_allclose(p[1, :2], tf.nn.softmax(s[0, 0, 1, :2] * 0.5).numpy(), rtol=1e-6)
+def test_causal_mask():
+    for dtype in (tf.float32, tf.bfloat16):
+        s = tf.cast(tf.random.normal([1, 1, 6, 6]) * 4, dtype)
+        p = tf.cast(gpt_ops.causal_softmax(s), tf.float32).numpy()[0, 0]
+        assert np.all(np.triu(p, 1) == 0)  # no query sees a later key
+        np.testing.assert_allclose(p.sum(-1), 1.0, rtol=1e-2)
+        np.testing.assert_allclose(p[1, :2], tf.nn.softmax(tf.cast(s, tf.float32)[0, 0, 1, :2]).numpy(), rtol=1e-2)
+
+
+def test_attention_matches_plain_ops():
+    rng = np.random.default_rng(3)
+    q, k, v = (tf.constant(rng.standard_normal([2, 3, 16, 16]).astype(np.float32)) for _ in range(3))
+
+    def ref(q, k, v):
+        return tf.matmul(ref_softmax(tf.matmul(q, k, transpose_b=True), 0.25), v)
+
+    upstream = tf.constant(rng.standard_normal([2, 3, 16, 16]))
+    got = value_and_grads(gpt_ops.causal_attention, [q, k, v], upstream)
+    want = value_and_grads(ref, [tf.cast(a, tf.float64) for a in (q, k, v)], upstream)
+    assert_close(got, want, 2e-6, "attention")
 
 
 def test_gpt_step_in_a_distributed_graph_on_logical_devices(devices):

@@ -5,14 +5,14 @@ both call these, so the single-device model and every parallel layout compute th
 same thing from the same code.
 
 Matmuls run in the compute dtype (bfloat16 under ``mixed_bfloat16``) through oneDNN.
-The element-wise pieces around them — LayerNorm, bias + GELU, the causal softmax and
-the loss head's softmax-cross-entropy — are fused kernels: each is one XLA-compiled
-function for its forward and one for its backward (``tf.custom_gradient``), reading
-and writing the compute dtype and computing in float32 inside. As chains of separate
-TensorFlow ops they were 15-25% of a bfloat16 step of the reference GPT on CPU (every
-op a pass over memory, plus the casts to and from float32 around each of them);
-fused, they cost a few percent (benchmarks/results/profile_gpt.md). The matmuls stay
-out of XLA: oneDNN's are faster on CPU.
+The element-wise pieces around them — LayerNorm, bias + GELU, the attention softmax's
+backward and the loss head's softmax-cross-entropy — are fused kernels: one
+XLA-compiled function for the forward and one for the backward (``tf.custom_gradient``),
+reading and writing the compute dtype and computing in float32 inside (the attention
+softmax's forward is oneDNN's, in the compute dtype). As chains of separate TensorFlow
+ops these pieces were a third of a bfloat16 step of the reference GPT on CPU (every op a
+pass over memory, plus the casts to and from float32 around each of them); see
+benchmarks/results/profile_gpt.md. The matmuls stay out of XLA: oneDNN's are faster on CPU.
 
 Precision: LayerNorm statistics, the softmaxes and GELU are computed in float32 and
 rounded once to the compute dtype; the attention softmax's backward reads the
@@ -164,47 +164,48 @@ def dense(x: tf.Tensor, kernel: tf.Tensor, bias: tf.Tensor | None = None) -> tf.
 
 
 @_fused
-def _causal_softmax_fwd(scores, scale):
-    z = tf.cast(scores, _F32) * scale
-    tq, tk = tf.shape(scores)[-2], tf.shape(scores)[-1]
-    # query i (of the last tq positions) sees keys 0 .. i + tk - tq
-    visible = tf.range(tk)[None, :] <= tf.range(tq)[:, None] + (tk - tq)
-    z = tf.where(visible, z, _F32.min)
-    e = tf.exp(z - tf.reduce_max(z, axis=-1, keepdims=True))
-    return tf.cast(e / tf.reduce_sum(e, axis=-1, keepdims=True), scores.dtype)
-
-
-@_fused
-def _causal_softmax_bwd(dprobs, probs, scale):
+def _softmax_bwd(dprobs, probs):
     p, dp = tf.cast(probs, _F32), tf.cast(dprobs, _F32)
-    return tf.cast(p * (dp - tf.reduce_sum(dp * p, axis=-1, keepdims=True)) * scale, probs.dtype)
+    return tf.cast(p * (dp - tf.reduce_sum(dp * p, axis=-1, keepdims=True)), probs.dtype)
 
 
 @tf.custom_gradient
-def _causal_softmax(scores, scale):
-    probs = _causal_softmax_fwd(scores, scale)
+def _causal_softmax(scores):
+    tq, tk = tf.shape(scores)[-2], tf.shape(scores)[-1]
+    # query i (of the last tq positions) sees keys j <= i + tk - tq; the others get the
+    # dtype's lowest value, whose exp is exactly 0 (an additive -1e9 would be -inf, and
+    # 0 * inf NaN, in float16)
+    visible = tf.cast(tf.linalg.band_part(tf.ones(tf.stack([tq, tk]), tf.int8), -1, tk - tq), tf.bool)
+    probs = tf.nn.softmax(tf.where(visible, scores, scores.dtype.min), axis=-1)
 
     def grad(dprobs):
-        return _causal_softmax_bwd(dprobs, probs, scale), None
+        return _softmax_bwd(dprobs, probs)
 
     return probs, grad
 
 
-def causal_softmax(scores: tf.Tensor, scale: float) -> tf.Tensor:
-    """``softmax(scores * scale)`` over the last axis with a causal mask (query ``i``
-    sees keys ``<= i``), computed in float32, returned in the dtype of ``scores``."""
+def causal_softmax(scores: tf.Tensor) -> tf.Tensor:
+    """``softmax(scores)`` over the last axis with a causal mask (query ``i`` sees keys
+    ``<= i``), in the dtype of ``scores``.
+
+    Forward: the mask is applied in the compute dtype (exact: a visible score is kept as
+    it is) and oneDNN's softmax, which accumulates in float32 and rounds once, runs on it
+    (measured faster than an XLA softmax and than a float32 round trip). Backward: one
+    fused kernel, ``p (dp - sum(dp p))`` in float32.
+    """
     with tf.name_scope("softmax"):
-        return _causal_softmax(scores, tf.constant(scale, _F32))
+        return _causal_softmax(scores)
 
 
 def causal_attention(q: tf.Tensor, k: tf.Tensor, v: tf.Tensor) -> tf.Tensor:
     """Scaled dot-product attention with a causal mask.
 
-    q, k, v: ``[batch, heads, seq, head_dim]``; the scale ``1/sqrt(head_dim)`` and the
-    mask are applied inside the fused softmax (no pass over q or a mask tensor).
+    q, k, v: ``[batch, heads, seq, head_dim]``; softmax as :func:`causal_softmax`.
     """
-    probs = causal_softmax(tf.matmul(q, k, transpose_b=True), 1.0 / math.sqrt(q.shape[-1]))
-    return tf.matmul(probs, v)
+    # Scale q ([b, h, t, hd]) rather than the scores ([b, h, t, t]): t/hd times fewer
+    # multiplies forward and backward (exact in any dtype when hd is a power of 4).
+    q = q * tf.cast(1.0 / math.sqrt(q.shape[-1]), q.dtype)
+    return tf.matmul(causal_softmax(tf.matmul(q, k, transpose_b=True)), v)
 
 
 def split_heads(x: tf.Tensor, heads: int) -> tf.Tensor:
