@@ -36,9 +36,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -79,7 +77,7 @@ phalanx.init(*INIT)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+from machine_report import load, machine  # noqa: E402
 
 
 def digits():
@@ -170,29 +168,6 @@ class Contender:
         return statistics.median(self.step_times)
 
 
-def machine() -> dict[str, str]:
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        lscpu = ""
-    fields = {}
-    for line in lscpu.splitlines():
-        key, _, value = line.partition(":")
-        fields[key.strip()] = value.strip()
-    flags = set(fields.get("Flags", "").split())
-    wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
-    return {
-        "model": fields.get("Model name", platform.processor() or "unknown"),
-        "flags": ", ".join(f for f in wanted if f in flags) or "none of " + "/".join(wanted),
-        "cores": str(os.cpu_count()),
-        "tf": tf.__version__,
-        "keras": keras.__version__,
-        "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "unset (TensorFlow's default)"),
-    }
-
-
-def load() -> str:
-    return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main() -> None:
