@@ -3,8 +3,8 @@
 The reference GPT (issue 2, item 12): 12 layers, d_model 768, 12 heads, ffn 3072,
 vocab 8192, seq_len 512, batch 8, AdamW. For each precision policy it builds
 
-* phalanx: :class:`phalanx.train.engine.StrategyEngine` on one device with
-  :class:`phalanx.train.task.GPTTask` (the step the trainer runs), and
+* phalanx: :class:`phalanx.engines.strategy.StrategyEngine` on one device with
+  :class:`phalanx.engines.task.GPTTask` (the step the trainer runs), and
 * the peer a user would otherwise pick: keras-hub ``GPT2CausalLM`` (same shapes,
   random init, ``preprocessor=None``, dropout 0) trained with ``model.fit`` and
   Keras AdamW, under the same dtype policy,
@@ -71,8 +71,9 @@ import tensorflow as tf  # noqa: E402
 
 from phalanx.config import Config, ConfigError, validate  # noqa: E402
 from phalanx.precision import describe as describe_precision  # noqa: E402
-from phalanx.train.engine import StrategyEngine  # noqa: E402
-from phalanx.train.task import GPTTask, gpt_training_flops_per_token  # noqa: E402
+from phalanx.engines.strategy import StrategyEngine  # noqa: E402
+from phalanx.core.costs import gpt_training_flops_per_token
+from phalanx.engines.task import GPTTask  # noqa: E402
 
 POLICIES = ("float32", "mixed_bfloat16")
 COMPUTE_DTYPE = {"float32": "float32", "mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}

@@ -45,11 +45,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from phalanx.config import Config
     from phalanx.mesh import Mesh
-    from phalanx.parallel.mesh_engine import MeshEngine
-    from phalanx.parallel.pipeline import measured_bubble, profile_actions
+    from phalanx.engines.mesh import MeshEngine
+    from phalanx.parallel.trace import measured_bubble, profile_actions
     from phalanx.parallel.schedules import bubble_formula
-    from phalanx.train.engine import StrategyEngine
-    from phalanx.train.task import GPTTask
+    from phalanx.engines.strategy import StrategyEngine
+    from phalanx.engines.task import GPTTask
 
     model = (dict(layers=8, d_model=128, heads=8, ffn=512, vocab=256, seq_len=64) if args.quick else
              dict(layers=8, d_model=256, heads=8, ffn=1024, vocab=256, seq_len=128))

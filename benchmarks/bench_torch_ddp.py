@@ -77,6 +77,8 @@ import threading
 import time
 from pathlib import Path
 
+from machine_report import lscpu  # benchmarks/ is on sys.path when run as a script
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 POLICIES = ("float32", "mixed_bfloat16")
@@ -168,7 +170,7 @@ def export_main(args) -> int:
     from phalanx.config import load_config
     from phalanx.data.pipeline import make_datasets
     from phalanx.models.gpt import initial_weights, num_params
-    from phalanx.train.task import gpt_training_flops_per_token
+    from phalanx.core.costs import gpt_training_flops_per_token
 
     out = Path(args.export)
     if args.warmup < 0:
@@ -286,7 +288,7 @@ def torch_worker_main(spec_path: str) -> int:
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=t["lr"], betas=(t["beta1"], t["beta2"]), eps=t["eps"])
 
-    def lr_factor(step: int) -> float:  # phalanx.train.optim.learning_rate / peak
+    def lr_factor(step: int) -> float:  # phalanx.core.optim.learning_rate / peak
         if step < t["warmup"]:
             return (step + 1.0) / max(t["warmup"], 1)
         progress = min(max((step - t["warmup"]) / max(t["steps"] - t["warmup"], 1), 0.0), 1.0)
@@ -581,14 +583,7 @@ def fmt_load(values) -> str:
 
 
 def machine_info() -> dict:
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        lscpu = ""
-    fields = {}
-    for line in lscpu.splitlines():
-        key, _, value = line.partition(":")
-        fields[key.strip()] = value.strip()
+    fields = lscpu()
     flags = fields.get("Flags", "").split()
     wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
     return {"model": fields.get("Model name", "unknown"), "cores": os.cpu_count(),

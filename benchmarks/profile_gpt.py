@@ -1,7 +1,7 @@
 """Per-op breakdown of one phalanx training step of the reference GPT (issue 14, item 1).
 
-Builds the step the trainer runs (:class:`phalanx.train.engine.StrategyEngine` on one
-device, :class:`phalanx.train.task.GPTTask`, AdamW) with the shapes of
+Builds the step the trainer runs (:class:`phalanx.engines.strategy.StrategyEngine` on one
+device, :class:`phalanx.engines.task.GPTTask`, AdamW) with the shapes of
 ``benchmarks/bench_gpt.py``, runs warm-up steps, times a few steps, then records one
 step with the TensorFlow profiler and sums the executed ops' times by category:
 
@@ -194,8 +194,8 @@ def main(argv=None) -> int:
         tf.config.threading.set_inter_op_parallelism_threads(args.inter_op)
     from phalanx.config import Config
     from phalanx.plan.hardware import cpu_model
-    from phalanx.train.engine import StrategyEngine
-    from phalanx.train.task import GPTTask
+    from phalanx.engines.strategy import StrategyEngine
+    from phalanx.engines.task import GPTTask
 
     model = {"layers": args.layers, "d_model": args.d_model, "heads": args.heads, "ffn": args.ffn,
              "vocab": args.vocab, "seq_len": args.seq_len}

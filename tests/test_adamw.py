@@ -23,7 +23,7 @@ import pytest
 import tensorflow as tf
 
 from phalanx.config import TrainConfig
-from phalanx.train import optim
+from phalanx.core import optim
 
 
 def reference_adamw(theta, m, v, grads, lrs, factors, cfg: TrainConfig, decay: bool, first_step: int = 1):
@@ -120,8 +120,8 @@ def test_non_finite_step_changes_nothing_and_mask_keeps_zeros():
 
 def test_every_engine_uses_the_one_apply():
     from phalanx.parallel import zero
-    from phalanx.train import engine
+    from phalanx.engines import strategy
 
     assert not hasattr(optim, "adamw_update")  # the tensor-op version is gone
-    assert "optim.apply_adamw(" in inspect.getsource(engine.StrategyEngine._apply_one)
+    assert "optim.apply_adamw(" in inspect.getsource(strategy.StrategyEngine._apply_one)
     assert "optim.apply_adamw(" in inspect.getsource(zero.ShardedAdamW._adam)

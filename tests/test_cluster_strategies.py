@@ -148,8 +148,8 @@ MULTI_WORKER_SCRIPT = textwrap.dedent('''
         setup = setup_cluster(cfg)                   # first: before any other TF op
         strategy, rows = setup.strategy, setup.local_batch   # rows: this process's share of the global batch
         import keras
-        from phalanx.train.engine import StrategyEngine
-        from phalanx.train.task import KerasTask
+        from phalanx.engines.strategy import StrategyEngine
+        from phalanx.engines.task import KerasTask
         rng = np.random.default_rng(0)
         X = rng.normal(size=(3, 8, 5)).astype("float32")
         Y = rng.normal(size=(3, 8, 1)).astype("float32")
@@ -182,8 +182,8 @@ PARAMETER_SERVER_SCRIPT = textwrap.dedent('''
     setup = setup_cluster(cfg)                   # worker and ps tasks serve in here, then exit 0
     assert (setup.data_index, setup.data_count, setup.is_chief) == (0, 1, True)
     import keras
-    from phalanx.cluster.ps_engine import ParameterServerEngine
-    from phalanx.train.task import KerasTask
+    from phalanx.engines.ps import ParameterServerEngine
+    from phalanx.engines.task import KerasTask
     rng = np.random.default_rng(0)
     X = rng.normal(size=(64, 4)).astype("float32")
     Y = X @ rng.normal(size=(4, 1)).astype("float32")

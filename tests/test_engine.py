@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 from phalanx.config import Config
-from phalanx.train.engine import StrategyEngine, default_strategy
-from phalanx.train.task import GPTTask
+from phalanx.cluster.strategies import local_strategy
+from phalanx.engines.strategy import StrategyEngine
+from phalanx.engines.task import GPTTask
 
 TINY = {"layers": 2, "d_model": 32, "heads": 4, "ffn": 64, "vocab": 256, "seq_len": 16}
 
@@ -22,7 +23,7 @@ def batches(n=3, b=8, t=16, seed=0):
 
 def engine(cfg, devices, policy="float32"):
     cfg = cfg.replace(precision={"policy": policy})
-    return StrategyEngine(cfg, GPTTask(cfg.model, policy, cfg.train.seed), default_strategy(devices))
+    return StrategyEngine(cfg, GPTTask(cfg.model, policy, cfg.train.seed), local_strategy(devices))
 
 
 def train(e, data):
@@ -96,7 +97,7 @@ def test_bfloat16_close_to_float32_and_falls(reference, devices):
 
 def test_float16_overflow_step_is_skipped_and_counted(devices):
     cfg = tiny_cfg().replace(precision={"policy": "mixed_float16", "loss_scale_init": 1e10})
-    e = StrategyEngine(cfg, GPTTask(cfg.model, "mixed_float16"), default_strategy(devices[:1]))
+    e = StrategyEngine(cfg, GPTTask(cfg.model, "mixed_float16"), local_strategy(devices[:1]))
     before = e.weights()
     out = e.train_step(batches(1)[0])
     assert float(out["skipped"]) == 1.0

@@ -13,6 +13,11 @@ Real `phalanx launch ... --restarts 1 -- phalanx train` runs on loopback:
   one metrics row per step 1..STEPS, the final checkpoint loads (`phalanx eval`), and
   the losses after the resume are finite and below step 1's.
 
+* parameter_server, a dead worker noticed promptly: worker:1 SIGKILLed under a long
+  ``--grace``; the launcher SIGTERMs the others, the chief saves and exits by itself
+  (before, TensorFlow's ClusterCoordinator kept the finished chief waiting for the dead
+  worker until the launcher's SIGKILL at the end of the grace period).
+
 Every launch is bounded twice (the launcher's --timeout and the test's own deadline),
 runs in its own process group killed in a finally block, and every test checks that
 no process it started is left behind.
@@ -159,3 +164,29 @@ def test_parameter_server_resumes_after_a_worker_is_killed(cache, tmp_path, caps
     assert main_eval([str(run_dir), "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["step"] == PS_STEPS and math.isfinite(result["eval_loss"])
+
+
+def test_parameter_server_chief_exits_without_waiting_for_the_grace_after_a_worker_dies(cache, tmp_path):
+    """chief + 2 workers + 1 ps under --grace 120 and no restarts; worker:1 SIGKILLed after the
+    first checkpoint. Every task leaves by itself (the launcher never has to SIGKILL one: the
+    event order), the chief after saving a checkpoint, and well within the grace period."""
+    grace = 120
+    run_dir = tmp_path / "run"
+    cmd = [*PHALANX, "launch", "--workers", "2", "--ps", "1", "--restarts", "0", "--timeout", "250", "--grace",
+           str(grace), "--", *PHALANX, "train", "parallel.strategy=parameter_server",
+           *overrides(cache, run_dir, "train.steps=100000", "checkpoint.every=2")]
+    with Background(cmd, tmp_path / "launch", timeout=300) as run:
+        run.wait_for(lambda: checkpoint_steps(run_dir), "the first checkpoint")
+        pids = task_pids(run.stderr())
+        os.kill(pids["worker:1"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        code = run.wait()
+        delay = time.monotonic() - killed_at
+        err = run.stderr()
+    print(f"worker death -> launcher exit: {delay:.1f} s (grace {grace} s)")
+    assert code == 128 + signal.SIGKILL, err[-3000:]  # the status of the task that failed first
+    assert "worker:1 was killed by signal 9" in err
+    assert "killing" not in err, err[-3000:]  # no task outlived the SIGTERM: none needed the grace SIGKILL
+    assert "signal received: checkpoint saved" in err  # the chief saved on the launcher's SIGTERM
+    assert delay < grace / 2, delay
+    assert_gone(set(pids.values()))

@@ -118,12 +118,13 @@ def test_attention_matches_plain_ops():
 def test_gpt_step_in_a_distributed_graph_on_logical_devices(devices):
     """The fused kernels run inside tf.function under a MirroredStrategy over two logical CPUs."""
     from phalanx.config import Config
-    from phalanx.train.engine import StrategyEngine, default_strategy
-    from phalanx.train.task import GPTTask
+    from phalanx.cluster.strategies import local_strategy
+    from phalanx.engines.strategy import StrategyEngine
+    from phalanx.engines.task import GPTTask
 
     cfg = Config().replace(model={"layers": 1, "d_model": 32, "heads": 4, "ffn": 64, "vocab": 256, "seq_len": 8},
                            train={"global_batch": 4}, precision={"policy": "mixed_bfloat16"})
-    engine = StrategyEngine(cfg, GPTTask(cfg.model, "mixed_bfloat16"), default_strategy(devices[:2]))
+    engine = StrategyEngine(cfg, GPTTask(cfg.model, "mixed_bfloat16"), local_strategy(devices[:2]))
     batch = np.random.default_rng(0).integers(0, 256, [4, 9]).astype(np.int32)
     first = float(engine.train_step(batch)["loss"])
     assert abs(first - math.log(256)) < 0.1

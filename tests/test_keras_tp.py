@@ -199,8 +199,8 @@ def test_sequence_parallel_key_runs_the_transformer_blocks_sequence_parallel(tmp
         phalanx.fit(net(1), x, y, batch_size=4, verbose=0,
                     overrides=["parallel.sequence_parallel=true", f"run.dir={tmp_path}/c"])
     from phalanx.config import load_config
-    from phalanx.train.task import GPTTask
-    from phalanx.train.trainer import make_engine
+    from phalanx.engines.task import GPTTask
+    from phalanx.engines.factory import build_engine
     cfg = load_config(None, ["parallel.sequence_parallel=true"])
     with pytest.raises(ConfigError, match="parallel.sequence_parallel"):
-        make_engine(cfg, GPTTask(cfg.model))
+        build_engine(cfg, GPTTask(cfg.model))

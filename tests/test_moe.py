@@ -163,7 +163,7 @@ MOE_GPT = ["model.layers=4", "model.d_model=32", "model.heads=2", "model.ffn=48"
 def test_plan_counts_the_parameters_train_builds():
     from phalanx.config import load_config
     from phalanx.models import gpt
-    from phalanx.plan.arithmetic import ModelSpec, param_count
+    from phalanx.core.costs import ModelSpec, param_count
 
     cfg = load_config(None, MOE_GPT)
     model = gpt.GPT(cfg.model)
@@ -182,9 +182,10 @@ def test_plan_counts_the_parameters_train_builds():
 def test_moe_gpt_trains_data_parallel_and_refuses_what_is_not_built(devices):
     from phalanx.config import ConfigError, load_config
     from phalanx.mesh import Mesh
-    from phalanx.parallel.mesh_engine import MeshEngine
-    from phalanx.train.engine import StrategyEngine, default_strategy
-    from phalanx.train.task import GPTTask
+    from phalanx.engines.mesh import MeshEngine
+    from phalanx.cluster.strategies import local_strategy
+    from phalanx.engines.strategy import StrategyEngine
+    from phalanx.engines.task import GPTTask
 
     # Without the balancing loss (which depends on the batch a replica sees), dp2 = one device.
     cfg = load_config(None, MOE_GPT + ["model.aux_loss_coef=0"])
@@ -192,12 +193,12 @@ def test_moe_gpt_trains_data_parallel_and_refuses_what_is_not_built(devices):
     batches = [rng.integers(0, 256, (4, 17)).astype("int32") for _ in range(4)]
     runs = []
     for devs in (devices[:1], devices[:2]):
-        engine = StrategyEngine(cfg, GPTTask(cfg.model), default_strategy(devs))
+        engine = StrategyEngine(cfg, GPTTask(cfg.model), local_strategy(devs))
         runs.append([float(engine.train_step(b)["loss"]) for b in batches])
     np.testing.assert_allclose(runs[1], runs[0], rtol=1e-5)
     # With it, the loss includes the balancing loss and still falls on a repeated batch.
     cfg = load_config(None, MOE_GPT + ["model.aux_loss_coef=0.1"])
-    engine = StrategyEngine(cfg, GPTTask(cfg.model), default_strategy(devices[:1]))
+    engine = StrategyEngine(cfg, GPTTask(cfg.model), local_strategy(devices[:1]))
     losses = [float(engine.train_step(batches[0])["loss"]) for _ in range(8)]
     assert losses[-1] < losses[0] - 0.5
     with pytest.raises(ConfigError, match="model.experts"):
@@ -243,13 +244,7 @@ def test_expert_parallel_layouts_that_cannot_run_are_refused(tmp_path):
                     overrides=["parallel.devices=cpu:2", "parallel.dp=2", "parallel.ep=2", f"run.dir={tmp_path}/c"])
     with pytest.raises(ValueError, match="divides num_experts=4"):
         MoE(num_experts=4, hidden_dim=4, ep=3)
-    # The built-in GPT trains its experts data parallel only: ep is refused there, not ignored.
-    from phalanx.config import load_config
-    from phalanx.train.trainer import make_engine
-    from phalanx.train.task import GPTTask
-    cfg = load_config(None, MOE_GPT + ["parallel.dp=2", "parallel.ep=2", "parallel.devices=cpu:2"])
-    with pytest.raises(ConfigError, match="parallel.ep"):
-        make_engine(cfg, GPTTask(cfg.model))
+    # (ep for the built-in GPT under `phalanx train`: tests/test_moe_train.py)
 
 
 def test_expert_parallel_runs_each_expert_on_its_shards_device():
@@ -259,7 +254,7 @@ def test_expert_parallel_runs_each_expert_on_its_shards_device():
 
     from phalanx.config import load_config
     from phalanx.mesh import Mesh
-    from phalanx.parallel import make_engine
+    from phalanx.engines.factory import make_engine
 
     cfg = load_config(None, ["parallel.devices=cpu:2", "parallel.dp=2", "parallel.ep=2"])
     x = np.zeros((4, 6), "int32")
@@ -272,3 +267,15 @@ def test_expert_parallel_runs_each_expert_on_its_shards_device():
             forward[(op.name.split("_")[0], op.device.rsplit(":", 1)[-1])] += 1
     # 2 experts x (w_in, w_out) on each shard's device; the router on the replica's own.
     assert forward == {("dp0", "0"): 5, ("dp0", "1"): 4, ("dp1", "0"): 4, ("dp1", "1"): 5}
+    # One dispatch per shard, not per expert: each replica selects, gathers and scatters
+    # back its tokens once per shard (2), and only the shard's own device splits them by expert.
+    dispatch = collections.Counter()
+    for op in graph.get_operations():
+        if "/mo_e" in op.name and "gradients" not in op.name and op.type in (
+                "Where", "GatherV2", "TensorScatterAdd", "DynamicPartition"):
+            dispatch[(op.name.split("_")[0], op.type, op.device.rsplit(":", 1)[-1])] += 1
+    for d, other in (("dp0", "1"), ("dp1", "0")):
+        mine = str(int(d[-1]))
+        assert dispatch[(d, "Where", mine)] == dispatch[(d, "TensorScatterAdd", mine)] == 2
+        assert dispatch[(d, "GatherV2", mine)] == 2 and dispatch[(d, "Where", other)] == 0
+        assert dispatch[(d, "DynamicPartition", mine)] == dispatch[(d, "DynamicPartition", other)] == 2

@@ -13,13 +13,14 @@ import tensorflow as tf
 
 from phalanx.config import Config, ConfigError
 from phalanx.mesh import Mesh
-from phalanx.parallel.apply import make_engine, make_mesh_engine, needs_mesh_engine
-from phalanx.parallel.mesh_engine import MeshEngine
-from phalanx.parallel.pipeline import (check_graph_order, executed_order, measured_bubble, partition,
-                                       profile_actions)
+from phalanx.engines.factory import make_engine, make_mesh_engine, needs_mesh_engine
+from phalanx.engines.mesh import MeshEngine
+from phalanx.parallel.partition import partition
+from phalanx.parallel.pipeline import check_graph_order
+from phalanx.parallel.trace import executed_order, measured_bubble, profile_actions
 from phalanx.parallel.schedules import peak_in_flight
-from phalanx.train.engine import StrategyEngine
-from phalanx.train.task import GPTTask
+from phalanx.engines.strategy import StrategyEngine
+from phalanx.engines.task import GPTTask
 
 STEPS, MORE = 3, 2
 MODEL = dict(layers=4, d_model=32, heads=4, ffn=64, vocab=256, seq_len=16)

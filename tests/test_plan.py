@@ -7,9 +7,10 @@ import json
 
 import pytest
 
-from phalanx.plan import arithmetic, cli, estimate as estimate_mod, layout as layout_mod, memory, search as search_mod
+from phalanx.core import costs
+from phalanx.plan import cli, estimate as estimate_mod, layout as layout_mod, memory, search as search_mod
 from phalanx.plan import engine_memory, engine_rules, precheck, timing
-from phalanx.plan.arithmetic import ModelSpec, active_param_count, flops_per_token, param_count
+from phalanx.core.costs import ModelSpec, active_param_count, flops_per_token, param_count
 from phalanx.plan.estimate import estimate
 from phalanx.plan.hardware import GiB, get_hardware
 from phalanx.plan.layout import Layout, stage_layers
@@ -65,7 +66,7 @@ def test_flops_per_token_papers():
 def test_moe_params_and_flops():
     dense = ModelSpec(layers=4, d_model=64, heads=4, vocab=100, seq_len=16)
     moe = ModelSpec(layers=4, d_model=64, heads=4, vocab=100, seq_len=16, experts=8, top_k=2, moe_every=2)
-    mlp = arithmetic.mlp_params(dense)
+    mlp = costs.mlp_params(dense)
     assert param_count(moe) - param_count(dense) == 2 * (7 * mlp + 64 * 8)
     assert active_param_count(moe) - param_count(dense) == 2 * (mlp + 64 * 8)
     extra_fwd = 2 * (2 * 2 * 64 * 256 + 2 * 64 * 8)  # one more MLP and the router, in 2 layers
@@ -247,7 +248,7 @@ def test_config_errors_exit_2(capsys):
     assert "error: parallel.devices" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("module", [arithmetic, memory, layout_mod, timing, estimate_mod, search_mod, engine_rules,
+@pytest.mark.parametrize("module", [costs, memory, layout_mod, timing, estimate_mod, search_mod, engine_rules,
                                     engine_memory, precheck])
 def test_doctests(module):
     assert doctest.testmod(module).failed == 0

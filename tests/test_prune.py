@@ -11,7 +11,7 @@ import pytest
 from helpers import tiny_overrides, write_corpus
 from phalanx import prune
 from phalanx.config import ConfigError, load_config
-from phalanx.train.task import GPTTask
+from phalanx.engines.task import GPTTask
 
 TINY = ["model.layers=2", "model.d_model=32", "model.heads=2", "model.ffn=64", "model.seq_len=16",
         "train.global_batch=8", "train.warmup=1", "train.lr=1e-2"]
@@ -32,21 +32,22 @@ def _batches(n, rows=8, seq=16, seed=0):
 def _train_layout(layout: str, pattern: str = "unstructured", steps: int = 6):
     """Steps of a directly built engine with a Pruner (start 0, end 4, every 2); after every
     step, checks that masked weights and their moments are exactly zero."""
-    from phalanx.train.trainer import make_engine
+    from phalanx.engines.factory import build_engine
     target = 0.5
     cfg = load_config(None, TINY + LAYOUTS[layout] + [f"train.prune.target={target}", "train.prune.start=0",
                                                        "train.prune.end=4", "train.prune.every=2",
                                                        f"train.prune.pattern={pattern}"])
-    engine = make_engine(cfg, GPTTask(cfg.model, "float32", cfg.train.seed))
+    engine = build_engine(cfg, GPTTask(cfg.model, "float32", cfg.train.seed))
     pruner = prune.Pruner(cfg, engine)
     losses = []
     for step, batch in enumerate(_batches(steps)):
         pruner.before_step(step)
         losses.append(float(engine.train_step(batch)["loss"]))
         state = engine.state_dict()
-        assert pruner.masks and set(pruner.masks) == {n for n in state if prune.prunable(n)
-                                                      and not n.startswith("optimizer/")}
-        for name, mask in pruner.masks.items():
+        masks = pruner.whole_masks()
+        assert masks and set(masks) == {n for n in state if prune.prunable(n)
+                                        and not n.startswith(("optimizer/", prune.MASK_PREFIX))}
+        for name, mask in masks.items():
             off = mask == 0
             for key in (name, f"optimizer/m/{name}", f"optimizer/v/{name}"):
                 assert np.all(state[key][off] == 0), (layout, step, key)
@@ -63,7 +64,7 @@ def test_masks_keep_their_zeros_on_every_layout(layout, one_device_losses):
     cfg, engine, pruner, losses = _train_layout(layout)
     weights = engine.weights()
     # after the last mask update (step 4) the sparsity is the target, per tensor
-    for name, mask in pruner.masks.items():
+    for name, mask in pruner.whole_masks().items():
         assert (weights[name] == 0).mean() == pytest.approx(0.5, abs=1e-3), name
     assert not np.any(weights["embed/tokens"] == 0) and not np.any(weights["block_0/ln1/gamma"] == 0)
     # the same run on one device (masks, moments and all): the losses agree
@@ -223,17 +224,158 @@ def test_keras_fit_refuses_prune_keys(tmp_path):
 
 
 def test_moe_experts_are_pruned_2_4_too():
-    from phalanx.train.trainer import make_engine
+    from phalanx.engines.factory import build_engine
     cfg = load_config(None, TINY + ["model.experts=2", "train.prune.target=0.5", "train.prune.pattern=2:4",
                                     "train.prune.start=0", "train.prune.end=1", "train.prune.every=1"])
-    engine = make_engine(cfg, GPTTask(cfg.model, "float32", cfg.train.seed))
+    engine = build_engine(cfg, GPTTask(cfg.model, "float32", cfg.train.seed))
     pruner = prune.Pruner(cfg, engine)
     for step, batch in enumerate(_batches(2)):
         pruner.before_step(step)
         engine.train_step(batch)
     weights = engine.weights()
-    assert {"block_0/moe/w_in", "block_0/moe/w_out"} <= set(pruner.masks)
-    assert "block_0/moe/router" not in pruner.masks
+    assert {"block_0/moe/w_in", "block_0/moe/w_out"} <= set(pruner.whole_masks())
+    assert "block_0/moe/router" not in pruner.whole_masks()
     for name in ("block_0/moe/w_in", "block_0/moe/w_out"):
         groups = np.moveaxis(weights[name], -2, -1).reshape(-1, 4)
         assert np.all((groups == 0).sum(axis=1) == 2), name
+
+
+# ---------------------------------------------------------------------------
+# Shard by shard (phalanx.prune.shards): the masks of the whole-tensor rule, on every layout
+
+
+def test_kth_smallest_is_exact_across_parts():
+    from phalanx.prune.select import kth_smallest
+    rng = np.random.default_rng(1)
+    keys = rng.integers(0, 50, 5000).astype(np.uint64)  # many ties
+    parts = lambda: iter(np.array_split(keys, 7))  # noqa: E731
+    ordered = np.sort(keys)
+    for k in (0, 1, 999, 2500, 4999):
+        assert kth_smallest(parts, k, bits=32) == ordered[k]
+    with pytest.raises(IndexError):
+        kth_smallest(parts, 5000, bits=32)
+
+
+def _mesh_engine(devices, tp, overrides):
+    from phalanx.mesh import Mesh
+    from phalanx.engines.mesh import MeshEngine
+    cfg = load_config(None, TINY + ["parallel.strategy=mesh", f"parallel.tp={tp}", *overrides])
+    return cfg, MeshEngine(cfg, Mesh.from_devices(devices[:tp], 1, 1, tp), GPTTask(cfg.model, "float32", 0))
+
+
+@pytest.mark.parametrize("pattern", ["unstructured", "2:4"])
+def test_shard_masks_equal_the_whole_tensor_masks_at_tp1_and_tp2(devices, pattern):
+    """Weights rounded to a coarse grid (many exact ties at the threshold, so the tie rule by
+    logical index matters), pruned at tp1 and tp2 on the mesh engine: the same masks, equal to
+    the whole-tensor reference functions (stable argsort) on the same weights."""
+    overrides = ["train.prune.target=0.5", "train.prune.start=0", "train.prune.end=4", "train.prune.every=2",
+                 f"train.prune.pattern={pattern}"]
+    rng = np.random.default_rng(7)
+    state = None
+    got = {}
+    for tp in (1, 2):
+        cfg, engine = _mesh_engine(devices, tp, overrides)
+        if state is None:
+            state = {k: (np.round(rng.normal(size=v.shape) * 4) / 4).astype(v.dtype) if prune.prunable(k)
+                     and not k.startswith(("optimizer/", prune.MASK_PREFIX)) else v
+                     for k, v in engine.state_dict().items()}
+        engine.load_state_dict(state)
+        pruner = prune.Pruner(cfg, engine)
+        assert pruner.before_step(2)  # sparsity 0.4375 of the cubic ramp
+        got[tp] = pruner.whole_masks()
+    sparsity = prune.scheduled_sparsity(2, 0.5, 0, 4)
+    weights = {k: v for k, v in state.items() if k in got[1]}
+    want = prune.compute_masks(weights, sparsity, pattern)
+    assert set(got[1]) == set(got[2]) == set(want) and want
+    for name in want:
+        np.testing.assert_array_equal(got[1][name], want[name], err_msg=name)
+        np.testing.assert_array_equal(got[2][name], want[name], err_msg=name)
+    if pattern == "unstructured":  # the grid made ties at the threshold: the index rule was exercised
+        name = "block_0/mlp/fc/kernel"
+        tau = np.sort(np.abs(weights[name]).ravel())[int(round(sparsity * weights[name].size)) - 1]
+        on_tau = np.abs(weights[name]) == tau
+        assert 0 < (want[name][on_tau] == 0).sum() < on_tau.sum()
+
+
+def _peak_bytes(fn) -> int:
+    import tracemalloc
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+#: NumPy bytes one chunk's keys and histogram temporaries may take (phalanx.prune.shards.CHUNK elements)
+CHUNK_TEMPORARIES = 2 * 2**20
+
+
+def assert_updated(updated: bool) -> None:
+    assert updated, "not a mask update step"
+
+
+def test_a_prune_step_holds_a_shard_not_the_model(devices):
+    """Peak host NumPy memory (tracemalloc) of one mask update at tp1 and tp4 on the mesh engine,
+    with the MLP kernels the largest weights: tp4's peak is about a quarter of tp1's."""
+    model = ["model.layers=2", "model.d_model=256", "model.heads=4", "model.ffn=8192", "model.vocab=256"]
+    overrides = [*model, "train.prune.target=0.5", "train.prune.start=0", "train.prune.end=4", "train.prune.every=2"]
+    peaks = {}
+    for tp in (1, 4):
+        cfg, engine = _mesh_engine(devices, tp, overrides)
+        pruner = prune.Pruner(cfg, engine)
+        peaks[tp] = _peak_bytes(lambda: pruner.before_step(2))
+    largest = 4 * 256 * 8192  # bytes of one MLP kernel, the largest weight
+    prunable_bytes = 4 * 2 * (256 * 768 + 256 * 256 + 2 * 256 * 8192)
+    print("prune step peak NumPy bytes:", peaks, "tp4/tp1:", peaks[4] / peaks[1], "largest weight:", largest,
+          "all pruned weights:", prunable_bytes)
+    # one weight at a time (that weight and its mask, plus a chunk's temporaries), never all of them
+    assert peaks[1] < 2.5 * largest < 0.6 * prunable_bytes, peaks
+    assert peaks[4] < 0.25 * peaks[1] + CHUNK_TEMPORARIES, peaks  # a quarter: a shard and its mask
+
+
+def test_mesh_masks_travel_in_the_device_shard_sets(devices, tmp_path):
+    """The mesh engine writes its masks per device (no whole-mask 'extra' set); a tp2
+    checkpoint's masks load into tp1 equal; a dense checkpoint (no masks) loads into a pruning
+    engine with every weight kept."""
+    from phalanx import checkpoint
+    overrides = ["train.prune.target=0.5", "train.prune.start=0", "train.prune.end=4", "train.prune.every=2"]
+    cfg, tp2 = _mesh_engine(devices, 2, overrides)
+    pruner = prune.Pruner(cfg, tp2)
+    pruner.before_step(2)
+    assert pruner.state() == {}
+    sets = checkpoint.state_of(tp2, extra=pruner.state())
+    assert all(s.name.startswith("dp0-") for s in sets)
+    mask_sets = {s.name for s in sets for slot in s.slots if slot.name.startswith(prune.MASK_PREFIX)}
+    assert mask_sets == {"dp0-pp0-tp0", "dp0-pp0-tp1"}
+    path = checkpoint.save(tmp_path / "pruned", 3, sets)
+    cfg1, tp1 = _mesh_engine(devices, 1, overrides)
+    checkpoint.load_into(tp1, checkpoint.restore(path))
+    got, want = prune.Pruner(cfg1, tp1).whole_masks(), pruner.whole_masks()
+    assert set(got) == set(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    # a dense checkpoint (written without pruning) into a pruning engine: masks stay all ones
+    _, dense = _mesh_engine(devices, 2, [])
+    path = checkpoint.save(tmp_path / "dense", 1, checkpoint.state_of(dense))
+    _, fresh = _mesh_engine(devices, 2, overrides)
+    checkpoint.load_into(fresh, checkpoint.restore(path))
+    assert all((m == 1).all() for m in prune.Pruner(cfg, fresh).whole_masks().values())
+
+
+@pytest.mark.parametrize("rows", [(0, 8, 12), (0, 6, 12), (0, 5, 9, 12)])
+def test_shard_masks_of_any_row_split_equal_the_whole_tensor_rule(rows):
+    """Hand-made shards of a [12, 6] weight (rows split on and off the 4-row N:M groups, so
+    both the per-shard and the joining path run), with ties: unstructured and 2:4 masks equal
+    the whole-tensor functions."""
+    from phalanx.prune.shards import WeightShard, shard_masks
+    w = (np.round(np.random.default_rng(3).normal(size=(12, 6)) * 2) / 2).astype(np.float32)
+    shards = [WeightShard("w", w.shape, [(((0, b - a), (0, 6)), ((a, b), (0, 6)))],
+                          fetch=lambda a=a, b=b: w[a:b].copy(), install=None)
+              for a, b in zip(rows[:-1], rows[1:])]
+    for nm, want in ((None, prune.unstructured_mask(w, 0.4)), ((2, 4), prune.nm_mask(w, 2, 4))):
+        got = np.full(w.shape, -1.0, np.float32)
+        for shard, mask in shard_masks(shards, 0.4 if nm is None else 0.5, nm, prune.nm_mask):
+            (_, logical), = shard.regions
+            got[logical[0][0]:logical[0][1]] = mask
+        np.testing.assert_array_equal(got, want, err_msg=str(nm))

@@ -376,16 +376,17 @@ def test_a_checkpoint_of_other_shapes_without_any_config_is_a_clear_error(tmp_pa
 
 
 def test_a_non_finite_state_is_not_saved_and_the_last_good_checkpoint_stays(tmp_path, corpus, monkeypatch):
-    from phalanx.train.engine import StrategyEngine
+    from phalanx.engines.strategy import StrategyEngine
 
-    real = StrategyEngine.state_dict
+    real = StrategyEngine.checkpoint_slots
 
-    def poisoned(self):
-        out = real(self)
-        if int(out["optimizer/step"]) >= 2:
-            out["block_0/attn/qkv/kernel"] = out["block_0/attn/qkv/kernel"] * np.nan
-        return out
-    monkeypatch.setattr(StrategyEngine, "state_dict", poisoned)
+    def poisoned(self):  # the checkpoint reads each variable through its slot's fetch()
+        sets = real(self)
+        if int(self.step.numpy()) >= 2:
+            for slot in (x for s in sets for x in s.slots if x.name == "block_0/attn/qkv/kernel"):
+                slot.fetch = lambda fetch=slot.fetch: np.asarray(fetch()) * np.nan
+        return sets
+    monkeypatch.setattr(StrategyEngine, "checkpoint_slots", poisoned)
     with pytest.raises(CheckpointError, match=r"refusing to save step 2: non-finite values in "
                                               r"block_0/attn/qkv/kernel \(3072 NaN"):
         train(tmp_path, corpus, "nan", train__steps=3, checkpoint__every=1)
@@ -411,7 +412,7 @@ def test_evaluation_follows_eval_every_whatever_log_every_is(tmp_path, corpus):
 
 @pytest.mark.parametrize("layout,devices", [(["parallel.dp=2"], 2), (["parallel.tp=2"], 2), ([], 1)])
 def test_mfu_counts_every_device(tmp_path, corpus, layout, devices):
-    from phalanx.train.task import GPTTask
+    from phalanx.engines.task import GPTTask
 
     extra = {o.split("=")[0].replace(".", "__"): o.split("=")[1] for o in layout}
     peak = 1e12
@@ -457,23 +458,23 @@ def test_values_a_multi_process_strategy_cannot_honour_are_refused(strategy, par
 
 @pytest.mark.parametrize("parallel,key", UNHONOURED[:5], ids=[f"{k}={list(p.values())[0]}" for p, k in UNHONOURED[:5]])
 def test_explicit_mirrored_refuses_what_only_the_mesh_engine_does(parallel, key):
-    from phalanx.train.task import GPTTask
-    from phalanx.train.trainer import make_engine
+    from phalanx.engines.task import GPTTask
+    from phalanx.engines.factory import build_engine
 
     cfg = Config().replace(parallel={"strategy": "mirrored", **parallel}, model={"layers": 1, "d_model": 32,
                                                                               "heads": 2, "seq_len": 8})
     with pytest.raises(ConfigError) as err:
-        make_engine(cfg, GPTTask(cfg.model))
+        build_engine(cfg, GPTTask(cfg.model))
     assert err.value.key == key
 
 
 def test_pipeline_microbatches_without_a_pipeline_are_refused():
-    from phalanx.train.task import GPTTask
-    from phalanx.train.trainer import make_engine
+    from phalanx.engines.task import GPTTask
+    from phalanx.engines.factory import build_engine
 
     cfg = Config().replace(parallel={"microbatches": 2}, model={"layers": 1, "d_model": 32, "heads": 2, "seq_len": 8})
     with pytest.raises(ConfigError, match="parallel.microbatches: 2 splits a pipeline's batch.*train.grad_accum=2"):
-        make_engine(cfg, GPTTask(cfg.model))
+        build_engine(cfg, GPTTask(cfg.model))
 
 
 def test_disk_full_outside_the_checkpoint_is_a_clean_error(tmp_path, corpus, monkeypatch):

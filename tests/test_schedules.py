@@ -6,7 +6,7 @@ import doctest
 
 import pytest
 
-from phalanx.parallel import schedule_cli, schedules
+from phalanx.parallel import schedule_cli, schedule_plot, schedules
 from phalanx.parallel.schedules import (Action, Schedule, build_schedule, bubble_formula, dependencies,
                                         peak_in_flight, render_text, validate_order)
 from phalanx.plan import simulator
@@ -119,7 +119,7 @@ def test_render_and_png(tmp_path):
     s = build_schedule("interleaved", 2, 2, 2)
     text = render_text(s)
     assert "virtual_stages=2" in text and "F0c1" in text
-    out = schedules.draw_png(simulate(s), str(tmp_path / "t.png"))
+    out = schedule_plot.draw_png(simulate(s), str(tmp_path / "t.png"))
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert out.endswith("t.png")
 
@@ -157,6 +157,6 @@ def test_cli_overrides_anywhere_config_keys_and_file(tmp_path, capsys):
     assert "parallel.pp: expected an integer" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("module", [schedules, simulator, schedule_cli])
+@pytest.mark.parametrize("module", [schedules, schedule_plot, simulator, schedule_cli])
 def test_doctests(module):
     assert doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE).failed == 0

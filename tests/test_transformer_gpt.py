@@ -133,7 +133,7 @@ def test_dropout_masks_are_drawn_in_training_only(sequence_parallel):
 
 def _engine(model, tp: int, x, y, pp: int = 1):
     from phalanx.mesh import Mesh
-    from phalanx.parallel import make_engine
+    from phalanx.engines.factory import make_engine
 
     cfg = load_config(None, [f"parallel.devices=cpu:{tp * pp}", f"parallel.tp={tp}", f"parallel.pp={pp}"])
     mesh = Mesh.from_devices([f"/device:CPU:{i}" for i in range(tp * pp)], 1, pp, tp)

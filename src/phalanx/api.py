@@ -33,7 +33,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from phalanx.cluster.tf_config import cluster_info_from_env
 from phalanx.config import Config, ConfigError, load_config, parse_override
+from phalanx.engines import keras_cluster
+from phalanx.mesh import build_mesh
+from phalanx.train import keras_api
 
 
 def _config(config: Config | None, overrides: Sequence[str]) -> Config:
@@ -69,8 +73,6 @@ def init(*overrides: str, config: Config | None = None) -> Config:
         >>> cfg.parallel.devices
         'cpu:1'
     """
-    from phalanx.engines import keras_cluster
-    from phalanx.mesh import build_mesh
 
     cfg = _config(config, overrides)
     args = ", ".join(repr(o) for o in overrides) if overrides else "config=..."
@@ -90,9 +92,6 @@ def init(*overrides: str, config: Config | None = None) -> Config:
 
 
 def _mesh(cfg: Config, overrides: Sequence[str]):
-    from phalanx.cluster.tf_config import cluster_info_from_env
-    from phalanx.engines import keras_cluster
-    from phalanx.mesh import build_mesh
 
     info = cluster_info_from_env()
     if keras_cluster.cluster_mode(cfg, info):  # this worker's own devices
@@ -124,7 +123,6 @@ def fit(model, x=None, y=None, *, batch_size=None, epochs=1, steps_per_epoch=Non
     set; fitting the same model into a ``run.dir`` that holds its checkpoints resumes after
     the last finished epoch (another model there is an error).
     """
-    from phalanx.train import keras_api
 
     cfg = _config(config, overrides)
     return keras_api.fit(model, cfg, _mesh(cfg, overrides), x, y, batch_size=batch_size, epochs=epochs,
@@ -137,7 +135,6 @@ def fit(model, x=None, y=None, *, batch_size=None, epochs=1, steps_per_epoch=Non
 def evaluate(model, x=None, y=None, *, batch_size=None, steps=None, sample_weight=None, callbacks=None,
              return_dict=False, overrides: Sequence[str] = (), config: Config | None = None, verbose="auto"):
     """``model.evaluate`` on the layout of ``config``: the loss and compiled metrics."""
-    from phalanx.train import keras_api
 
     cfg = _config(config, overrides)
     return keras_api.evaluate(model, cfg, _mesh(cfg, overrides), x, y, batch_size=batch_size, steps=steps,
@@ -148,7 +145,6 @@ def evaluate(model, x=None, y=None, *, batch_size=None, steps=None, sample_weigh
 def predict(model, x, *, batch_size=None, steps=None, callbacks=None, overrides: Sequence[str] = (),
             config: Config | None = None, verbose="auto"):
     """``model.predict`` on the layout of ``config``: NumPy outputs in the model's structure."""
-    from phalanx.train import keras_api
 
     cfg = _config(config, overrides)
     return keras_api.predict(model, cfg, _mesh(cfg, overrides), x, batch_size=batch_size, steps=steps,

@@ -11,6 +11,8 @@ import importlib
 import os
 import sys
 
+from phalanx.config import ConfigError
+
 COMMANDS = {
     "train": ("phalanx.train.cli", "main_train", "train a model (config file + key=value overrides)"),
     "eval": ("phalanx.train.cli", "main_eval", "loss / perplexity of a run's latest checkpoint"),
@@ -44,7 +46,6 @@ def main(argv: list[str] | None = None) -> int:
     # matmuls ran 4-6x faster and the demo GPT 1.2x faster, with the same losses (measured).
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
     module_name, func, _ = COMMANDS[name]
-    from phalanx.config import ConfigError
     try:
         return int(getattr(importlib.import_module(module_name), func)(rest) or 0)
     except ConfigError as err:

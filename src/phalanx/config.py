@@ -29,6 +29,8 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
+from phalanx.precision import resolve_policy
+
 
 class ConfigError(ValueError):
     """A configuration value is unknown, mistyped or impossible.
@@ -251,7 +253,6 @@ class Config:
         # precision.policy=auto -> the policy this machine runs (phalanx.precision), so that
         # every reader of cfg.precision.policy sees it; the reason is kept beside it.
         if self.precision.policy == "auto":
-            from phalanx.precision import resolve_policy
 
             try:
                 policy, reason = resolve_policy("auto", devices=self.parallel.devices)
@@ -582,7 +583,9 @@ def validate(cfg: Config) -> None:
     _require(p.ep >= 1, "parallel.ep", f"must be >= 1, got {p.ep}")
     _require(p.dp < 1 or p.dp % p.ep == 0, "parallel.ep",
              f"{p.ep} does not divide parallel.dp={p.dp}: experts are sharded over the data replicas in groups "
-             f"of ep; pick ep from {_divisors(max(p.dp, 1))}")
+             f"of ep; pick ep from {_divisors(max(p.dp, 1))}" +
+             (" (under parallel.strategy=multi_worker, parallel.dp is each worker's own replicas: the experts are "
+              "sharded within a worker, never across workers)" if p.strategy == "multi_worker" else ""))
 
     if p.tp > 1:
         _require(m.heads % p.tp == 0, "parallel.tp",

@@ -19,6 +19,8 @@ import socket
 import time
 from pathlib import Path
 
+from phalanx.config import ConfigError
+
 LOCK_FILE = ".phalanx.lock"
 
 
@@ -66,7 +68,6 @@ class RunLock:
 
     def acquire(self) -> "RunLock":
         """Take the lock or raise ConfigError at once (never waits)."""
-        from phalanx.config import ConfigError
 
         if self._fd is not None:
             return self

@@ -68,7 +68,8 @@ import numpy as np
 from phalanx.checkpoint import boxes
 from phalanx.checkpoint.sharded import (ALIGN, DTYPES, MAX_THREADS, SHARDS, DictReader, LazyTensors, Reader,
                                         ShardedReader, ShardSet, Slot, Written, build_index, gather,
-                                        load_shard_sets, snapshot, whole_tensor_sets, write_shard_set)
+                                        load_shard_sets, snapshot, variable_sets, whole_tensor_sets,
+                                        write_shard_set)
 from phalanx.config import ConfigError
 from phalanx.fsutil import fsync_dir, pid_alive
 
@@ -91,7 +92,7 @@ __all__ = [
     "AsyncSaver", "CheckpointError", "CheckpointWarning", "Reader", "Restored", "ShardSet", "Slot", "all_checkpoints",
     "check_finite", "estimate_bytes", "gather", "latest", "latest_valid", "load_into", "load_shard_sets",
     "open_reader", "prune", "quarantine_after", "restore", "restore_latest", "save", "sha256_file", "state_of",
-    "step_dir", "step_of", "verify", "whole_tensor_sets", "write_shard_set",
+    "step_dir", "step_of", "variable_sets", "verify", "whole_tensor_sets", "write_shard_set",
 ]
 
 
@@ -142,10 +143,11 @@ def step_of(path: str | Path) -> int | None:
 
 
 def state_of(engine, extra: Mapping[str, np.ndarray] | None = None) -> list[ShardSet]:
-    """The shard sets of ``engine``'s state: its own (``engine.checkpoint_slots()``, one per
-    device, e.g. the mesh engine) or, for an engine that holds whole tensors in every
-    replica, :func:`whole_tensor_sets` of ``state_dict()``; plus ``extra`` whole tensors
-    (e.g. pruning masks) in a set of their own."""
+    """The shard sets of ``engine``'s state: its own (``engine.checkpoint_slots()``: one per
+    device on the mesh engine, :func:`variable_sets` of whole variables on the tf.distribute
+    engines; either way each slot is read when it is written, one at a time) or, for an
+    engine without them, :func:`whole_tensor_sets` of ``state_dict()`` (the whole state on
+    the host); plus ``extra`` whole tensors (e.g. pruning masks) in a set of their own."""
     slots = getattr(engine, "checkpoint_slots", None)
     sets = list(slots()) if slots is not None else whole_tensor_sets(engine.state_dict())
     if extra:

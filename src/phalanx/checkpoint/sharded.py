@@ -57,7 +57,9 @@ class Slot:
 
     ``regions`` pairs a box of the local array with the box of the logical tensor it
     holds (same shape); ``fetch()`` returns the local array now (a device tensor or a
-    NumPy array); ``assign(array)`` loads it (restore).
+    NumPy array); ``assign(array)`` loads it (restore). An ``optional`` slot keeps its
+    value when a checkpoint lacks its tensor (pruning masks: a checkpoint written before
+    pruning was switched on has none, and every weight is then kept).
     """
 
     name: str
@@ -67,6 +69,7 @@ class Slot:
     regions: list[tuple[Box, Box]]
     fetch: Callable[[], Any]
     assign: Callable[[np.ndarray], None] | None = None
+    optional: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -98,20 +101,67 @@ class Written:
 def whole_tensor_sets(tensors: Mapping[str, Any], name: str = "tensors", parts: int | None = None) -> list[ShardSet]:
     """Shard sets for whole tensors held by one process (``{name: array}``), spread over
     ``parts`` files of about equal size (default: one per 64 MiB, at most 8)."""
-    items = [(k, np.asarray(v)) for k, v in tensors.items()]
-    total = sum(v.nbytes for _, v in items)
-    parts = parts or max(1, min(MAX_THREADS, -(-total // (64 << 20))))
+    slots = []
+    for key, value in tensors.items():
+        value = np.asarray(value)
+        slots.append(Slot(key, value.shape, value.dtype, value.shape, [(boxes.full(value.shape),) * 2],
+                          fetch=lambda v=value: v))
+    return spread(slots, name, parts)
+
+
+def variable_sets(variables: Mapping[str, Any], name: str = "tensors", parts: int | None = None) -> list[ShardSet]:
+    """Shard sets for whole variables (``{name: tf.Variable}``, or anything with ``shape``,
+    ``dtype``, ``read_value()`` and ``assign()``), spread like :func:`whole_tensor_sets`, each
+    slot read from its variable when it is written and assigned when it is restored: the
+    writer and restoring threads hold one variable at a time on the host, never the state
+    (the tf.distribute engines' ``checkpoint_slots``).
+
+    Example:
+        >>> import tensorflow as tf
+        >>> w, step = tf.Variable(tf.ones([2, 3])), tf.Variable(0, dtype=tf.int64)
+        >>> sets = variable_sets({"w": w, "optimizer/step": step})
+        >>> [(s.name, [(x.name, x.shape, x.dtype.name) for x in s.slots]) for s in sets]
+        [('tensors', [('w', (2, 3), 'float32'), ('optimizer/step', (), 'int64')])]
+        >>> sets[0].slots[1].assign(np.array(7)); int(step.numpy())
+        7
+    """
+    return spread([variable_slot(key, var) for key, var in variables.items()], name, parts)
+
+
+def variable_slot(name: str, var: Any) -> Slot:
+    """The :class:`Slot` of one whole variable: fetched by ``read_value()`` (a device
+    tensor, copied to the host by the writer), restored by ``assign()``."""
+    shape = tuple(int(n) for n in var.shape)
+    dtype = np.dtype(getattr(var.dtype, "as_numpy_dtype", var.dtype))
+
+    def assign(value: np.ndarray) -> None:
+        var.assign(np.asarray(value).astype(dtype, copy=False))
+
+    return Slot(name, shape, dtype, shape, [(boxes.full(shape),) * 2], fetch=var.read_value, assign=assign)
+
+
+def spread(slots: Sequence[Slot], name: str = "tensors", parts: int | None = None) -> list[ShardSet]:
+    """Whole-tensor ``slots`` spread over ``parts`` shard sets (``name``, or ``name-0``, ...)
+    of about equal bytes (default: one per 64 MiB, at most :data:`MAX_THREADS`), largest
+    first onto the lightest; each set keeps the slots' given order."""
+    total = sum(s.nbytes for s in slots)
+    parts = parts or set_count(total)
     sets = [ShardSet(f"{name}-{i}" if parts > 1 else name) for i in range(parts)]
     loads = [0] * parts
-    for key, value in sorted(items, key=lambda kv: -kv[1].nbytes):
+    for slot in sorted(slots, key=lambda s: -s.nbytes):
         i = loads.index(min(loads))
-        loads[i] += value.nbytes
-        sets[i].slots.append(Slot(key, value.shape, value.dtype, value.shape, [(boxes.full(value.shape),) * 2],
-                                  fetch=lambda v=value: v))
-    order = {k: i for i, (k, _) in enumerate(items)}
+        loads[i] += slot.nbytes
+        sets[i].slots.append(slot)
+    order = {id(slot): i for i, slot in enumerate(slots)}
     for s in sets:
-        s.slots.sort(key=lambda slot: order[slot.name])
+        s.slots.sort(key=lambda slot: order[id(slot)])
     return [s for s in sets if s.slots]
+
+
+def set_count(total_bytes: float) -> int:
+    """How many shard sets (files, writer threads) :func:`spread` makes of ``total_bytes`` of
+    whole tensors: one per 64 MiB, at least 1, at most :data:`MAX_THREADS`."""
+    return int(max(1, min(MAX_THREADS, -(-int(total_bytes) // (64 << 20)))))
 
 
 # ---------------------------------------------------------------------------
@@ -357,14 +407,19 @@ class LazyTensors(Mapping):
 def check_fits(reader: Reader, sets: Sequence[ShardSet]) -> None:
     """Raise KeyError naming missing tensors, ValueError naming a shape that differs."""
     wanted: dict[str, tuple] = {}
+    optional: set[str] = set()
     for s in sets:
         for slot in s.slots:
             wanted.setdefault(slot.name, tuple(slot.shape))
-    missing = sorted(n for n in wanted if n not in reader)
+            if slot.optional:
+                optional.add(slot.name)
+    missing = sorted(n for n in wanted if n not in reader and n not in optional)
     if missing:
         raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}; "
                        f"was it written for a different model?")
     for name, shape in wanted.items():
+        if name not in reader:
+            continue  # an optional slot (checked above)
         have = tuple(reader.shape(name))
         if have != shape:
             raise ValueError(f"checkpoint tensor {name!r} has shape {have}, the model expects {shape}: "
@@ -374,6 +429,8 @@ def check_fits(reader: Reader, sets: Sequence[ShardSet]) -> None:
 def load_shard_set(reader: Reader, shard: ShardSet) -> None:
     """Fill every slot of ``shard`` from ``reader``: only the boxes it holds are read."""
     for slot in shard.slots:
+        if slot.optional and slot.name not in reader:
+            continue
         local = np.empty(slot.local_shape, reader.dtype(slot.name))
         for region, logical in slot.regions:
             reader.read(slot.name, logical, out=local[boxes.index(region)])

@@ -43,6 +43,7 @@ Example (one process, one device):
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -50,6 +51,7 @@ import tensorflow as tf
 
 from phalanx.cluster.tf_config import ClusterInfo, cluster_info_from_env
 from phalanx.config import ConfigError
+from phalanx.cluster.mesh_cluster import serve_until_chief_exits, setup_mesh_cluster
 
 LOCAL = "mirrored"
 MULTI_WORKER = "multi_worker"
@@ -97,7 +99,7 @@ def refuse_unhonoured(cfg: Any, name: str) -> None:
     """Raise :class:`ConfigError` for a ``parallel.*`` value the strategy ``name`` would ignore.
 
     multi_worker, parameter_server and mirrored train with tf.distribute's own step
-    (:class:`~phalanx.train.engine.StrategyEngine`): whole AdamW states on every
+    (:class:`~phalanx.engines.strategy.StrategyEngine`): whole AdamW states on every
     replica, no activation recomputation, no pipeline micro-batches, the devices the
     strategy finds. Only the mesh engine honours ``parallel.zero``,
     ``parallel.recompute`` and ``parallel.microbatches`` (one process, or across the
@@ -112,7 +114,7 @@ def refuse_unhonoured(cfg: Any, name: str) -> None:
     """
     p = cfg.parallel
     # "mirrored" chosen by "auto" is not refused: in one process the trainer then builds the
-    # mesh engine for these keys (phalanx.parallel.apply.needs_mesh_engine).
+    # mesh engine for these keys (phalanx.engines.factory.needs_mesh_engine).
     if name not in (MULTI_WORKER, PARAMETER_SERVER) and not (name == LOCAL and p.strategy == LOCAL):
         return
     mesh_hint = ("the mesh engine honours it: parallel.strategy=mesh (one process, or across workers "
@@ -234,15 +236,74 @@ def serve_if_server_task(info: ClusterInfo, start_server: Callable[..., Any] | N
     server = start_server(tf.train.ClusterSpec(info.cluster_spec_dict()), job_name=info.task_type,
                           task_index=info.task_index, protocol=info.rpc_layer, start=True)
     if wait is None:
-        from phalanx.cluster.mesh_cluster import serve_until_chief_exits as wait
+        wait = serve_until_chief_exits
     wait(server, info.cluster["chief"][0])
 
 
 def make_coordinator(strategy: tf.distribute.Strategy) -> Any:
-    """The ClusterCoordinator of a ParameterServerStrategy (None for the other strategies)."""
+    """The ClusterCoordinator of a ParameterServerStrategy (None for the other strategies),
+    whose stop never waits for a dead worker (:func:`stop_without_waiting`)."""
     if not isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
         return None
-    return tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+    handler = getattr(getattr(coordinator, "_cluster", None), "failure_handler", None)
+    if handler is not None:
+        stop_without_waiting(handler)
+    return coordinator
+
+
+#: seconds the coordinator's stop waits for its failure handler before leaving it behind
+STOP_WAIT_S = 1.0
+
+
+def stop_without_waiting(handler: Any, wait_s: float = STOP_WAIT_S) -> bool:
+    """Make ``handler.stop()`` (a ClusterCoordinator's worker-failure handler) return within
+    ``wait_s`` seconds even when a worker is dead; returns False if ``handler`` is not the
+    kind this knows (its own stop is then kept).
+
+    Why: when a worker dies, TensorFlow's failure-handler thread holds its
+    ``_cluster_update_lock`` while it waits, without end, for the worker to come back
+    (``update_server_def``). The coordinator's ``__del__`` (at the chief's exit) calls
+    ``stop()``, which takes that lock: the chief finished, saved its checkpoint, and then
+    hung in garbage collection until ``phalanx launch`` killed it after ``--grace`` seconds
+    (measured: 40.4 s with ``--grace 40``), and only then could the cluster restart. Here
+    ``stop()`` tells the thread to end and sets its event only if the lock comes free in
+    time; otherwise it leaves the (daemon) thread to end with the process.
+
+    Example:
+        >>> import threading
+        >>> class Handler:   # the attributes TensorFlow's handler has (tests check they still do)
+        ...     def __init__(self):
+        ...         self._cluster_update_lock = threading.Lock()
+        ...         self._cluster_due_for_update_or_finish = threading.Event()
+        ...         self._should_preemption_thread_run = True
+        >>> h = Handler()
+        >>> stop_without_waiting(h, wait_s=0.01), h._cluster_update_lock.acquire()   # a thread holds the lock
+        (True, True)
+        >>> h.stop(); h._should_preemption_thread_run, h._cluster_due_for_update_or_finish.is_set()
+        (False, False)
+    """
+    lock = getattr(handler, "_cluster_update_lock", None)
+    event = getattr(handler, "_cluster_due_for_update_or_finish", None)
+    if lock is None or event is None or not hasattr(handler, "_should_preemption_thread_run"):
+        return False
+
+    def stop() -> None:
+        poller = getattr(handler, "_task_state_poller_thread", None)
+        if poller is not None:
+            poller.stop()
+        handler._should_preemption_thread_run = False
+        if lock.acquire(timeout=wait_s):
+            try:
+                event.set()
+            finally:
+                lock.release()
+        else:
+            print("[phalanx.cluster] a worker is unreachable: not waiting for it to come back", file=sys.stderr,
+                  flush=True)
+
+    handler.stop = stop
+    return True
 
 
 def check_batch(cfg: Any, strategy: tf.distribute.Strategy) -> int:
@@ -335,7 +396,6 @@ def setup_cluster(cfg: Any, info: ClusterInfo | None = None, devices: Sequence[s
     name = resolve_strategy_name(cfg, info)  # config errors before a server starts
     if name == MESH and info.is_distributed:
         # The mesh engine's devices span the tasks; non-chief tasks serve in here and never return.
-        from phalanx.cluster.mesh_cluster import setup_mesh_cluster
         devices = setup_mesh_cluster(cfg, info)
         return ClusterSetup(info=info, strategy=None, coordinator=None, name=name, data_index=0, data_count=1,
                             local_batch=cfg.train.global_batch, devices=tuple(devices))

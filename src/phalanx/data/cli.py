@@ -19,7 +19,8 @@ import json
 import sys
 from typing import Sequence
 
-from phalanx.config import DataConfig, ModelConfig, ConfigError
+from phalanx.config import ConfigError, DataConfig, ModelConfig
+from phalanx.data import corpus as corpus_lib, records
 
 EXIT_USAGE = 2
 
@@ -65,8 +66,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from phalanx.data import corpus as corpus_lib
-    from phalanx.data import records
 
     for flag, ok, need in (("--seq-len", args.seq_len >= 1, ">= 1"),
                            ("--val-fraction", 0.0 < args.val_fraction < 1.0, "in (0, 1)"),
@@ -105,7 +104,6 @@ def _prepare(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from phalanx.data import records
 
     directory = Path(args.directory)
     if not (directory / records.MANIFEST).is_file():

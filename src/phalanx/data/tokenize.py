@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import abc
+import json
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -192,3 +193,18 @@ def load_tokenizer(directory: str | Path, entry: dict) -> Tokenizer:
             raise FileNotFoundError(f"BPE tokenizer file {str(path)!r} is missing")
         return BpeTokenizer.load(path)
     raise ValueError(f"unknown tokenizer {name!r}; known: {', '.join(TOKENIZER_NAMES)}")
+
+
+def save_tokenizer(tokenizer: Tokenizer, directory: str | Path) -> None:
+    """Save a run's tokenizer (for ``phalanx generate``) with the entry that
+    :func:`load_run_tokenizer` reads it back by (``entry.json``)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    entry = tokenizer.save(directory)
+    (directory / "entry.json").write_text(json.dumps(entry))
+
+
+def load_run_tokenizer(directory: str | Path) -> Tokenizer:
+    """The tokenizer :func:`save_tokenizer` wrote to ``directory``."""
+    directory = Path(directory)
+    return load_tokenizer(directory, json.loads((directory / "entry.json").read_text()))

@@ -14,7 +14,13 @@ global batch:
   ops and the coordination service before the runtime starts; its devices are then this
   worker's own. ``parallel.*`` describes each worker's *local* layout (``parallel.pp``,
   ``parallel.dp``, ``parallel.devices``, ``train.grad_accum``, micro-batches over its own
-  devices); the workers multiply data parallelism. No strategy object is kept: the fit
+  devices); the workers multiply data parallelism. ``parallel.ep`` groups a worker's own
+  replicas: every worker holds all the experts of an ``MoE(ep=...)`` model (shard j with
+  its replica j), tokens travel to their expert inside the worker only, and the workers
+  are data parallel over the experts as over every other weight (the MoE figures of the
+  rows are the whole global batch's: their totals are averaged like other float state).
+  Experts sharded across workers are not built: ep must divide each worker's
+  ``parallel.dp``, and the error says so. No strategy object is kept: the fit
   re-derives its place in the cluster from TF_CONFIG (:func:`join`) and talks to the
   other workers with TensorFlow's collective ops directly (:class:`WorkerGroup`).
 * **Start** of every fit: the workers check that they hold the same model (variable
@@ -72,6 +78,7 @@ from typing import Any, Sequence
 import numpy as np
 import tensorflow as tf
 
+from phalanx.cluster.strategies import multi_worker_strategy
 from phalanx.cluster.tf_config import ClusterInfo, cluster_info_from_env
 from phalanx.config import Config, ConfigError, parse_devices
 
@@ -160,7 +167,6 @@ def setup(cfg: Config, info: ClusterInfo | None = None, init_line: str = "phalan
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()
                                                          for _ in range(count)])
-    from phalanx.cluster.strategies import multi_worker_strategy
     # Created for what its constructor does (collective ops, coordination service, the
     # server of this task), as phalanx train does first; fit uses the collectives directly.
     multi_worker_strategy(info)

@@ -53,8 +53,10 @@ import keras
 import tensorflow as tf
 
 from phalanx.config import Config, ConfigError
+from phalanx.layers.moe import is_step_total
 from phalanx.layers.sharding import placement_of
 from phalanx.mesh import Mesh
+from phalanx.parallel.keras_graph import split_keras_model
 from phalanx.parallel.pipeline import accumulate_gradient, run_schedule, schedule_for
 
 MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")
@@ -166,8 +168,9 @@ def check_tensor_layout(model, tp: int) -> None:
                                              f"Lion, ...) or tp=1")
 
 
-def check_expert_layout(model, ep: int, dp: int) -> None:
-    """Refuse an expert-parallel degree the model's expert layers are not cut for."""
+def check_expert_layout(model, ep: int, dp: int, workers: int = 1) -> None:
+    """Refuse an expert-parallel degree the model's expert layers are not cut for, or that
+    the data replicas (this worker's own, across ``workers`` workers) cannot group."""
     shards = {placement_of(v).shards for v in model.weights
               if placement_of(v) is not None and placement_of(v).axis == "expert"}
     if ep == 1:  # shards, if any, stay with each replica (as a tensor-parallel model on tp=1)
@@ -179,8 +182,10 @@ def check_expert_layout(model, ep: int, dp: int) -> None:
         raise ConfigError("parallel.ep", f"{ep}: model {model.name!r} holds experts cut into {sorted(shards)} "
                                          f"shards (phalanx.layers.MoE(ep=...)); parallel.ep must equal that")
     if dp % ep:
+        across = (f" (parallel.strategy=multi_worker over {workers} workers: dp={dp} is each worker's own "
+                  f"replicas; the experts are sharded within a worker, never across workers)") if workers > 1 else ""
         raise ConfigError("parallel.ep", f"{ep} does not divide dp={dp}: experts are sharded over the "
-                                         f"data replicas, in groups of ep")
+                                         f"data replicas, in groups of ep{across}")
 
 
 # -- stages --------------------------------------------------------------------------------
@@ -243,7 +248,7 @@ class KerasModelEngine:
         self.ep = p.ep
         if not inference_only:
             check_tensor_layout(model, mesh.tp)
-            check_expert_layout(model, p.ep, mesh.dp)
+            check_expert_layout(model, p.ep, mesh.dp, 1 if workers is None else workers.size)
         if p.zero:
             raise ConfigError("parallel.zero", f"{p.zero}: for a Keras model the optimizer state stays next to each "
                                                f"weight on its pipeline stage; ZeRO shards the built-in GPT's AdamW "
@@ -268,7 +273,6 @@ class KerasModelEngine:
             self.split = None
             self.stages = [_WholeModel(model)]
         else:
-            from phalanx.parallel.keras_graph import split_keras_model
             self.split = split_keras_model(model, self.chunks, balance="flops")
             self.stages = [_SplitStage(s) for s in self.split.stages]
         self.home = self._home_stages()
@@ -375,13 +379,17 @@ class KerasModelEngine:
         return [v.value if copy is None else copy
                 for v, copy in zip(self.stages[stage].trainable_variables, self.copies[(replica, stage)])]
 
-    def _initial_state(self) -> list[list[tf.Tensor]]:
+    def _initial_state(self, training: bool = False) -> list[list[tf.Tensor]]:
+        """Each stage's non-trainable values at the start of a step. A training step starts
+        the MoE layers' statistics totals at zero: every micro-batch of every replica then
+        adds to them, and after the step they are the whole batch's."""
         state = []
         for stage in self.stages:
             values = []
             for v in stage.non_trainable_variables:
                 with tf.device(v.value.device):
-                    values.append(tf.convert_to_tensor(v.value))
+                    values.append(tf.zeros(v.shape, v.dtype) if training and is_step_total(v)
+                                  else tf.convert_to_tensor(v.value))
             state.append(values)
         return state
 
@@ -486,7 +494,7 @@ class KerasModelEngine:
         scale = tf.cast(self.optimizer.scale_loss(tf.constant(1.0)), tf.float32)
         metrics_before = None if self.workers is None else self.workers.read_metrics(self.model)
         self._reg_value, reg_grads = self._regularization() if self.regularized else (None, {})
-        state = self._initial_state()
+        state = self._initial_state(training=True)
         start = [list(values) for values in state]
         acc = [[[] for _ in stage.trainable_variables] for stage in self.stages]
         losses = []
@@ -534,7 +542,7 @@ class KerasModelEngine:
         self._refresh_copies()
         for s, stage in enumerate(self.stages):
             for v, new, old in zip(stage.non_trainable_variables, state[s], start[s]):
-                if new is not old:
+                if new is not old or is_step_total(v):  # totals: this step's, even if never added to
                     v.value.assign(tf.cast(new, v.value.dtype))
         self._reg_value = None
         with tf.device(self.stage_device(0, self.chunks - 1)):

@@ -25,13 +25,17 @@ from typing import Callable
 
 import numpy as np
 
-from phalanx.config import ConfigError
+from phalanx import checkpoint
+from phalanx.config import ConfigError, load_config
+from phalanx.data.pipeline import make_datasets
 from phalanx.export import calibration, formats, report as report_lib
 from phalanx.export.formats import META_FILE, MODEL_FILES, REPORT_FILE
+from phalanx.export.quantization import copy_model, keras_quantize
+from phalanx.export.runtime import load_artifact
 
 SINGLE_DEVICE = ["parallel.dp=1", "parallel.tp=1", "parallel.pp=1", "parallel.zero=0", "parallel.microbatches=1",
                  "parallel.devices=auto", "parallel.strategy=auto", "parallel.recompute=none",
-                 "parallel.schedule=1f1b", "parallel.virtual_stages=1", "train.grad_accum=1"]
+                 "parallel.schedule=1f1b", "parallel.virtual_stages=1", "parallel.ep=1", "train.grad_accum=1"]
 
 
 def _sayer(quiet: bool) -> Callable[[str], None]:
@@ -70,8 +74,6 @@ def export_run(run_dir: str | Path, format: str = "litert", quantize: str = "non
     if not cfg_path.is_file():
         raise ConfigError("RUN_DIR", f"{str(run_dir)!r} has no config.yaml; is it a phalanx run directory "
                                      f"(made by `phalanx train`)?")
-    from phalanx import checkpoint
-    from phalanx.config import load_config
 
     cfg = load_config(cfg_path, SINGLE_DEVICE + [f"run.dir={run_dir}"] + list(overrides))
     latest = checkpoint.latest(run_dir / "checkpoints")
@@ -86,6 +88,7 @@ def export_run(run_dir: str | Path, format: str = "litert", quantize: str = "non
         raise ConfigError("model.experts", f"{cfg.model.experts}: exporting a mixture-of-experts GPT is not "
                                            f"supported yet (the export model has dense MLPs only); export a dense "
                                            f"run (model.experts=0)")
+    # Keras-importing modules, deferred (not a cycle): `phalanx export --help` stays instant.
     from phalanx.export import gpt_keras
     from phalanx.models import gpt
 
@@ -100,7 +103,6 @@ def export_run(run_dir: str | Path, format: str = "litert", quantize: str = "non
 
     datasets, data_error = None, None
     try:
-        from phalanx.data.pipeline import make_datasets
         datasets = make_datasets(cfg, progress=False if quiet else None)
     except ConfigError as err:
         data_error = err
@@ -117,7 +119,6 @@ def export_run(run_dir: str | Path, format: str = "litert", quantize: str = "non
 
     def make_artifact_model():
         if format in ("keras", "savedmodel") and quantize != "none":
-            from phalanx.export.quantization import keras_quantize
             model = gpt_keras.build(cfg.model, weights)
             info = keras_quantize(model, quantize)
             return model, info
@@ -193,7 +194,6 @@ def export(model, path: str | Path, format: str = "keras", quantize: str = "none
 
     def make_artifact_model():
         if format in ("keras", "savedmodel") and quantize != "none":
-            from phalanx.export.quantization import copy_model, keras_quantize
             copy = copy_model(model)
             return copy, keras_quantize(copy, quantize)
         return model, {}
@@ -247,7 +247,6 @@ def _user_eval(model, eval_data, batch_size: int, kind: str):
 def _export(float_model, make_artifact_model, fmt: str, mode, out: Path, representative, meta: dict,
             extra: Callable[[Path], None] | None, kind: str, batches_fn, total: int | None, notes: list[str],
             say: Callable[[str], None], print_table: bool) -> dict:
-    from phalanx.export.runtime import load_artifact
 
     out = out.expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)

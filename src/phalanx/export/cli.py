@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 
+from phalanx.config import ConfigError
 from phalanx.export import calibration
-from phalanx.export.formats import FORMATS, QUANTIZE_MODES, UNSUPPORTED
+from phalanx.export.api import export_run
+from phalanx.export.formats import FORMATS, QUANTIZE_MODES, UNSUPPORTED, check_request
 
 
 def _epilog() -> str:
@@ -45,11 +47,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
     ns = parser.parse_intermixed_args(argv)
     if ns.eval_batches is not None and ns.eval_batches < 1:
-        from phalanx.config import ConfigError
         raise ConfigError("--eval-batches", f"must be >= 1, got {ns.eval_batches}")
-    from phalanx.export.formats import check_request
     check_request(ns.format, ns.quantize)  # before TensorFlow starts: a bad flag fails at once
-    from phalanx.export.api import export_run
     report = export_run(ns.run_dir, ns.format, ns.quantize, calibration_batches=ns.calibration_batches,
                         output=ns.output, overrides=ns.overrides, eval_batches=ns.eval_batches,
                         quiet=ns.quiet, print_table=not ns.json)

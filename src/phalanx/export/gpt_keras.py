@@ -38,7 +38,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from phalanx.config import ModelConfig
+from phalanx.config import ConfigError, ModelConfig
 
 PACKAGE = "phalanx"
 LN_EPS = 1e-5
@@ -123,7 +123,6 @@ def build(cfg: ModelConfig, weights: dict[str, np.ndarray] | None = None, dtype:
     positions before the softmax, ``-mask_value`` (see :data:`INT8_MASK_VALUE`).
     """
     if not hasattr(keras.layers, "ReversibleEmbedding"):
-        from phalanx.config import ConfigError
         raise ConfigError("keras", f"Keras {keras.__version__} has no keras.layers.ReversibleEmbedding, which the "
                                    f"export of the built-in GPT uses; upgrade Keras (tested with 3.15)")
     d, heads = cfg.d_model, cfg.heads

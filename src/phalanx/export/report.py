@@ -25,6 +25,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from phalanx import checkpoint, prune
 from phalanx.export.runtime import lm_loss
 
 
@@ -143,7 +144,6 @@ def checkpoint_sparsity(checkpoint_dir: str | Path) -> dict | None:
     """Sparsity of a pruned run's checkpoint (``train.prune``): the share of exact zeros in
     the pruned weights (:func:`phalanx.prune.prunable`) and the masks' share; None when the
     checkpoint holds no ``prune/mask/*`` tensors. Reads only those tensors."""
-    from phalanx import checkpoint, prune
     try:
         reader = checkpoint.open_reader(checkpoint_dir)  # any checkpoint format; reads one tensor at a time
     except checkpoint.CheckpointError:

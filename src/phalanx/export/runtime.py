@@ -28,8 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-from phalanx.config import ConfigError
-from phalanx.export.formats import FORMATS, META_FILE, MODEL_FILES
+from phalanx.config import ConfigError, load_config
+from phalanx.data.pipeline import make_datasets
+from phalanx.data.tokenize import load_run_tokenizer
+from phalanx.export.formats import FORMATS, META_FILE, MODEL_FILES, size_on_disk
 
 
 def is_artifact(path: str | Path) -> bool:
@@ -62,7 +64,6 @@ class Artifact:
 
     @property
     def size_bytes(self) -> int:
-        from phalanx.export.formats import size_on_disk
         return size_on_disk(self.model_path)
 
     def _load(self) -> None:
@@ -145,20 +146,18 @@ def lm_loss(logits: np.ndarray, targets: np.ndarray) -> float:
 
 
 def _artifact_config(path: Path, overrides: list[str]):
-    from phalanx.config import load_config
     cfg_path = path / "config.yaml"
     if not cfg_path.is_file():
         raise ConfigError(str(path), "this export has no config.yaml: it was exported from a Keras model, not a "
                                      "phalanx run; score it with phalanx.export.report instead")
     single = ["parallel.dp=1", "parallel.tp=1", "parallel.pp=1", "parallel.zero=0", "parallel.microbatches=1",
-              "parallel.devices=auto", "parallel.strategy=auto", "train.grad_accum=1"]
+              "parallel.devices=auto", "parallel.strategy=auto", "parallel.ep=1", "train.grad_accum=1"]
     return load_config(cfg_path, single + list(overrides))
 
 
 def evaluate_lm_artifact(path: str | Path, overrides: list[str] = (), batches: int | None = None) -> dict:
     """Held-out loss / perplexity of a run's exported GPT, run in its own runtime, on the
     run's validation split (``train.eval_batches`` batches, as ``phalanx eval``)."""
-    from phalanx.data.pipeline import make_datasets
 
     path = Path(path)
     art = load_artifact(path)
@@ -185,9 +184,8 @@ def generate_with_artifact(path: str | Path, prompt: str, n_tokens: int, tempera
     seq_len = int(art.meta.get("model", {}).get("seq_len", 0))
     if art.meta.get("kind") != "gpt" or not seq_len:
         raise ConfigError(str(path), "is not an export of a phalanx GPT run; generate needs one")
-    from phalanx.train.trainer import load_run_tokenizer
     tokenizer = load_run_tokenizer(path / "tokenizer")
-    from phalanx.models.generate import sample
+    from phalanx.models.generate import sample  # imports TensorFlow: deferred, a LiteRT artifact runs without it
     out = sample(lambda window, position: art.predict(window)[0, position], list(tokenizer.encode(prompt)),
                  n_tokens, seq_len, temperature, top_k, seed)
     return tokenizer.decode(out)

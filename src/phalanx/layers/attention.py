@@ -24,8 +24,9 @@ import math
 import keras
 import tensorflow as tf
 
+from phalanx.layers import kernels as kernels_lib
 from phalanx.layers.sharding import ShardedLayer, on_device_of
-from phalanx.layers.tensor_parallel import add_shards, dims, matmul, shard_values
+from phalanx.layers.tensor_parallel import add_shards, dims, matmul, shard_scope, shard_values
 
 _MASKED = -1e9  # added to masked scores, as keras.layers.Softmax does (float32 here)
 
@@ -94,8 +95,9 @@ class ParallelSelfAttention(ShardedLayer):
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int | None = None, tp: int = 1,
                  use_bias: bool = True, causal: bool = True, rope_max_wavelength: float | None = None,
                  rope_scaling_factor: float = 1.0, dropout: float = 0.0, kernel_initializer="glorot_uniform",
-                 bias_initializer="zeros", seed: int | None = None, **kwargs):
+                 bias_initializer="zeros", seed: int | None = None, kernels=None, **kwargs):
         super().__init__(tp=tp, **kwargs)
+        self.kernels = kernels_lib.get(kernels)
         self.num_heads, self.head_dim = int(num_heads), int(head_dim)
         self.num_kv_heads = self.num_heads if num_kv_heads is None else int(num_kv_heads)
         if self.num_heads % self.num_kv_heads:
@@ -114,21 +116,25 @@ class ParallelSelfAttention(ShardedLayer):
         self.bias_initializer = keras.initializers.get(bias_initializer)
         self.seed_generator = keras.random.SeedGenerator(seed) if self.dropout else None
 
+    #: the dimension each logical weight is cut along (the head axis; None: whole)
+    SPLIT_AXES = {"query": 1, "query_bias": 0, "key": 1, "key_bias": 0, "value": 1, "value_bias": 0,
+                  "output": 0, "output_bias": None}
+
     def build(self, input_shape):
         d, h, kv, hd = input_shape[-1], self.num_heads, self.num_kv_heads, self.head_dim
         self._shard_vars = {}
 
-        def add(name, shape, split_axis, bias=False):
+        def add(name, shape, bias=False):
             init = self.bias_initializer if bias else self.kernel_initializer
-            self._shard_vars[name] = self.add_logical_weight(name, shape, split_axis, initializer=init)
+            self._shard_vars[name] = self.add_logical_weight(name, shape, self.SPLIT_AXES[name], initializer=init)
 
         for name, heads in (("query", h), ("key", kv), ("value", kv)):
-            add(name, (d, heads, hd), 1)
+            add(name, (d, heads, hd))
             if self.use_bias:
-                add(f"{name}_bias", (heads, hd), 0, bias=True)
-        add("output", (h, hd, d), 0)
+                add(f"{name}_bias", (heads, hd), bias=True)
+        add("output", (h, hd, d))
         if self.use_bias:
-            add("output_bias", (d,), None, bias=True)
+            add("output_bias", (d,), bias=True)
 
     def _mask(self, x, attention_mask, padding_mask):
         """The combined [B or 1, T, T] boolean mask (True = attend), or None; made on the
@@ -146,50 +152,98 @@ class ParallelSelfAttention(ShardedLayer):
             mask = m if mask is None else mask & m
         return mask
 
-    def call(self, inputs, attention_mask=None, padding_mask=None, training=None):
-        x = tf.cast(inputs, self.compute_dtype)
-        w = {name: shard_values(self, v) for name, v in self._shard_vars.items()}
-        b, t, d = dims(x)
-        hd, groups = self.head_dim, self.num_heads // self.num_kv_heads
-        kv = self.num_kv_heads // self.tp                 # key/value heads per shard
+    def shard_weights(self) -> list[dict]:
+        """Shard ``r``'s weights as tensors on their devices: ``query``, ``key``, ``value``,
+        ``output`` and (with ``use_bias``) ``query_bias``, ``key_bias``, ``value_bias`` — the
+        ``weights`` of :meth:`partials` (``output_bias`` is whole: added after the sum)."""
+        out = [{} for _ in range(self.tp)]
+        for name, (variables, split_axis, _) in self._logical.items():
+            if split_axis is not None:
+                for r, value in enumerate(shard_values(self, variables)):
+                    out[r][name] = value
+        return out
+
+    def partials(self, xs: list, weights: list, attention_mask=None, padding_mask=None, training=None,
+                 devices=None, kernels=None, wrap_core=None) -> list:
+        """The per-shard partial outputs (before their sum and ``output_bias``) when shard
+        ``r`` reads input ``xs[r]`` ``[B, T, D]`` with ``weights[r]``. The one definition of
+        the attention's per-shard math: :meth:`call`, the sequence-parallel
+        :class:`~phalanx.layers.transformer.TransformerBlock` and the mesh engine run it.
+
+        ``weights[r]``: as :meth:`shard_weights` gives them (any tensors of those shapes,
+        flattened or not), or with the projections fused, ``qkv`` ``[D, (H + 2 KV) hd / tp]``
+        (columns ``[q_r | k_r | v_r]``) and ``qkv_bias``, plus ``output`` ``[H hd / tp, D]``.
+        With no ``attention_mask`` / ``padding_mask`` a causal layer's softmax is
+        ``kernels.causal_softmax``; masks go through the float32 additive-mask softmax.
+        ``devices``: shard ``r``'s device (else the device of its ``output`` value);
+        ``kernels``: default the layer's; ``wrap_core``: wraps the attention core
+        ``(q, k, v) -> o`` (scores, softmax, weighted sum), e.g. ``tf.recompute_grad``.
+        """
+        kernels = self.kernels if kernels is None else kernels
         dropping = bool(training) and self.dropout > 0
         # Seeds drawn once, outside the shards' device scopes: the generator's state is one
         # whole variable, and each shard must drop with its own seed.
-        seeds = [self.seed_generator.next() for _ in range(self.tp)] if dropping else None
+        seeds = [self.seed_generator.next() for _ in weights] if dropping else [None] * len(weights)
         parts = []
-        for r in range(self.tp):
-            with on_device_of(w["output"][r]):
-                def project(name, heads):
-                    y = matmul(x, tf.reshape(w[name][r], [d, heads * hd]))
-                    if self.use_bias:
-                        y = y + tf.reshape(w[f"{name}_bias"][r], [heads * hd])
-                    return tf.reshape(y, [b, t, heads, hd])
+        for r, w in enumerate(weights):
+            with shard_scope(devices, r, w["output"]):
+                parts.append(self._shard(tf.cast(xs[r], self.compute_dtype), w, attention_mask, padding_mask,
+                                         seeds[r], kernels, wrap_core))
+        return parts
 
-                q, k, v = project("query", kv * groups), project("key", kv), project("value", kv)
-                if self.rope_max_wavelength is not None:
-                    q = rotary(q, self.rope_max_wavelength, self.rope_scaling_factor)
-                    k = rotary(k, self.rope_max_wavelength, self.rope_scaling_factor)
-                q = q * tf.cast(1.0 / math.sqrt(hd), q.dtype)
-                # A group's query heads share one key/value head: fold them into the query
-                # length, [B, kv, groups*T, hd], so K and V are never repeated.
-                q = tf.reshape(swap_heads(q, 2), [b, kv, groups * t, hd])
-                k, v = swap_heads(k, 2), swap_heads(v, 2)
-                scores = tf.reshape(tf.matmul(q, k, transpose_b=True), [b, kv, groups, t, t])
+    def _shard(self, x, w, attention_mask, padding_mask, seed, kernels, wrap_core):
+        b, t, d = dims(x)
+        hd, groups = self.head_dim, self.num_heads // self.num_kv_heads
+        kv = self.num_kv_heads // self.tp                 # key/value heads per shard
+        if "qkv" in w:
+            y = matmul(x, w["qkv"], bias=w.get("qkv_bias"))
+            q, k, v = tf.split(y, [kv * groups * hd, kv * hd, kv * hd], axis=-1)
+            q, k, v = (tf.reshape(z, [b, t, n, hd]) for z, n in ((q, kv * groups), (k, kv), (v, kv)))
+        else:
+            def project(name, heads):
+                bias = w.get(f"{name}_bias")
+                y = matmul(x, tf.reshape(w[name], [d, heads * hd]),
+                           bias=None if bias is None else tf.reshape(bias, [heads * hd]))
+                return tf.reshape(y, [b, t, heads, hd])
+
+            q, k, v = project("query", kv * groups), project("key", kv), project("value", kv)
+        if self.rope_max_wavelength is not None:
+            q = rotary(q, self.rope_max_wavelength, self.rope_scaling_factor)
+            k = rotary(k, self.rope_max_wavelength, self.rope_scaling_factor)
+
+        def core(q, k, v):
+            q = q * tf.cast(1.0 / math.sqrt(hd), q.dtype)
+            # A group's query heads share one key/value head: fold them into the query
+            # length, [B, kv, groups*T, hd], so K and V are never repeated.
+            q = tf.reshape(swap_heads(q, 2), [b, kv, groups * t, hd])
+            k, v = swap_heads(k, 2), swap_heads(v, 2)
+            # [B, H, T, T] (a reshape: a group's query rows are consecutive)
+            scores = tf.reshape(tf.matmul(q, k, transpose_b=True), [b, kv * groups, t, t])
+            if self.causal and attention_mask is None and padding_mask is None:
+                probs = kernels.causal_softmax(scores)
+            else:
                 scores = tf.cast(scores, "float32")
                 mask = self._mask(x, attention_mask, padding_mask)
                 if mask is not None:
-                    scores += (1.0 - tf.cast(mask, "float32"))[:, None, None] * _MASKED
+                    scores += (1.0 - tf.cast(mask, "float32"))[:, None] * _MASKED
                 probs = tf.nn.softmax(scores, axis=-1)
-                if dropping:
-                    probs = tf.nn.experimental.stateless_dropout(probs, rate=self.dropout, seed=seeds[r])
-                probs = tf.reshape(tf.cast(probs, self.compute_dtype), [b, kv, groups * t, t])
-                o = swap_heads(tf.reshape(tf.matmul(probs, v), [b, kv * groups, t, hd]), 1)
-                o = tf.reshape(o, [b, t, kv * groups * hd])
-                parts.append(matmul(o, tf.reshape(w["output"][r], [kv * groups * hd, d])))
-        y = add_shards(parts, w["output"][0])
+            if seed is not None:
+                probs = tf.nn.experimental.stateless_dropout(probs, rate=self.dropout, seed=seed)
+            probs = tf.reshape(tf.cast(probs, self.compute_dtype), [b, kv, groups * t, t])
+            o = swap_heads(tf.reshape(tf.matmul(probs, v), [b, kv * groups, t, hd]), 1)
+            return tf.reshape(o, [b, t, kv * groups * hd])
+
+        o = (core if wrap_core is None else wrap_core(core))(q, k, v)
+        return matmul(o, tf.reshape(w["output"], [kv * groups * hd, d]))
+
+    def call(self, inputs, attention_mask=None, padding_mask=None, training=None):
+        x = tf.cast(inputs, self.compute_dtype)
+        weights = self.shard_weights()
+        y = add_shards(self.partials([x] * self.tp, weights, attention_mask, padding_mask, training),
+                       weights[0]["output"])
         if self.use_bias:
-            with on_device_of(w["output"][0]):
-                y = y + w["output_bias"][0]
+            with on_device_of(weights[0]["output"]):
+                y = y + shard_values(self, [self.whole_variable("output_bias")])[0]
         return y
 
     def compute_output_spec(self, inputs, attention_mask=None, padding_mask=None, training=None):
@@ -199,6 +253,6 @@ class ParallelSelfAttention(ShardedLayer):
         return {**super().get_config(), "num_heads": self.num_heads, "head_dim": self.head_dim,
                 "num_kv_heads": self.num_kv_heads, "use_bias": self.use_bias, "causal": self.causal,
                 "rope_max_wavelength": self.rope_max_wavelength, "rope_scaling_factor": self.rope_scaling_factor,
-                "dropout": self.dropout, "seed": self.seed,
+                "dropout": self.dropout, "seed": self.seed, "kernels": kernels_lib.serialize(self.kernels),
                 "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
                 "bias_initializer": keras.initializers.serialize(self.bias_initializer)}

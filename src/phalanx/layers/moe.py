@@ -24,11 +24,21 @@ drops nothing. The capacity is per call: a pipeline's micro-batch is its own cal
 * router z-loss (ST-MoE, Zoph et al. 2022, eq. 5): ``z_loss_coef x mean_t
   logsumexp(logits_t)^2``.
 
-**Statistics** of the last training call live in four non-trainable scalars:
+**Statistics.** Four non-trainable scalars hold those of the last training call:
 ``dropped_fraction`` (share of token-to-expert assignments dropped), ``load_min`` and
 ``load_max`` (the least and most loaded expert's share of the kept assignments, x E: 1.0
 is perfect balance) and ``balance`` (``E x sum_e f_e x P_e``, the balancing loss before its
-coefficient).
+coefficient). Totals over the training calls since the last :meth:`MoE.reset_statistics`
+(``total_calls``, ``total_balance``, ``total_assignments`` and ``total_load``, the kept
+assignments of each expert) give the same figures over several calls: ``phalanx.fit``
+starts them at zero every step, so that after a step they cover the whole batch, every
+data replica and micro-batch (:mod:`phalanx.train.moe_stats`). They are statistics, not
+state: ``.keras`` files do not hold them (``phalanx.fit``'s checkpoints, which hold every
+model variable, do).
+
+**Dispatch.** The tokens routed to the experts of one shard are gathered once, sent to
+the shard's device, split by expert there and sent back once (one exchange per shard
+and direction, whatever the number of experts per shard).
 
 Example:
     >>> import numpy as np
@@ -46,6 +56,15 @@ from keras import ops
 
 from phalanx.layers.sharding import ShardedLayer, on_device_of, shard_values
 
+_TOTAL = "_phalanx_step_total"
+
+
+def is_step_total(variable) -> bool:
+    """Whether ``variable`` sums an MoE layer's statistics over its training calls: an
+    engine that runs a step as several calls starts it at zero every step, so that after
+    the step it holds the whole step's totals."""
+    return getattr(variable, _TOTAL, False)
+
 
 @keras.saving.register_keras_serializable(package="phalanx")
 class MoE(ShardedLayer):
@@ -58,6 +77,11 @@ class MoE(ShardedLayer):
     def __init__(self, num_experts: int, hidden_dim: int, top_k: int = 2, capacity_factor: float = 0.0,
                  aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0, gated: bool = False,
                  activation: str = "gelu", kernel_initializer="glorot_uniform", ep: int = 1, **kwargs):
+        if kwargs.get("tp", 1) != 1:
+            raise ValueError(f"MoE: tp: {kwargs['tp']!r}: the experts are not cut over tensor devices; each runs "
+                             f"whole on the device of its expert shard. Leave tp=1 (a model may still mix MoE "
+                             f"with tensor-parallel layers under parallel.tp) and shard experts with ep= and "
+                             f"parallel.ep")
         super().__init__(**kwargs)
         if not isinstance(ep, int) or ep < 1 or num_experts % ep if isinstance(num_experts, int) else False:
             raise ValueError(f"ep: {ep!r} must be a positive integer that divides num_experts={num_experts}")
@@ -96,6 +120,24 @@ class MoE(ShardedLayer):
             # only_first_replica: under tf.distribute each replica may write it (no reduction).
             setattr(self, name, self.add_logical_weight(name, (), None, "zeros", trainable=False, dtype="float32",
                                                         autocast=False, aggregation="only_first_replica")[0])
+        # Totals over the training calls since the last reset (module docstring). Plain
+        # weights, not logical ones: statistics, not state, so .keras files do not hold them.
+        self.total_calls, self.total_balance, self.total_assignments, self.total_load = (
+            self.add_weight(shape=shape, initializer="zeros", name=name, trainable=False, dtype="float32",
+                            autocast=False, aggregation="only_first_replica")
+            for name, shape in (("total_calls", ()), ("total_balance", ()), ("total_assignments", ()),
+                                ("total_load", (e,))))
+        for v in self.statistics_totals():
+            setattr(v, _TOTAL, True)
+
+    def statistics_totals(self) -> list:
+        """The variables that sum statistics over training calls (see the module docstring)."""
+        return [self.total_calls, self.total_balance, self.total_assignments, self.total_load]
+
+    def reset_statistics(self) -> None:
+        """Start the statistics totals again from zero (phalanx.fit does it every step)."""
+        for v in self.statistics_totals():
+            v.assign(keras.ops.zeros(v.shape, v.dtype))
 
     def capacity(self, tokens: int) -> int:
         """Slots per expert for a call of ``tokens`` tokens (``tokens`` when nothing drops)."""
@@ -111,6 +153,19 @@ class MoE(ShardedLayer):
         else:
             h = self.activation(h)
         return ops.matmul(h, shard["w_out"][i]) + shard["b_out"][i]
+
+    def _shard(self, shard: dict, local, x):
+        """A shard's experts on its routed tokens ``x`` (``local``: each row's expert within
+        the shard): the rows are split by expert, each expert runs on its own rows, and the
+        results are put back in the rows' order. Runs where the shard lives."""
+        import tensorflow as tf
+
+        per_shard = self.num_experts // self.ep
+        if per_shard == 1:
+            return self._expert(shard, 0, x)
+        rows = tf.dynamic_partition(tf.range(tf.shape(x)[0]), local, per_shard)
+        parts = tf.dynamic_partition(x, local, per_shard)
+        return tf.dynamic_stitch(rows, [self._expert(shard, i, part) for i, part in enumerate(parts)])
 
     def call(self, inputs, training=None):
         import tensorflow as tf  # the dispatch uses TensorFlow's gather/scatter ops
@@ -133,33 +188,38 @@ class MoE(ShardedLayer):
             self.capacity_factor * tf.cast(n * self.top_k, tf.float32) / self.num_experts), tf.int32)
         kept = tf.transpose(position < tf.maximum(capacity, 1))               # [n, k]
         out = tf.zeros_like(x)
-        load = []
         names = ["w_in", "b_in", "w_out", "b_out"] + (["w_gate"] if self.gated else [])
         per_shard = self.num_experts // self.ep
+        # One dispatch per shard, not per expert: the tokens routed to any expert of shard j
+        # are gathered once (token order, a token's choices in order), sent to the shard's
+        # device with their expert within the shard, computed there and sent back once.
         for j in range(self.ep):
             shard = dict(zip(names, shard_values(self, [getattr(self, name)[j] for name in names])))
-            for i in range(per_shard):
-                e = j * per_shard + i
-                mine = tf.logical_and(tf.equal(chosen, e), kept)             # [n, k]
-                where = tf.where(mine)                                       # (token, choice) pairs
-                tokens = where[:, 0]
-                gate = tf.gather_nd(gates, where)
-                routed = tf.gather(x, tokens)
-                # Expert parallelism: the expert runs where its shard lives (the engine puts
-                # it on another replica's device); its tokens go there and come back.
-                with on_device_of(shard["w_in"]):
-                    y = self._expert(shard, i, routed)
-                out = tf.tensor_scatter_nd_add(out, tokens[:, None], y * tf.cast(gate[:, None], y.dtype))
-                load.append(tf.reduce_sum(tf.cast(mine, tf.float32)))
+            mine = kept if self.ep == 1 else tf.logical_and(tf.equal(chosen // per_shard, j), kept)  # [n, k]
+            where = tf.where(mine)                                           # (token, choice) pairs
+            tokens = where[:, 0]
+            gate = tf.gather_nd(gates, where)
+            local = tf.gather_nd(chosen, where) - j * per_shard
+            routed = tf.gather(x, tokens)
+            # Expert parallelism: the shard's experts run where the shard lives (the engine
+            # puts it on another replica's device); its tokens go there and come back.
+            with on_device_of(shard["w_in"]):
+                y = self._shard(shard, local, routed)
+            out = tf.tensor_scatter_nd_add(out, tokens[:, None], y * tf.cast(gate[:, None], y.dtype))
         balance = self._add_losses(logits, probs, chosen)
         if training:
-            self.balance.assign(balance)
-            load = tf.stack(load)
+            # the kept assignments of each expert
+            load = tf.reduce_sum(tf.one_hot(chosen, self.num_experts, dtype=tf.float32) *
+                                 tf.cast(kept, tf.float32)[..., None], axis=[0, 1])
             total = tf.cast(n * self.top_k, tf.float32)
             kept_total = tf.maximum(tf.reduce_sum(load), 1.0)
+            self.balance.assign(balance)
             self.dropped_fraction.assign(1.0 - tf.reduce_sum(load) / total)
             self.load_min.assign(tf.reduce_min(load) / kept_total * self.num_experts)
             self.load_max.assign(tf.reduce_max(load) / kept_total * self.num_experts)
+            for variable, value in ((self.total_calls, 1.0), (self.total_balance, balance),
+                                    (self.total_assignments, total), (self.total_load, load)):
+                variable.assign(variable + value)
         return tf.reshape(out, shape)
 
     def _add_losses(self, logits, probs, chosen) -> None:

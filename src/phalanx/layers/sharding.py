@@ -30,6 +30,65 @@ import keras
 import tensorflow as tf
 
 AXES = ("tensor", "expert")
+
+
+@dataclass(frozen=True)
+class Split:
+    """How a weight held outside a layer (an engine's shard variables) is cut over the
+    ``tensor`` axis: ``replicated`` (one whole copy), ``axis`` (equal slices along ``axis``,
+    as :meth:`ShardedLayer.add_logical_weight` cuts along ``split_axis``) or ``qkv`` (a fused
+    ``[q|k|v]`` last dim, each third cut by heads: shard ``t`` holds ``[q_t | k_t | v_t]``,
+    the ``qkv`` weights of :meth:`phalanx.layers.ParallelSelfAttention.partials`).
+
+    Example:
+        >>> import numpy as np
+        >>> s = Split("qkv")
+        >>> w = np.arange(12.0).reshape(1, 12)          # d=4: q|k|v of 4 columns each
+        >>> [p.tolist() for p in s.shard(w, 2)]
+        [[[0.0, 1.0, 4.0, 5.0, 8.0, 9.0]], [[2.0, 3.0, 6.0, 7.0, 10.0, 11.0]]]
+        >>> bool((s.join(s.shard(w, 2)) == w).all())
+        True
+    """
+
+    kind: str
+    axis: int = 0
+
+    def __post_init__(self):
+        if self.kind not in ("replicated", "axis", "qkv"):
+            raise ValueError(f"Split.kind must be replicated, axis or qkv, got {self.kind!r}")
+
+    @classmethod
+    def of_axis(cls, split_axis: int | None) -> "Split":
+        """The split of a layer's logical weight declared with ``split_axis`` (None: whole)."""
+        return cls("replicated") if split_axis is None else cls("axis", split_axis)
+
+    def num_shards(self, tp: int) -> int:
+        return 1 if self.kind == "replicated" else tp
+
+    def shard(self, value, tp: int) -> list:
+        """The ``num_shards(tp)`` pieces of a whole logical tensor."""
+        import numpy as np
+
+        value = np.asarray(value)
+        if self.kind == "replicated":
+            return [value]
+        if self.kind == "axis":
+            return split_value(value, self.axis, tp)
+        q, k, v = np.split(value, 3, axis=-1)
+        parts = [split_value(x, -1, tp) for x in (q, k, v)]
+        return [np.concatenate([parts[0][t], parts[1][t], parts[2][t]], axis=-1) for t in range(tp)]
+
+    def join(self, pieces):
+        """Inverse of :meth:`shard`."""
+        import numpy as np
+
+        pieces = [np.asarray(p) for p in pieces]
+        if self.kind == "replicated":
+            return pieces[0]
+        if self.kind == "axis":
+            return np.concatenate(pieces, axis=self.axis)
+        thirds = [np.split(p, 3, axis=-1) for p in pieces]
+        return np.concatenate([np.concatenate([t[i] for t in thirds], axis=-1) for i in range(3)], axis=-1)
 _ATTR = "_phalanx_placement"
 
 

@@ -38,6 +38,7 @@ import tensorflow as tf
 
 from keras.src.backend.common.variables import AutocastScope  # no public way to read a variable un-cast
 
+from phalanx.layers import kernels as kernels_lib
 from phalanx.layers.sharding import ShardedLayer, on_device_of, shard_values
 
 # Activations that are not element-wise must see the whole output, so a column layer
@@ -58,21 +59,31 @@ def dims(x) -> list:
     return out
 
 
-def matmul(x, w, transpose_b: bool = False):
-    """``x [..., k] @ w [k, n]`` as one 2-D MatMul: the gradient of a batched einsum was ~100x
-    slower on CPU (ARCHITECTURE.md)."""
+def matmul(x, w, transpose_b: bool = False, bias=None):
+    """``x [..., k] @ w [k, n] (+ bias)`` as one 2-D MatMul in ``x``'s dtype (``w`` and
+    ``bias`` are cast to it): the gradient of a batched einsum was ~100x slower on CPU
+    (ARCHITECTURE.md). The bias is added to the 2-D product with ``bias_add``, before the
+    reshape back, so Grappler fuses MatMul + BiasAdd into one oneDNN kernel."""
     n = w.shape[0] if transpose_b else w.shape[-1]
-    if x.shape.rank == 2:
-        return tf.matmul(x, w, transpose_b=transpose_b)
-    y = tf.matmul(tf.reshape(x, [-1, x.shape[-1]]), w, transpose_b=transpose_b)
-    return tf.reshape(y, dims(x)[:-1] + [n])
+    w = tf.cast(w, x.dtype)
+    y = tf.matmul(x if x.shape.rank == 2 else tf.reshape(x, [-1, x.shape[-1]]), w, transpose_b=transpose_b)
+    if bias is not None:
+        y = tf.nn.bias_add(y, tf.cast(bias, x.dtype))
+    return y if x.shape.rank == 2 else tf.reshape(y, dims(x)[:-1] + [n])
 
 
-def add_shards(parts, device_of):
-    """The sum of per-shard partial results, on the device of ``device_of`` (shard 0)."""
+def shard_scope(devices, r: int, anchor):
+    """The device scope of shard ``r``: ``devices[r]`` when the caller names the devices (the
+    mesh engine), else the device ``anchor`` (a value of shard ``r``) was made on."""
+    return tf.device(devices[r]) if devices else on_device_of(anchor)
+
+
+def add_shards(parts, device_of, devices=None):
+    """The sum of per-shard partial results, on shard 0's device (``devices[0]`` when given,
+    else the device of ``device_of``)."""
     if len(parts) == 1:
         return parts[0]
-    with on_device_of(device_of):
+    with shard_scope(devices, 0, device_of):
         return tf.add_n(parts)
 
 
@@ -91,20 +102,29 @@ def input_slices(x, n: int) -> list:
     """
     if n == 1:
         return [x]
+    pieces = concat_pieces(x, _COLUMN_MARK, n, -1)
+    if pieces is not None:
+        return pieces
+    # Slice where x is, so only the slice travels to its shard's device.
     width = x.shape[-1] // n
+    with on_device_of(x):
+        return [x[..., r * width:(r + 1) * width] for r in range(n)]
+
+
+def concat_pieces(x, mark: str, n: int, axis: int):
+    """The ``n`` inputs of the ConcatV2 op that made ``x`` (in a graph), when a layer tagged
+    that op with ``mark`` = ``n`` and it joins ``n`` equal pieces along ``axis``; else None."""
     try:
         op = x.op  # eager tensors and KerasTensors have none
     except AttributeError:
-        op = None
-    if getattr(op, _COLUMN_MARK, None) == n and op.type == "ConcatV2" and len(op.inputs) == n + 1:
-        axis, rank = tf.get_static_value(op.inputs[-1]), x.shape.rank
-        pieces = list(op.inputs[:-1])
-        if (axis is not None and rank is not None and int(axis) % rank == rank - 1
-                and all(p.shape[-1] == width for p in pieces)):
-            return pieces
-    # Slice where x is, so only the slice travels to its shard's device.
-    with on_device_of(x):
-        return [x[..., r * width:(r + 1) * width] for r in range(n)]
+        return None
+    if getattr(op, mark, None) != n or op.type != "ConcatV2" or len(op.inputs) != n + 1:
+        return None
+    joined, rank = tf.get_static_value(op.inputs[-1]), x.shape.rank
+    pieces = list(op.inputs[:-1])
+    if joined is None or rank is None or int(joined) % rank != axis % rank or x.shape[axis] is None:
+        return None
+    return pieces if all(p.shape[axis] == x.shape[axis] // n for p in pieces) else None
 
 
 def _check_divisible(layer, what: str, size: int, tp: int) -> None:
@@ -124,6 +144,15 @@ class _DenseBase(ShardedLayer):
         self.activation = keras.activations.get(activation)
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
+
+    SPLIT_AXES: dict = {}  # the subclass's: the dimension each logical weight is cut along
+
+    def build(self, input_shape):
+        self.kernel = self.add_logical_weight("kernel", (input_shape[-1], self.units), self.SPLIT_AXES["kernel"],
+                                              initializer=self.kernel_initializer)
+        self.bias = (self.add_logical_weight("bias", (self.units,), self.SPLIT_AXES["bias"],
+                                             initializer=self.bias_initializer)
+                     if self.use_bias else None)
 
     def compute_output_shape(self, input_shape):
         return tuple(input_shape[:-1]) + (self.units,)
@@ -157,15 +186,12 @@ class ColumnParallelDense(_DenseBase):
         True
     """
 
+    #: the dimension each logical weight is cut along (None: whole)
+    SPLIT_AXES = {"kernel": 1, "bias": 0}
+
     def __init__(self, units: int, tp: int = 1, **kwargs):
         super().__init__(units, tp=tp, **kwargs)
         _check_divisible(self, "units", self.units, tp)
-
-    def build(self, input_shape):
-        self.kernel = self.add_logical_weight("kernel", (input_shape[-1], self.units), split_axis=1,
-                                              initializer=self.kernel_initializer)
-        self.bias = (self.add_logical_weight("bias", (self.units,), split_axis=0, initializer=self.bias_initializer)
-                     if self.use_bias else None)
 
     def call(self, inputs):
         kernels = shard_values(self, self.kernel)
@@ -212,11 +238,7 @@ class RowParallelDense(_DenseBase):
         True
     """
 
-    def build(self, input_shape):
-        self.kernel = self.add_logical_weight("kernel", (input_shape[-1], self.units), split_axis=0,
-                                              initializer=self.kernel_initializer)
-        self.bias = (self.add_logical_weight("bias", (self.units,), split_axis=None, initializer=self.bias_initializer)
-                     if self.use_bias else None)
+    SPLIT_AXES = {"kernel": 0, "bias": None}
 
     def call(self, inputs):
         kernels = shard_values(self, self.kernel)
@@ -259,8 +281,10 @@ class VocabParallelEmbedding(ShardedLayer):
         _check_divisible(self, "vocab", self.vocab, tp)
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
 
+    SPLIT_AXES = {"embeddings": 0}
+
     def build(self, input_shape=None):
-        self.embeddings = self.add_logical_weight("embeddings", (self.vocab, self.dim), split_axis=0,
+        self.embeddings = self.add_logical_weight("embeddings", (self.vocab, self.dim), self.SPLIT_AXES["embeddings"],
                                                   initializer=self.embeddings_initializer)
 
     def call(self, inputs, reverse: bool = False):
@@ -275,18 +299,7 @@ class VocabParallelEmbedding(ShardedLayer):
                 return logits[0]
             with on_device_of(tables[0]):
                 return tf.concat(logits, axis=-1)
-        ids = tf.cast(inputs, "int32")
-        if self.tp == 1:
-            return tf.gather(tables[0], ids)
-        rows = self.vocab // self.tp
-        parts = []
-        for r, table in enumerate(tables):
-            with on_device_of(table):
-                local = ids - r * rows
-                mine = (local >= 0) & (local < rows)
-                found = tf.gather(table, tf.where(mine, local, 0))
-                parts.append(found * tf.cast(mine, found.dtype)[..., None])
-        return add_shards(parts, tables[0])
+        return embedding_lookup(inputs, tables)
 
     def compute_output_spec(self, inputs, reverse: bool = False):
         # (A spec, not a shape: Keras's compute_output_shape takes only *_shape arguments.)
@@ -298,10 +311,31 @@ class VocabParallelEmbedding(ShardedLayer):
                 "embeddings_initializer": _serialize(self.embeddings_initializer)}
 
 
+def embedding_lookup(ids, tables, devices=None):
+    """Rows ``ids`` of the table cut into ``tables`` (shards of rows, rank order), in the
+    tables' dtype: shard ``r`` looks up the ids in its range on its device (zeros for the
+    others) and the lookups are summed on shard 0's device (:class:`VocabParallelEmbedding`).
+    ``devices``: shard ``r``'s device, or None to follow the tables' devices."""
+    ids = tf.cast(ids, "int32")
+    if len(tables) == 1:
+        with shard_scope(devices, 0, tables[0]):
+            return tf.gather(tables[0], ids)
+    rows = tables[0].shape[0]
+    parts = []
+    for r, table in enumerate(tables):
+        with shard_scope(devices, r, table):
+            local = ids - r * rows
+            mine = (local >= 0) & (local < rows)
+            found = tf.gather(table, tf.where(mine, local, 0))
+            parts.append(found * tf.cast(mine, found.dtype)[..., None])
+    return add_shards(parts, tables[0], devices)
+
+
 _REDUCTIONS = ("sum_over_batch_size", "mean_with_sample_weight", "sum", "none")
 
 
-def vocab_parallel_cross_entropy(hidden, table, labels, sample_weight=None, reduction: str = "sum_over_batch_size"):
+def vocab_parallel_cross_entropy(hidden, table, labels, sample_weight=None, reduction: str = "sum_over_batch_size",
+                                 transposed: bool = False, devices=None, kernels=None):
     """Token cross-entropy of the tied-head logits ``hidden @ table^T`` against ``labels``,
     computed shard by shard so the full logits are never on one device.
 
@@ -314,12 +348,16 @@ def vocab_parallel_cross_entropy(hidden, table, labels, sample_weight=None, redu
     Args:
         hidden: ``[..., dim]`` final hidden states.
         table: a :class:`VocabParallelEmbedding`, or its table shards (tensors or variables,
-            rank order, each ``[vocab/tp, dim]``).
+            rank order, each ``[vocab/tp, dim]``), or with ``transposed=True`` the shards of an
+            untied head kernel (each ``[dim, vocab/tp]``).
         labels: ``[...]`` integer targets in ``[0, vocab)``.
         sample_weight: optional ``[...]`` per-token weights (e.g. a padding mask).
         reduction: as a Keras loss: ``"sum_over_batch_size"`` (sum of weighted losses / number
             of tokens), ``"mean_with_sample_weight"`` (/ sum of weights), ``"sum"`` or ``"none"``.
             Unlike a Keras loss object it does not rescale under a distribution strategy.
+        devices: shard ``r``'s device (the mesh engine), or None to follow the shards' devices.
+        kernels: the :class:`~phalanx.layers.kernels.Kernels` of the one-shard loss (the
+            whole logits on one device, in the compute dtype of ``hidden``).
 
     Example:
         >>> import numpy as np
@@ -341,26 +379,37 @@ def vocab_parallel_cross_entropy(hidden, table, labels, sample_weight=None, redu
         with AutocastScope(None):
             shards = [tf.convert_to_tensor(t) for t in table]
     labels = tf.cast(labels, "int32")
-    rows = shards[0].shape[0]
-    logits, maxes = [], []
-    for table_r in shards:
-        with on_device_of(table_r):
-            z = tf.cast(matmul(tf.cast(hidden, table_r.dtype), table_r, transpose_b=True), "float32")
-            logits.append(z)
-            maxes.append(tf.reduce_max(z, axis=-1))
-    with on_device_of(shards[0]):
-        # A shift for a stable log-sum-exp; its gradient cancels exactly, so none flows.
-        top = tf.stop_gradient(maxes[0] if len(maxes) == 1 else tf.reduce_max(tf.stack(maxes), axis=0))
-    sums, targets = [], []
-    for r, (table_r, z) in enumerate(zip(shards, logits)):
-        with on_device_of(table_r):
-            sums.append(tf.reduce_sum(tf.exp(z - top[..., None]), axis=-1))
-            local = labels - r * rows
-            mine = (local >= 0) & (local < rows)
-            picked = tf.gather(z, tf.where(mine, local, 0)[..., None], batch_dims=labels.shape.rank)[..., 0]
-            targets.append(picked * tf.cast(mine, z.dtype))
-    with on_device_of(shards[0]):
-        losses = top + tf.math.log(add_shards(sums, shards[0])) - add_shards(targets, shards[0])
+    rows = shards[0].shape[-1 if transposed else 0]
+    # A layer's shards are in its compute dtype; raw shards (an engine's float32 variables)
+    # are cast to the hidden states' dtype, so the matmul runs in the compute dtype.
+    hidden = tf.convert_to_tensor(hidden)
+    raw = not isinstance(table, VocabParallelEmbedding) and hidden.dtype.is_floating
+    dtype = hidden.dtype if raw else shards[0].dtype
+    if len(shards) == 1:
+        with shard_scope(devices, 0, shards[0]):
+            z = matmul(tf.cast(hidden, dtype), shards[0], transpose_b=not transposed)
+            losses = kernels_lib.get(kernels).cross_entropy(z, labels)
+    else:
+        logits, maxes = [], []
+        for r, table_r in enumerate(shards):
+            with shard_scope(devices, r, table_r):
+                z = tf.cast(matmul(tf.cast(hidden, dtype), table_r, transpose_b=not transposed), "float32")
+                logits.append(z)
+                maxes.append(tf.reduce_max(z, axis=-1))
+        with shard_scope(devices, 0, shards[0]):
+            # A shift for a stable log-sum-exp; its gradient cancels exactly, so none flows.
+            top = tf.stop_gradient(tf.reduce_max(tf.stack(maxes), axis=0))
+        sums, targets = [], []
+        for r, (table_r, z) in enumerate(zip(shards, logits)):
+            with shard_scope(devices, r, table_r):
+                sums.append(tf.reduce_sum(tf.exp(z - top[..., None]), axis=-1))
+                local = labels - r * rows
+                mine = (local >= 0) & (local < rows)
+                picked = tf.gather(z, tf.where(mine, local, 0)[..., None], batch_dims=labels.shape.rank)[..., 0]
+                targets.append(picked * tf.cast(mine, z.dtype))
+        with shard_scope(devices, 0, shards[0]):
+            losses = top + tf.math.log(add_shards(sums, shards[0])) - add_shards(targets, shards[0])
+    with shard_scope(devices, 0, shards[0]):
         if reduction == "none":
             return losses if sample_weight is None else losses * tf.cast(sample_weight, losses.dtype)
         weight = tf.ones_like(losses) if sample_weight is None else tf.cast(sample_weight, losses.dtype)
@@ -396,9 +445,10 @@ class ParallelMLP(ShardedLayer):
     """
 
     def __init__(self, hidden_dim: int, tp: int = 1, activation="gelu", gated: bool = False, use_bias: bool = True,
-                 kernel_initializer="glorot_uniform", bias_initializer="zeros", **kwargs):
+                 kernel_initializer="glorot_uniform", bias_initializer="zeros", kernels=None, **kwargs):
         super().__init__(tp=tp, **kwargs)
         self.hidden_dim, self.gated, self.use_bias = int(hidden_dim), gated, use_bias
+        self.kernels = kernels_lib.get(kernels)
         _check_divisible(self, "hidden_dim", self.hidden_dim, tp)
         self.activation = keras.activations.get(activation)
         if getattr(self.activation, "__name__", "") in _NOT_ELEMENTWISE:
@@ -407,41 +457,65 @@ class ParallelMLP(ShardedLayer):
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
 
+    #: the dimension each logical weight is cut along (None: whole): up/gate by columns, down by rows
+    SPLIT_AXES = {"up": 1, "up_bias": 0, "gate": 1, "gate_bias": 0, "down": 0, "down_bias": None}
+
     def build(self, input_shape):
         d, f = input_shape[-1], self.hidden_dim
         self.up, self.up_bias = self._column("up", d, f)
         self.gate, self.gate_bias = self._column("gate", d, f) if self.gated else (None, None)
-        self.down = self.add_logical_weight("down", (f, d), split_axis=0, initializer=self.kernel_initializer)
-        self.down_bias = (self.add_logical_weight("down_bias", (d,), split_axis=None, initializer=self.bias_initializer)
-                          if self.use_bias else None)
+        self.down = self.add_logical_weight("down", (f, d), self.SPLIT_AXES["down"],
+                                            initializer=self.kernel_initializer)
+        self.down_bias = (self.add_logical_weight("down_bias", (d,), self.SPLIT_AXES["down_bias"],
+                                                  initializer=self.bias_initializer) if self.use_bias else None)
 
     def _column(self, name, d, f):
-        kernel = self.add_logical_weight(name, (d, f), split_axis=1, initializer=self.kernel_initializer)
-        bias = (self.add_logical_weight(f"{name}_bias", (f,), split_axis=0, initializer=self.bias_initializer)
-                if self.use_bias else None)
+        kernel = self.add_logical_weight(name, (d, f), self.SPLIT_AXES[name], initializer=self.kernel_initializer)
+        bias = (self.add_logical_weight(f"{name}_bias", (f,), self.SPLIT_AXES[f"{name}_bias"],
+                                        initializer=self.bias_initializer) if self.use_bias else None)
         return kernel, bias
 
-    def _values(self, variables):
-        return shard_values(self, variables) if variables is not None else [None] * self.tp
+    def shard_weights(self) -> list[dict]:
+        """Shard ``r``'s weights as tensors on their devices, ``{"up", "up_bias", "gate",
+        "gate_bias", "down"}`` (those that exist): the ``weights`` of :meth:`partials`."""
+        out = [{} for _ in range(self.tp)]
+        for name in ("up", "up_bias", "gate", "gate_bias", "down"):
+            variables = getattr(self, name)
+            if variables is not None:
+                for r, value in enumerate(shard_values(self, variables)):
+                    out[r][name] = value
+        return out
+
+    def partials(self, xs: list, weights: list, devices=None, kernels=None) -> list:
+        """The per-shard partial outputs (before their sum and ``down_bias``) when shard
+        ``r`` reads input ``xs[r]`` with ``weights[r]`` (as :meth:`shard_weights` gives them;
+        any tensors of those shapes, e.g. an engine's own shard variables). The one
+        definition of the MLP's per-shard math: :meth:`call`, the sequence-parallel
+        :class:`~phalanx.layers.transformer.TransformerBlock` and the mesh engine run it.
+
+        ``devices``: shard ``r``'s device (else the device of its ``down`` value);
+        ``kernels``: the :class:`~phalanx.layers.kernels.Kernels` (default the layer's).
+        """
+        kernels = self.kernels if kernels is None else kernels
+        parts = []
+        for r, w in enumerate(weights):
+            with shard_scope(devices, r, w["down"]):
+                x = tf.cast(xs[r], self.compute_dtype)
+                h = matmul(x, w["up"])
+                if self.gated:
+                    up = h if w.get("up_bias") is None else h + tf.cast(w["up_bias"], h.dtype)
+                    h = kernels.bias_activation(matmul(x, w["gate"]), w.get("gate_bias"), self.activation) * up
+                else:
+                    h = kernels.bias_activation(h, w.get("up_bias"), self.activation)
+                parts.append(matmul(h, w["down"]))
+        return parts
 
     def call(self, inputs):
         x = tf.cast(inputs, self.compute_dtype)
-        up, up_b, gate, gate_b = (self._values(v) for v in (self.up, self.up_bias, self.gate, self.gate_bias))
-        down = shard_values(self, self.down)
-        parts = []
-        for r in range(self.tp):
-            with on_device_of(down[r]):
-                h = matmul(x, up[r])
-                h = h if up_b[r] is None else h + up_b[r]
-                if self.gated:
-                    g = matmul(x, gate[r])
-                    h = self.activation(g if gate_b[r] is None else g + gate_b[r]) * h
-                else:
-                    h = self.activation(h)
-                parts.append(matmul(h, down[r]))
-        y = add_shards(parts, down[0])
+        weights = self.shard_weights()
+        y = add_shards(self.partials([x] * self.tp, weights), weights[0]["down"])
         if self.use_bias:
-            with on_device_of(down[0]):
+            with on_device_of(weights[0]["down"]):
                 y = y + shard_values(self, self.down_bias)[0]
         return y
 
@@ -452,4 +526,4 @@ class ParallelMLP(ShardedLayer):
         return {**super().get_config(), "hidden_dim": self.hidden_dim, "gated": self.gated,
                 "use_bias": self.use_bias, "activation": keras.activations.serialize(self.activation),
                 "kernel_initializer": _serialize(self.kernel_initializer),
-                "bias_initializer": _serialize(self.bias_initializer)}
+                "bias_initializer": _serialize(self.bias_initializer), "kernels": kernels_lib.serialize(self.kernels)}

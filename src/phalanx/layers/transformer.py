@@ -54,25 +54,21 @@ Logical weights (:meth:`TransformerBlock.logical_weights`), in order, whatever t
 
 from __future__ import annotations
 
-import math
-
 import keras
 import tensorflow as tf
 from keras.src.backend.common.variables import AutocastScope  # read float32 LN weights un-cast
 
-from phalanx.layers.attention import ParallelSelfAttention, rotary
+from phalanx.layers import kernels as kernels_lib
+from phalanx.layers.attention import ParallelSelfAttention
+from phalanx.layers.kernels import gelu_approximate
 from phalanx.layers.moe import MoE
 from phalanx.layers.sharding import ShardedLayer, on_device_of, shard_values
-from phalanx.layers.tensor_parallel import ParallelMLP, dims, matmul
+from phalanx.layers.tensor_parallel import ParallelMLP, concat_pieces, shard_scope
 
-_MASKED = -1e9  # as phalanx.layers.attention
+__all__ = ["LayerNorm", "PositionEmbedding", "TransformerBlock", "sequence_chunks",
+           "gelu_approximate"]  # (the GPT's activation, defined with the kernels)
+
 _CHUNK_MARK = "_phalanx_sequence_chunks"  # set on a sequence-parallel block's output concat op: its tp
-
-
-@keras.saving.register_keras_serializable(package="phalanx")
-def gelu_approximate(x):
-    """GELU, tanh approximation (GPT-2's; Keras's ``"gelu"`` is the exact erf form)."""
-    return tf.nn.gelu(x, approximate=True)
 
 
 def _read(variable):
@@ -96,22 +92,24 @@ class LayerNorm(ShardedLayer):
         [-1.2247, 0.0, 1.2247]
     """
 
-    def __init__(self, epsilon: float = 1e-5, **kwargs):
+    def __init__(self, epsilon: float = 1e-5, kernels=None, **kwargs):
         super().__init__(**kwargs)
         self.epsilon = float(epsilon)
+        self.kernels = kernels_lib.get(kernels)
 
     def build(self, input_shape):
         d = input_shape[-1]
         self.gamma = self.add_logical_weight("gamma", (d,), None, initializer="ones")[0]
         self.beta = self.add_logical_weight("beta", (d,), None, initializer="zeros")[0]
 
-    def normalize(self, x):
+    def normalize(self, x, gamma=None, beta=None, kernels=None):
+        """``x`` normalised with this layer's ``gamma``/``beta`` or the given tensors (an
+        engine's own), by ``kernels`` (default the layer's), in the compute dtype."""
+        gamma = _read(self.gamma) if gamma is None else gamma
+        beta = _read(self.beta) if beta is None else beta
+        kernels = self.kernels if kernels is None else kernels
         with tf.name_scope("layer_norm"):
-            x32 = tf.cast(x, tf.float32)
-            mean, var = tf.nn.moments(x32, axes=[-1], keepdims=True)
-            y = (x32 - mean) * tf.math.rsqrt(var + self.epsilon)
-            y = y * tf.cast(_read(self.gamma), tf.float32) + tf.cast(_read(self.beta), tf.float32)
-            return tf.cast(y, self.compute_dtype)
+            return kernels.layer_norm(tf.cast(x, self.compute_dtype), gamma, beta, self.epsilon)
 
     def call(self, inputs):
         return self.normalize(inputs)
@@ -120,7 +118,7 @@ class LayerNorm(ShardedLayer):
         return tuple(input_shape)
 
     def get_config(self):
-        return {**super().get_config(), "epsilon": self.epsilon}
+        return {**super().get_config(), "epsilon": self.epsilon, "kernels": kernels_lib.serialize(self.kernels)}
 
 
 # Its own registered name: export/gpt_keras.py registers another "phalanx>PositionEmbedding".
@@ -146,9 +144,13 @@ class PositionEmbedding(ShardedLayer):
                                                   initializer=self.initializer)[0]
 
     def call(self, inputs):
-        x = tf.cast(inputs, self.compute_dtype)
-        table = tf.cast(_read(self.embeddings), self.compute_dtype)
-        return x + table[:tf.shape(x)[1]]
+        return self.add_positions(inputs, _read(self.embeddings))
+
+    def add_positions(self, x, table):
+        """``x + table[:T]`` in float32, the sum cast once to the compute dtype (so the
+        ``[T, D]`` table is not rounded on its own first)."""
+        x = tf.convert_to_tensor(x)
+        return tf.cast(tf.cast(x, tf.float32) + tf.cast(table, tf.float32)[:tf.shape(x)[1]], self.compute_dtype)
 
     def compute_output_shape(self, input_shape):
         return tuple(input_shape)
@@ -167,106 +169,32 @@ def sequence_chunks(x, n: int) -> list:
     is split where it is. As with :func:`~phalanx.layers.tensor_parallel.input_slices`, a
     gradient taken with respect to the concat itself is then None: a pipeline stage boundary
     hands the activation on through ``tf.identity`` (the engine does), which turns this off."""
-    size = x.shape[1] // n
-    try:
-        op = x.op  # eager tensors and KerasTensors have none
-    except AttributeError:
-        op = None
-    if getattr(op, _CHUNK_MARK, None) == n and op.type == "ConcatV2" and len(op.inputs) == n + 1:
-        axis, rank = tf.get_static_value(op.inputs[-1]), x.shape.rank
-        pieces = list(op.inputs[:-1])
-        if axis is not None and rank is not None and int(axis) % rank == 1 and \
-                all(p.shape[1] == size for p in pieces):
-            return pieces
+    pieces = concat_pieces(x, _CHUNK_MARK, n, 1)
+    if pieces is not None:
+        return pieces
     with on_device_of(x), tf.name_scope("sequence_chunks"):
         return tf.split(x, n, axis=1)
 
 
-def _shard_variables(layer: ShardedLayer, name: str) -> list:
-    return layer._logical[name][0]
-
-
-def _reduce_scatter(parts: list, anchors: list, bias=None) -> list:
-    """Chunk ``c`` of ``sum(parts)`` (+ ``bias``) on the device of ``anchors[c]``: each part
-    is cut on its own device and only chunks travel."""
+def _reduce_scatter(parts: list, scope, bias=None) -> list:
+    """Chunk ``c`` of ``sum(parts)`` (+ ``bias``) under ``scope(c)`` (the device of tensor rank
+    ``c``): each part is cut on its own device and only chunks travel."""
     n = len(parts)
     pieces = []
-    for part, anchor in zip(parts, anchors):
-        with on_device_of(anchor), tf.name_scope("reduce_scatter"):
+    for r, part in enumerate(parts):
+        with scope(r), tf.name_scope("reduce_scatter"):
             pieces.append(tf.split(part, n, axis=1))
     out = []
-    for c, anchor in enumerate(anchors):
-        with on_device_of(anchor), tf.name_scope("reduce_scatter"):
+    for c in range(n):
+        with scope(c), tf.name_scope("reduce_scatter"):
             y = tf.add_n([pieces[r][c] for r in range(n)])
-            out.append(y if bias is None else y + bias)
+            out.append(y if bias is None else y + tf.cast(bias, y.dtype))
     return out
 
 
-def attention_partials(attn: ParallelSelfAttention, xs: list, attention_mask=None, padding_mask=None,
-                       training=None) -> list:
-    """The per-shard partial outputs (before their sum and the output bias) of ``attn`` when
-    shard ``r`` reads input ``xs[r]`` (the whole sequence, on its device). The same per-shard
-    computation as :meth:`ParallelSelfAttention.call`, dropout seeds included."""
-    w = {name: shard_values(attn, entry[0]) for name, entry in attn._logical.items()}
-    b, t, d = dims(xs[0])
-    hd, groups = attn.head_dim, attn.num_heads // attn.num_kv_heads
-    kv = attn.num_kv_heads // attn.tp
-    dropping = bool(training) and attn.dropout > 0
-    seeds = [attn.seed_generator.next() for _ in range(attn.tp)] if dropping else None
-    parts = []
-    for r in range(attn.tp):
-        with on_device_of(w["output"][r]):
-            x = tf.cast(xs[r], attn.compute_dtype)
-
-            def project(name, heads):
-                y = matmul(x, tf.reshape(w[name][r], [d, heads * hd]))
-                if attn.use_bias:
-                    y = y + tf.reshape(w[f"{name}_bias"][r], [heads * hd])
-                return tf.reshape(y, [b, t, heads, hd])
-
-            q, k, v = project("query", kv * groups), project("key", kv), project("value", kv)
-            if attn.rope_max_wavelength is not None:
-                q = rotary(q, attn.rope_max_wavelength, attn.rope_scaling_factor)
-                k = rotary(k, attn.rope_max_wavelength, attn.rope_scaling_factor)
-            q = q * tf.cast(1.0 / math.sqrt(hd), q.dtype)
-            q = tf.reshape(tf.transpose(tf.reshape(q, [b, t, kv, groups, hd]), [0, 2, 3, 1, 4]),
-                           [b, kv, groups * t, hd])
-            k, v = tf.transpose(k, [0, 2, 1, 3]), tf.transpose(v, [0, 2, 1, 3])
-            scores = tf.cast(tf.reshape(tf.matmul(q, k, transpose_b=True), [b, kv, groups, t, t]), "float32")
-            mask = attn._mask(x, attention_mask, padding_mask)
-            if mask is not None:
-                scores += (1.0 - tf.cast(mask, "float32"))[:, None, None] * _MASKED
-            probs = tf.nn.softmax(scores, axis=-1)
-            if dropping:
-                probs = tf.nn.experimental.stateless_dropout(probs, rate=attn.dropout, seed=seeds[r])
-            probs = tf.reshape(tf.cast(probs, attn.compute_dtype), [b, kv, groups * t, t])
-            o = tf.reshape(tf.matmul(probs, v), [b, kv, groups, t, hd])
-            o = tf.reshape(tf.transpose(o, [0, 3, 1, 2, 4]), [b, t, kv * groups * hd])
-            parts.append(matmul(o, tf.reshape(w["output"][r], [kv * groups * hd, d])))
-    return parts
-
-
-def mlp_partials(mlp: ParallelMLP, xs: list) -> list:
-    """The per-shard partial outputs (before their sum and ``down_bias``) of ``mlp`` when
-    shard ``r`` reads input ``xs[r]``: the per-shard computation of :meth:`ParallelMLP.call`."""
-    def values(variables):
-        return shard_values(mlp, variables) if variables is not None else [None] * mlp.tp
-
-    up, up_b, gate, gate_b = (values(v) for v in (mlp.up, mlp.up_bias, mlp.gate, mlp.gate_bias))
-    down = shard_values(mlp, mlp.down)
-    parts = []
-    for r in range(mlp.tp):
-        with on_device_of(down[r]):
-            x = tf.cast(xs[r], mlp.compute_dtype)
-            h = matmul(x, up[r])
-            h = h if up_b[r] is None else h + up_b[r]
-            if mlp.gated:
-                g = matmul(x, gate[r])
-                h = mlp.activation(g if gate_b[r] is None else g + gate_b[r]) * h
-            else:
-                h = mlp.activation(h)
-            parts.append(matmul(h, down[r]))
-    return parts
+def _sum(parts: list, bias):
+    y = parts[0] if len(parts) == 1 else tf.add_n(parts)
+    return y if bias is None else y + tf.cast(bias, y.dtype)
 
 
 _MOE_KEYS = ("num_experts", "hidden_dim", "top_k", "capacity_factor", "aux_loss_coef", "z_loss_coef", "gated",
@@ -311,8 +239,10 @@ class TransformerBlock(ShardedLayer):
                  gated: bool = False, activation="gelu", dropout: float = 0.0, attention_dropout: float = 0.0,
                  moe=None, sequence_parallel: bool = False, layer_norm_epsilon: float = 1e-5,
                  use_bias: bool = True, causal: bool = True, rope_max_wavelength: float | None = None,
-                 kernel_initializer="glorot_uniform", bias_initializer="zeros", seed: int | None = None, **kwargs):
+                 kernel_initializer="glorot_uniform", bias_initializer="zeros", seed: int | None = None,
+                 kernels=None, **kwargs):
         super().__init__(tp=tp, **kwargs)
+        self.kernels = kernels_lib.get(kernels)
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"layer {self.name!r}: dropout {dropout!r} is not in [0, 1)")
         self.num_heads, self.head_dim, self.ffn_dim = int(num_heads), int(head_dim), int(ffn_dim)
@@ -324,18 +254,19 @@ class TransformerBlock(ShardedLayer):
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
         policy = self.dtype_policy
-        self.ln1 = LayerNorm(layer_norm_epsilon, name="ln1", dtype=policy)
+        self.ln1 = LayerNorm(layer_norm_epsilon, kernels=self.kernels, name="ln1", dtype=policy)
         self.attention = ParallelSelfAttention(
             self.num_heads, self.head_dim, num_kv_heads=self.num_kv_heads, tp=tp, use_bias=use_bias, causal=causal,
             rope_max_wavelength=rope_max_wavelength, dropout=self.attention_dropout,
             kernel_initializer=self.kernel_initializer, bias_initializer=self.bias_initializer, seed=seed,
-            name="attention", dtype=policy)
-        self.ln2 = LayerNorm(layer_norm_epsilon, name="ln2", dtype=policy)
+            kernels=self.kernels, name="attention", dtype=policy)
+        self.ln2 = LayerNorm(layer_norm_epsilon, kernels=self.kernels, name="ln2", dtype=policy)
         self._moe_config = None
         if moe is None:
             self.mlp = ParallelMLP(self.ffn_dim, tp=tp, activation=self.activation, gated=self.gated,
                                    use_bias=use_bias, kernel_initializer=self.kernel_initializer,
-                                   bias_initializer=self.bias_initializer, name="mlp", dtype=policy)
+                                   bias_initializer=self.bias_initializer, kernels=self.kernels, name="mlp",
+                                   dtype=policy)
             self.moe = None
         else:
             self.mlp = None
@@ -406,55 +337,94 @@ class TransformerBlock(ShardedLayer):
             return [None] * n
         return [self.seed_generator.next() for _ in range(n)]
 
-    def _ffn(self, h, training):
-        return self.mlp(h) if self.moe is None else self.moe(h, training=training)
+    def own_weights(self) -> dict:
+        """The block's weights as tensors on their devices, the ``weights`` of :meth:`forward`:
+        ``ln1``/``ln2`` ``(gamma, beta)``, ``attention`` / ``mlp`` the per-shard dicts of the
+        sub-layers' ``shard_weights()``, ``attention_bias`` / ``mlp_bias`` the whole output
+        biases (None without ``use_bias``); no ``mlp`` entries for a mixture of experts."""
+        out = {"ln1": (_read(self.ln1.gamma), _read(self.ln1.beta)), "attention": self.attention.shard_weights(),
+               "ln2": (_read(self.ln2.gamma), _read(self.ln2.beta)), "attention_bias": self._bias(self.attention,
+                                                                                               "output_bias")}
+        if self.moe is None:
+            out["mlp"], out["mlp_bias"] = self.mlp.shard_weights(), self._bias(self.mlp, "down_bias")
+        return out
+
+    def _bias(self, layer, name):
+        return shard_values(layer, [layer.whole_variable(name)])[0] if layer.use_bias else None
 
     def call(self, inputs, padding_mask=None, attention_mask=None, training=None):
-        x = tf.cast(inputs, self.compute_dtype)
+        return self.forward(inputs, self.own_weights(), padding_mask, attention_mask, training)
+
+    def forward(self, x, weights: dict, padding_mask=None, attention_mask=None, training=None, devices=None,
+                kernels=None, wrap_core=None):
+        """The block on ``x [B, T, D]`` with ``weights`` (as :meth:`own_weights` gives them, or
+        an engine's own tensors of those shapes: the attention's may have the fused ``qkv``,
+        see :meth:`~phalanx.layers.attention.ParallelSelfAttention.partials`). ``devices``:
+        the device of each tensor rank (the mesh engine), else the weights' devices;
+        ``kernels`` (default the block's) and ``wrap_core`` as for the attention's ``partials``.
+        The residual stream, the LayerNorms and the output sums run on rank 0's device, or
+        with sequence parallelism on the ranks' sequence chunks."""
+        x = tf.cast(x, self.compute_dtype)
+        kernels = self.kernels if kernels is None else kernels
+        anchors = [w["output"] for w in weights["attention"]]
+
+        def scope(r):
+            return shard_scope(devices, r, anchors[r])
+
         t = x.shape[1]
         if self.sequence_parallel and self.tp > 1 and t is not None and t % self.tp == 0:
-            return self._call_sequence_parallel(x, padding_mask, attention_mask, training)
+            return self._forward_sequence_parallel(x, weights, padding_mask, attention_mask, training, devices,
+                                                   kernels, wrap_core, scope)
         seeds = self._seeds(training, 2)
-        h = self.attention(self.ln1.normalize(x), attention_mask=attention_mask, padding_mask=padding_mask,
-                           training=training)
-        x = x + self._drop(h, seeds[0])
-        return x + self._drop(self._ffn(self.ln2.normalize(x), training), seeds[1])
+        with scope(0):
+            h = self.ln1.normalize(x, *weights["ln1"], kernels=kernels)
+        parts = self.attention.partials([h] * self.tp, weights["attention"], attention_mask, padding_mask, training,
+                                        devices, kernels, wrap_core)
+        with scope(0):
+            x = x + self._drop(_sum(parts, weights["attention_bias"]), seeds[0])
+            h = self.ln2.normalize(x, *weights["ln2"], kernels=kernels)
+        if self.moe is None:
+            parts = self.mlp.partials([h] * self.tp, weights["mlp"], devices, kernels)
+            with scope(0):
+                m = _sum(parts, weights["mlp_bias"])
+        else:
+            m = self.moe(h, training=training)
+        with scope(0):
+            return x + self._drop(m, seeds[1])
 
-    def _call_sequence_parallel(self, x, padding_mask, attention_mask, training):
+    def _forward_sequence_parallel(self, x, weights, padding_mask, attention_mask, training, devices, kernels,
+                                   wrap_core, scope):
         n = self.tp
-        # Shard r's value carries the device of tensor rank r: chunk r runs there.
-        anchors = shard_values(self.attention, _shard_variables(self.attention, "output"))
         chunks = sequence_chunks(x, n)
         attn_seeds, ffn_seeds = self._seeds(training, n), self._seeds(training, n)
 
         def on_chunks(fn, *lists):
             out = []
-            for r, anchor in enumerate(anchors):
-                with on_device_of(anchor), tf.name_scope(f"sp_chunk{r}"):
+            for r in range(n):
+                with scope(r), tf.name_scope(f"sp_chunk{r}"):
                     out.append(fn(r, *(values[r] for values in lists)))
             return out
 
         def all_gather(pieces):
             return on_chunks(lambda r: tf.concat(pieces, axis=1))
 
-        def bias(layer, name):
-            return shard_values(layer, [layer.whole_variable(name)])[0] if layer.use_bias else None
-
-        h = on_chunks(lambda r, c: self.ln1.normalize(c), chunks)
-        parts = attention_partials(self.attention, all_gather(h), attention_mask, padding_mask, training)
-        a = _reduce_scatter(parts, anchors, bias(self.attention, "output_bias"))
+        h = on_chunks(lambda r, c: self.ln1.normalize(c, *weights["ln1"], kernels=kernels), chunks)
+        parts = self.attention.partials(all_gather(h), weights["attention"], attention_mask, padding_mask, training,
+                                        devices, kernels, wrap_core)
+        a = _reduce_scatter(parts, scope, weights["attention_bias"])
         x = on_chunks(lambda r, c, y: c + self._drop(y, attn_seeds[r]), chunks, a)
-        h = on_chunks(lambda r, c: self.ln2.normalize(c), x)
+        h = on_chunks(lambda r, c: self.ln2.normalize(c, *weights["ln2"], kernels=kernels), x)
         if self.moe is None:
-            m = _reduce_scatter(mlp_partials(self.mlp, all_gather(h)), anchors, bias(self.mlp, "down_bias"))
+            parts = self.mlp.partials(all_gather(h), weights["mlp"], devices, kernels)
+            m = _reduce_scatter(parts, scope, weights["mlp_bias"])
         else:  # routing capacity and the balancing loss are defined over the whole call
-            with on_device_of(anchors[0]):
+            with scope(0):
                 whole = tf.concat(h, axis=1)
             y = self.moe(whole, training=training)
             with on_device_of(y):
                 m = tf.split(y, n, axis=1)
         x = on_chunks(lambda r, c, y: c + self._drop(y, ffn_seeds[r]), x, m)
-        with on_device_of(anchors[0]):
+        with scope(0):
             y = tf.concat(x, axis=1)
         if not tf.executing_eagerly():
             setattr(y.op, _CHUNK_MARK, n)  # the next block may take the chunks instead
@@ -474,4 +444,5 @@ class TransformerBlock(ShardedLayer):
                 "sequence_parallel": self.sequence_parallel, "layer_norm_epsilon": self.layer_norm_epsilon,
                 "use_bias": self.use_bias, "causal": self.causal, "rope_max_wavelength": self.rope_max_wavelength,
                 "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
-                "bias_initializer": keras.initializers.serialize(self.bias_initializer), "seed": self.seed}
+                "bias_initializer": keras.initializers.serialize(self.bias_initializer), "seed": self.seed,
+                "kernels": kernels_lib.serialize(self.kernels)}

@@ -240,12 +240,6 @@ def _tf_variable(v) -> tf.Variable:
     return v.value if hasattr(v, "value") and isinstance(v.value, tf.Variable) else v
 
 
-def aux_loss(model) -> tf.Tensor:
-    """The losses the model's layers added in its last call (the MoE balancing loss), float32."""
-    losses = [tf.cast(loss, tf.float32) for loss in model.losses]
-    return tf.add_n(losses) if losses else tf.zeros([], tf.float32)
-
-
 def lm_loss(logits: tf.Tensor, targets: tf.Tensor) -> tf.Tensor:
     """Mean token cross-entropy, float32."""
     return tf.reduce_mean(gpt_ops.token_cross_entropy(logits, targets))

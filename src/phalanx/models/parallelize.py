@@ -54,6 +54,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from phalanx.layers.sharding import ShardedLayer
+from phalanx.models.presets import preset_for as _preset_for
+from phalanx.models.presets.adapters import (CONVERSIONS, can_make_plain, dense_dims, is_converted, mlp_dense_layers,
+                                             mlp_to_plain, to_mlp, to_plain)
+
 KINDS = ("column", "row", "vocab", "attention", "mlp", "replicated")
 
 
@@ -144,8 +149,6 @@ def match(model, rules) -> list[Match]:
 # ---------------------------------------------------------------------------------------------
 
 def _check(model, tp: int, compiled, matches: list[Match]) -> None:
-    from phalanx.layers.sharding import ShardedLayer
-    from phalanx.models.presets.adapters import CONVERSIONS, dense_dims, is_converted
 
     # Every rule decides at least one layer.
     used = {m.rule for m in matches}
@@ -174,7 +177,6 @@ def _check(model, tp: int, compiled, matches: list[Match]) -> None:
             raise ValueError(f"layer {m.path!r} ({type(m.layer).__name__}) cannot be {m.kind!r} "
                              f"(rule {m.rule}: {compiled[m.rule][2]!r}): it {problem}")
     # An mlp block owns its FFN Dense layers: no other rule may take them.
-    from phalanx.models.presets.adapters import mlp_dense_layers
 
     owned = {id(d): m for m in matches if m.kind == "mlp" for d in mlp_dense_layers(m.layer)}
     for m in matches:
@@ -388,7 +390,6 @@ def preset_for(model, tp: int | None = None):
     such as ``GPT2CausalLM`` goes by its backbone), or None for any other model. With ``tp``,
     the table :func:`parallelize` uses with ``rules=None``: the token embedding stays
     replicated when ``tp`` does not divide the vocabulary."""
-    from phalanx.models.presets import preset_for as _preset_for
 
     return _preset_for(model, tp)
 
@@ -416,7 +417,6 @@ def parallelize(model, tp: int, rules=None):
     _check(model, tp, compiled, matches)
     _check_optimizer(model)
 
-    from phalanx.models.presets.adapters import CONVERSIONS, to_mlp
 
     for m in matches:
         if m.kind == "replicated":
@@ -437,7 +437,6 @@ def unparallelize(model):
     make (a model built from phalanx's layers, or loaded from a file) become their plain
     Keras twin when they have one (Dense, Embedding, ReversibleEmbedding,
     MultiHeadAttention) and stay otherwise. Returns ``model``."""
-    from phalanx.models.presets.adapters import can_make_plain, mlp_to_plain, to_plain
 
     for _, layer, _ in layer_paths(model):
         if getattr(layer, "_phalanx_mlp", None) is not None:
@@ -451,7 +450,6 @@ def unparallelize(model):
 
 def is_parallelized(model) -> bool:
     """Whether any layer under ``model`` is tensor-parallel (holds weights cut into shards)."""
-    from phalanx.layers.sharding import ShardedLayer
 
     return any(isinstance(layer, ShardedLayer) for _, layer, _ in layer_paths(model))
 

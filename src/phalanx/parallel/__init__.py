@@ -1,13 +1,13 @@
-"""Parallelism applied from outside the model: schedules, tensor/pipeline/data parallel engines.
+"""Placement: how a model's weights and work are laid over a mesh (no training loop).
 
-``phalanx.parallel.make_engine(model_or_task, mesh, cfg)`` returns an Engine (see
-:mod:`phalanx.parallel.apply`). Attributes are imported lazily so that the schedule
-tools (``phalanx schedule``) do not pay for importing TensorFlow.
+Schedules and the pipeline executor, the cost-balanced stage cut, tensor-parallel splits,
+ZeRO-sharded optimizer state, recomputation, the Keras graph splitter. The engines that run a
+step on these are in :mod:`phalanx.engines` (``phalanx.engines.factory.make_engine(model_or_task,
+mesh, cfg)``). Attributes are imported lazily so that the schedule tools (``phalanx schedule``)
+do not pay for importing TensorFlow.
 """
 
-_LAZY = {"make_engine": "phalanx.parallel.apply", "make_mesh_engine": "phalanx.parallel.apply",
-         "needs_mesh_engine": "phalanx.parallel.apply", "MeshEngine": "phalanx.parallel.mesh_engine",
-         "split_keras_model": "phalanx.parallel.keras_graph"}
+_LAZY = {"split_keras_model": "phalanx.parallel.keras_graph"}
 
 
 def __getattr__(name):

@@ -4,7 +4,7 @@ The model's graph is flattened into a list of *ops*, one per call of a Keras ope
 (a node), in a topological order (depth-first from the outputs, which follows the order
 the model was written in). Nested Functional/Sequential models are inlined, so a cut
 may fall inside them. The list is cut into ``stages`` contiguous ranges balanced by
-estimated forward FLOPs (or parameter counts) with :func:`phalanx.parallel.pipeline.partition`.
+estimated forward FLOPs (or parameter counts) with :func:`phalanx.parallel.partition.partition`.
 
 Keys. Every tensor that flows between ops has a string key: ``"in:<i>"`` is the i-th
 flat model input, ``"t:<n>"`` the n-th tensor produced by an op (numbered in op
@@ -50,7 +50,7 @@ import numpy as np
 from keras import tree
 from keras.src.models.functional import Functional, unpack_singleton
 
-from phalanx.parallel.pipeline import partition
+from phalanx.parallel.partition import partition
 
 BALANCES = ("flops", "params")
 # Cost of an op without matmul-like weights (activations, adds, norms, pooling...): tiny

@@ -1,7 +1,7 @@
 """Logical weights stored as tensor-parallel shards, replicated over ``data``.
 
 A logical weight (e.g. ``block_0/mlp/fc/kernel``) is cut by its
-:class:`~phalanx.parallel.tensor.Split` into shards; shard ``t`` of replica ``d``
+:class:`~phalanx.layers.sharding.Split` into shards; shard ``t`` of replica ``d``
 has one or more *copies* (``tf.Variable``), the first being the primary. A second
 copy exists when two pipeline stages use the same weight (the tied embedding is read
 by the first stage and by the head on the last stage); the gradients of all copies
@@ -18,7 +18,7 @@ logical tensors (for tests, pruning and export).
 
 Example:
     >>> import numpy as np
-    >>> from phalanx.parallel.tensor import Split
+    >>> from phalanx.layers.sharding import Split
     >>> p = ShardedParams({"w": np.ones([2, 4], np.float32)}, {"w": Split("axis", 1)}, tp=2, dp=1,
     ...                   place=lambda name, t, d: ["/device:CPU:0"])
     >>> [tuple(s.copies[0][0].shape) for s in p.shards.values()]
@@ -40,7 +40,7 @@ import tensorflow as tf
 from phalanx.checkpoint import boxes
 from phalanx.checkpoint.boxes import Box
 from phalanx.checkpoint.sharded import Slot
-from phalanx.parallel.tensor import Split
+from phalanx.layers.sharding import Split
 
 ShardKey = tuple[str, int]
 #: ``init(name, box)``: the initial values of ``box`` of logical weight ``name``

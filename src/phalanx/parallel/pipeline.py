@@ -1,8 +1,4 @@
-"""Pipeline parallelism: cost-balanced partition and the executor of a schedule table.
-
-:func:`partition` cuts a chain of layers into ``pp x virtual_stages`` contiguous
-chunks minimising the most expensive chunk, with the embedding counted on the first
-chunk and the head on the last (Lingvo's cost-balanced partitioner idea).
+"""Pipeline parallelism: the executor of a schedule table.
 
 :func:`run_schedule` runs a :class:`~phalanx.parallel.schedules.Schedule` inside one
 ``tf.function``: every forward action opens its own ``GradientTape`` on the stage's
@@ -12,63 +8,24 @@ under ``tf.control_dependencies`` on the previous action of the same rank, so th
 TensorFlow executor must follow the table's order per rank (without them it would run
 any order the data allows, e.g. all forwards first). The order in which actions were
 chained is recorded in a :class:`PipelineTrace`, and :func:`check_graph_order` proves
-from the traced graph that every op of an action waits for the previous action.
+from the traced graph that every op of an action waits for the previous action
+(what the executor then ran, from a profiler trace: :mod:`phalanx.parallel.trace`).
+Stages are cut by :func:`phalanx.parallel.partition.partition`.
 
 Example:
-    >>> partition([1.0, 1.0, 1.0, 1.0], chunks=2, first_extra=0.0, last_extra=2.0)
-    [(0, 3), (3, 4)]
+    >>> schedule_for(Config().replace(parallel={"pp": 2, "microbatches": 2}), 2).name
+    '1f1b'
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import tensorflow as tf
 
-from phalanx.parallel.schedules import Schedule, iter_actions
-
-
-def partition(costs: Sequence[float], chunks: int, first_extra: float = 0.0,
-              last_extra: float = 0.0) -> list[tuple[int, int]]:
-    """Contiguous ``[start, end)`` layer ranges, one per chunk, each non-empty.
-
-    Minimises the largest chunk cost, where chunk 0 also pays ``first_extra`` (the
-    embedding) and the last chunk ``last_extra`` (the head and loss); ties prefer
-    earlier cuts. Exact dynamic programme, O(chunks x layers^2).
-    """
-    n = len(costs)
-    if chunks < 1 or chunks > n:
-        raise ValueError(f"cannot cut {n} layers into {chunks} non-empty pipeline chunks; "
-                         f"need 1 <= pp x virtual_stages <= {n}")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + float(c))
-
-    def cost(k: int, a: int, b: int) -> float:
-        extra = (first_extra if k == 0 else 0.0) + (last_extra if k == chunks - 1 else 0.0)
-        return prefix[b] - prefix[a] + extra
-
-    inf = float("inf")
-    # best[k][b]: minimal max cost covering layers [0, b) with chunks 0..k
-    best = [[inf] * (n + 1) for _ in range(chunks)]
-    cut = [[0] * (n + 1) for _ in range(chunks)]
-    for b in range(1, n + 1):
-        best[0][b] = cost(0, 0, b)
-    for k in range(1, chunks):
-        for b in range(k + 1, n + 1):
-            for a in range(k, b):
-                value = max(best[k - 1][a], cost(k, a, b))
-                if value < best[k][b] - 1e-12:
-                    best[k][b], cut[k][b] = value, a
-    bounds, b = [], n
-    for k in range(chunks - 1, 0, -1):
-        a = cut[k][b]
-        bounds.append((a, b))
-        b = a
-    bounds.append((0, b))
-    return bounds[::-1]
+from phalanx.config import Config, ConfigError
+from phalanx.parallel.schedules import Schedule, build_schedule, iter_actions
 
 
 @dataclass
@@ -98,12 +55,9 @@ def _differentiable(tensors: list[tf.Tensor]) -> list[tf.Tensor]:
     return [t for t in tensors if t.dtype.is_floating]
 
 
-def schedule_for(cfg, pp: int) -> Schedule:
+def schedule_for(cfg: Config, pp: int) -> Schedule:
     """The schedule table ``cfg.parallel`` asks for on ``pp`` pipeline ranks (virtual
     stages only for ``interleaved``); an impossible one is a ConfigError on the key."""
-    from phalanx.config import ConfigError
-    from phalanx.parallel.schedules import build_schedule
-
     p = cfg.parallel
     try:
         return build_schedule(p.schedule, pp, p.microbatches, p.virtual_stages if p.schedule == "interleaved" else 1)
@@ -246,113 +200,3 @@ def check_graph_order(graph: tf.Graph, trace: PipelineTrace) -> int:
                         f"{trace.order[rank][k - 1]} (missing {sorted(markers - before)[:3]})")
                 checked += 1
     return checked
-
-
-# ---------------------------------------------------------------------------
-# Runtime record: what the TensorFlow executor actually ran, from a profiler trace.
-
-_ACTION_RE = re.compile(r"((?:[A-Za-z0-9]+_)*?r(\d+)_([FBW]\d+(?:c\d+)?))(?:_\d+)?/")
-_GRAD_PREFIX = "gradient_tape/"
-
-
-@dataclass
-class ExecutedAction:
-    """One action as executed: its scope, rank, name and op time span (picoseconds)."""
-
-    scope: str
-    rank: int
-    action: str
-    start: int
-    end: int
-    intervals: list[tuple[int, int]]
-
-
-def profile_actions(logdir: str, prefix: str = "dp0_acc0") -> list[ExecutedAction]:
-    """Read the newest ``*.xplane.pb`` under ``logdir`` (written by ``tf.profiler.experimental``)
-    and group the executed ops by the pipeline action whose scope they carry.
-
-    Only scopes starting with ``prefix`` (replica 0, first accumulation step) are kept.
-    """
-    import glob
-    import os
-
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-
-    files = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
-    if not files:
-        raise FileNotFoundError(f"no *.xplane.pb profile under {logdir!r}; run the step under "
-                                f"tf.profiler.experimental.start/stop first")
-    space = xplane_pb2.XSpace()
-    with open(files[-1], "rb") as fh:
-        space.ParseFromString(fh.read())
-    spans: dict[str, ExecutedAction] = {}
-    for plane in space.planes:
-        meta = plane.event_metadata
-        for line in plane.lines:
-            base = line.timestamp_ns * 1000
-            for event in line.events:
-                name = meta[event.metadata_id].name
-                # "<op name>:<op type>". Transfers (_Send/_Recv) are named after the producer
-                # but run on the consumer's side and start early to wait: not compute.
-                if name.rpartition(":")[2].startswith("_"):
-                    continue
-                # Gradient ops carry their forward op's scope: they are the backward's work.
-                backward = name.startswith(_GRAD_PREFIX)
-                if backward:
-                    name = name[len(_GRAD_PREFIX):]
-                if not name.startswith(prefix):
-                    continue
-                match = _ACTION_RE.match(name)
-                if match is None:
-                    continue
-                scope, action = match.group(1), match.group(3)
-                if backward and action.startswith("F"):
-                    action = "B" + action[1:]
-                    scope = scope[: match.start(3)] + action
-                start = base + event.offset_ps
-                end = start + event.duration_ps
-                item = spans.get(scope)
-                if item is None:
-                    spans[scope] = ExecutedAction(scope, int(match.group(2)), action, start, end,
-                                                  [(start, end)])
-                else:
-                    item.start, item.end = min(item.start, start), max(item.end, end)
-                    item.intervals.append((start, end))
-    return sorted(spans.values(), key=lambda a: a.start)
-
-
-def executed_order(actions: list[ExecutedAction], pp: int) -> list[list[str]]:
-    """Per rank, action names in the order they completed (their last op ended).
-
-    Completion, not first start: Grappler rewrites a few cheap gradient ops (e.g. parts
-    of the GELU derivative that only read forward values) so that they may start as soon
-    as the forward is done, ahead of the control dependency; the work that produces an
-    action's outputs still follows the table.
-    """
-    order: list[list[str]] = [[] for _ in range(pp)]
-    for a in sorted(actions, key=lambda a: a.end):
-        order[a.rank].append(a.action)
-    return order
-
-
-def measured_bubble(actions: list[ExecutedAction], pp: int) -> float:
-    """Mean over ranks of the fraction of the step's pipeline span in which the rank ran
-    no op of any action (the union of its ops' execution intervals is its busy time)."""
-    if not actions:
-        return 0.0
-    t0, t1 = min(a.start for a in actions), max(a.end for a in actions)
-    idle = []
-    for r in range(pp):
-        intervals = sorted(i for a in actions if a.rank == r for i in a.intervals)
-        busy, cur_s, cur_e = 0, None, None
-        for s, e in intervals:
-            if cur_e is None or s > cur_e:
-                if cur_e is not None:
-                    busy += cur_e - cur_s
-                cur_s, cur_e = s, e
-            else:
-                cur_e = max(cur_e, e)
-        if cur_e is not None:
-            busy += cur_e - cur_s
-        idle.append(1.0 - busy / max(t1 - t0, 1))
-    return sum(idle) / pp

@@ -21,7 +21,6 @@ from typing import Callable
 import tensorflow as tf
 
 from phalanx.config import RECOMPUTE
-from phalanx.models import gpt_ops
 
 
 def check_mode(mode: str) -> None:
@@ -39,13 +38,9 @@ def wrap_block(fn: Callable, mode: str) -> Callable:
     return tf.recompute_grad(fn) if mode == "full" else fn
 
 
-def attention_fn(mode: str) -> Callable[[tf.Tensor, int], tf.Tensor]:
-    """``attention_core(qkv, heads)``, recomputed in the backward when ``mode == "selective"``."""
+def core_wrapper(mode: str) -> Callable[[Callable], Callable] | None:
+    """What wraps the attention core ``(q, k, v) -> o`` (the ``wrap_core`` of
+    :meth:`phalanx.layers.ParallelSelfAttention.partials`): ``tf.recompute_grad`` when
+    ``mode == "selective"``, else None."""
     check_mode(mode)
-    if mode != "selective":
-        return gpt_ops.attention_core
-
-    def attend(qkv: tf.Tensor, heads: int) -> tf.Tensor:
-        return tf.recompute_grad(lambda q: gpt_ops.attention_core(q, heads))(qkv)
-
-    return attend
+    return tf.recompute_grad if mode == "selective" else None

@@ -40,7 +40,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Iterable
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb")
 ACTION_KINDS = ("F", "B", "W")
@@ -361,54 +361,6 @@ def render_text(schedule: Schedule) -> str:
     for r, row in enumerate(cells):
         lines.append(f"rank {r:<{len(str(schedule.pp - 1))}} | " + " ".join(c.ljust(width) for c in row).rstrip())
     return "\n".join(lines)
-
-
-_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
-
-
-def draw_png(timeline: Any, path: str, title: str | None = None) -> str:
-    """Draw a simulated timeline (``phalanx.plan.simulator.Timeline``) as a PNG.
-
-    ``timeline`` needs ``.schedule``, ``.events`` (objects with ``rank``, ``action``,
-    ``start``, ``end``), ``.makespan`` and ``.bubble_fraction``. Returns ``path``.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display needed; must precede pyplot
-    import matplotlib.pyplot as plt
-
-    sched = timeline.schedule
-    fig_w = min(max(8.0, 0.25 * len(timeline.events) / max(sched.pp, 1)), 30.0)
-    fig, ax = plt.subplots(figsize=(fig_w, 0.6 * sched.pp + 1.6))
-    try:
-        for e in timeline.events:
-            colour = _COLOURS[e.action.kind]
-            alpha = 1.0 - 0.45 * (e.action.chunk / max(sched.virtual_stages - 1, 1)) if sched.virtual_stages > 1 else 1.0
-            ax.barh(e.rank, e.end - e.start, left=e.start, height=0.8, color=colour, alpha=alpha,
-                    edgecolor="black", linewidth=0.4)
-            if e.end - e.start >= 0.02 * timeline.makespan:
-                ax.text((e.start + e.end) / 2, e.rank, str(e.action), ha="center", va="center", fontsize=6,
-                        color="white")
-        ax.set_yticks(range(sched.pp))
-        ax.set_yticklabels([f"rank {r}" for r in range(sched.pp)])
-        ax.invert_yaxis()
-        ax.set_xlim(0, timeline.makespan)
-        ax.set_xlabel("time")
-        ax.set_title(title or (f"{sched.name}: pp={sched.pp}, m={sched.microbatches}"
-                               + (f", v={sched.virtual_stages}" if sched.virtual_stages > 1 else "")
-                               + f", bubble {timeline.bubble_fraction:.1%}"))
-        from matplotlib.patches import Patch
-
-        kinds = ["F", "B", "W"] if sched.split_backward else ["F", "B"]
-        names = {"F": "forward", "B": "backward" if not sched.split_backward else "backward (input grad)",
-                 "W": "backward (weight grad)"}
-        ax.legend(handles=[Patch(color=_COLOURS[k], label=names[k]) for k in kinds], loc="upper right",
-                  fontsize=7, ncol=len(kinds))
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-    finally:
-        plt.close(fig)
-    return path
 
 
 def iter_actions(schedule: Schedule) -> Iterable[tuple[int, Action]]:

@@ -13,13 +13,13 @@ data-parallel replicas, stage 2 also the gradients. Here, for every parameter sh
   piece ``d`` of every replica's gradient, on its own device.
 
 The step order, clipping and skip-on-non-finite match
-:class:`phalanx.train.engine.StrategyEngine` exactly.
+:class:`phalanx.engines.strategy.StrategyEngine` exactly.
 
 Example:
     >>> import numpy as np
     >>> from phalanx.config import TrainConfig
     >>> from phalanx.parallel.params import ShardedParams
-    >>> from phalanx.parallel.tensor import Split
+    >>> from phalanx.layers.sharding import Split
     >>> p = ShardedParams({"w": np.zeros([4], np.float32)}, {"w": Split("replicated")}, tp=1, dp=2,
     ...                   place=lambda n, t, d: ["/device:CPU:0"])
     >>> opt = ShardedAdamW(p, TrainConfig(), zero=1, decays=lambda n: False)
@@ -35,11 +35,12 @@ from typing import Callable
 import numpy as np
 import tensorflow as tf
 
+from phalanx import prune
 from phalanx.config import TrainConfig
 from phalanx.checkpoint import boxes
 from phalanx.checkpoint.sharded import Slot
 from phalanx.parallel.params import ShardedParams, ShardKey, restrict
-from phalanx.train import optim
+from phalanx.core import optim
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,6 @@ class ShardedAdamW:
         # like that replica's m/v (the whole flat group, or its ZeRO piece); all ones until set_masks.
         self.masks: list[list[tf.Variable] | None] = [None] * len(self.groups)
         if cfg.prune.target > 0:
-            from phalanx import prune
             for i, g in enumerate(self.groups):
                 if any(prune.prunable(k[0]) for k in g.keys):
                     self.masks[i] = []
@@ -217,8 +217,9 @@ class ShardedAdamW:
     # -- state -------------------------------------------------------------------
 
     def checkpoint_slots(self) -> list[tuple[str, Slot]]:
-        """``(device, slot)`` for every part of ``m`` and ``v``, by logical name
-        (``optimizer/m/<weight>``) and box, written by the device that holds it.
+        """``(device, slot)`` for every part of ``m`` and ``v`` (and of the pruning masks of
+        pruned weights), by logical name (``optimizer/m/<weight>``, ``prune/mask/<weight>``)
+        and box, written by the device that holds it.
 
         ``zero=0``: every replica holds whole moments; shard ``key``'s range of the flat
         group buffer is written by the shard's owner replica (as its weight is) and
@@ -230,11 +231,16 @@ class ShardedAdamW:
         """
         out = []
         params = self.params
-        for which, slots in (("m", self.m), ("v", self.v)):
+        # Pruning masks (prune/mask/<weight>) are cut and written like the moments: per device.
+        for which, slots in (("optimizer/m/", self.m), ("optimizer/v/", self.v), (prune.MASK_PREFIX, self.masks)):
             for i, g in enumerate(self.groups):
+                if slots[i] is None:
+                    continue
                 piece = g.total if self.zero == 0 or self.dp == 1 else self.piece_size(g.total)
                 for pos, key in enumerate(g.keys):
                     name, t = key
+                    if which == prune.MASK_PREFIX and not prune.prunable(name):
+                        continue
                     shape, full = params.shards[key].shape, params.full_shapes[name]
                     regions = params.regions(name, t)
                     off, size = g.offsets[pos], g.sizes[pos]
@@ -242,10 +248,11 @@ class ShardedAdamW:
                         owner = params.owner(key)
                         var = slots[i][owner]
                         out.append((var.device, Slot(
-                            f"optimizer/{which}/{name}", full, np.float32, shape, regions,
+                            f"{which}{name}", full, np.float32, shape, regions,
                             fetch=lambda v=var, a=off, n=size, s=shape: tf.reshape(v[a:a + n], s),
                             assign=lambda x, vs=slots[i], a=off, n=size: [v[a:a + n].assign(x.reshape(-1))
-                                                                          for v in vs])))
+                                                                          for v in vs],
+                            optional=which == prune.MASK_PREFIX)))
                         continue
                     for d in range(self.dp):
                         lo, hi = max(d * piece, off), min((d + 1) * piece, off + size)
@@ -254,10 +261,11 @@ class ShardedAdamW:
                             a = off + start - d * piece
                             n = boxes.volume(box)
                             out.append((var.device, Slot(
-                                f"optimizer/{which}/{name}", full, np.float32, boxes.shape_of(box),
+                                f"{which}{name}", full, np.float32, boxes.shape_of(box),
                                 restrict(regions, box),
                                 fetch=lambda v=var, a=a, n=n, s=boxes.shape_of(box): tf.reshape(v[a:a + n], s),
-                                assign=lambda x, v=var, a=a, n=n: v[a:a + n].assign(x.reshape(-1)))))
+                                assign=lambda x, v=var, a=a, n=n: v[a:a + n].assign(x.reshape(-1)),
+                                optional=which == prune.MASK_PREFIX)))
         return out
 
     def set_masks(self, masks: dict[str, np.ndarray]) -> None:
@@ -287,6 +295,31 @@ class ShardedAdamW:
                 var.assign(value)
                 for slot in (self.m[i][d], self.v[i][d]):
                     slot.assign(slot.numpy() * value)
+
+    def set_shard_mask(self, key: ShardKey, mask: np.ndarray) -> None:
+        """Install the pruning mask of one shard (0/1, the shard's shape) in every replica (its
+        ZeRO pieces where they lie) and zero ``m``/``v`` where masked; the other shards' masks
+        stay. The caller zeroes the weights (:mod:`phalanx.prune` works shard by shard)."""
+        i, pos = self.where[key]
+        if self.masks[i] is None:
+            raise KeyError(f"no pruning mask slot for {key[0]!r}: built without train.prune.target, or "
+                           f"{key[0]!r} is not a pruned weight")
+        g = self.groups[i]
+        off, size = g.offsets[pos], g.sizes[pos]
+        flat = tf.reshape(tf.convert_to_tensor(mask, tf.float32), [-1])  # a NumPy mask is copied once
+        if int(flat.shape[0]) != size:
+            raise ValueError(f"mask of shard {key} has {int(flat.shape[0])} elements, the shard {size}")
+        n = g.total if self.zero == 0 or self.dp == 1 else self.piece_size(g.total)
+        for d in range(self.dp):
+            start = 0 if self.zero == 0 or self.dp == 1 else d * n  # where replica d's buffer starts
+            lo, hi = max(start, off), min(start + n, off + size)
+            if lo >= hi:
+                continue
+            part = flat[lo - off:hi - off]
+            a, b = lo - start, hi - start
+            self.masks[i][d][a:b].assign(part)
+            for slot in (self.m[i][d], self.v[i][d]):
+                slot[a:b].assign(slot[a:b] * part)
 
     def state_bytes_per_device(self) -> dict[str, int]:
         """Bytes of ``m`` and ``v`` held by each device."""

@@ -8,7 +8,7 @@ overrides, sequence parallelism, output). A mixture of experts comes from ``mode
 ``model.top_k`` and ``model.moe_every``, expert parallelism from ``parallel.ep``. Two values
 the engine does not run are accepted here to plan them, labelled *plan only*:
 ``parallel.zero=3`` and ``parallel.schedule=zb``; layouts it cannot run for the built-in GPT
-(e.g. ``parallel.ep=2``) are planned and labelled the same way. With ``--search``, the
+(e.g. ``parallel.ep=2`` with ``parallel.pp=2``) are planned and labelled the same way. With ``--search``, the
 parallel keys you set (dp, tp, pp, microbatches, zero, schedule, recompute,
 virtual_stages, ep) fix that dimension; for a mixture of experts, ep is searched over the
 divisors of dp and of ``model.experts``.
@@ -35,6 +35,15 @@ import sys
 from pathlib import Path
 
 from phalanx.config import ConfigError, load_config, parse_devices, parse_override, resolve_degrees, split_config_args
+from phalanx.core.costs import ModelSpec, active_param_count, flops_per_token, param_count
+from phalanx.plan.engine_rules import engine_schedules, engine_zero_stages
+from phalanx.plan.estimate import estimate
+from phalanx.plan.hardware import HARDWARE_NAMES, get_hardware
+from phalanx.plan.layout import Layout, expert_parallel_error
+from phalanx.plan.memory import DEFAULT_OVERHEAD_FRACTION
+from phalanx.plan.search import search
+from phalanx.plan.timing import DEFAULT_UTILIZATION
+from phalanx.train.calibrate import calibrate, prepare_devices
 
 GiB = 2**30
 # Values of config keys that the planner models but the engine does not run (plan only).
@@ -43,7 +52,6 @@ SEARCH_KEYS = ("dp", "tp", "pp", "microbatches", "zero", "schedule", "recompute"
 
 
 def _parser() -> argparse.ArgumentParser:
-    from phalanx.plan.hardware import HARDWARE_NAMES
 
     p = argparse.ArgumentParser(prog="phalanx plan", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -151,14 +159,6 @@ def _devices(args, cfg, explicit: set[str], notes: list[str]) -> tuple[int, tupl
 
 
 def _run(args: argparse.Namespace) -> int:
-    from phalanx.plan.arithmetic import ModelSpec
-    from phalanx.plan.engine_rules import engine_schedules, engine_zero_stages
-    from phalanx.plan.estimate import estimate
-    from phalanx.plan.hardware import get_hardware
-    from phalanx.plan.layout import Layout, expert_parallel_error
-    from phalanx.plan.memory import DEFAULT_OVERHEAD_FRACTION
-    from phalanx.plan.search import search
-    from phalanx.plan.timing import DEFAULT_UTILIZATION
 
     path, overrides = split_config_args(args.args)
     overrides, plan_only = _split_plan_only(overrides)
@@ -173,7 +173,6 @@ def _run(args: argparse.Namespace) -> int:
     devices, (dp, pp, tp) = _devices(args, cfg, explicit, notes)
     model = ModelSpec.from_config(cfg.model)
     if args.calibrate and not args.search:
-        from phalanx.train.calibrate import prepare_devices
 
         prepare_devices(cfg)  # before the hardware probe runs a TensorFlow op
     hw = get_hardware(args.hardware, devices=devices, peak_tflops=args.peak_tflops, memory_gb=args.memory_gb,
@@ -240,7 +239,6 @@ def _run(args: argparse.Namespace) -> int:
     if args.calibrate:
         if plan.plan_only:
             raise ConfigError("--calibrate", f"the engine cannot run this layout ({'; '.join(plan.plan_only)})")
-        from phalanx.train.calibrate import calibrate
 
         calibration = calibrate(cfg, plan, steps=args.calibrate_steps)
     if args.json:
@@ -272,7 +270,6 @@ def _human(n: float) -> str:
 
 
 def _model_header(m, policy: str) -> str:
-    from phalanx.plan.arithmetic import active_param_count, flops_per_token, param_count
 
     moe = (f", MoE {m.experts} experts top-{m.top_k} every {m.moe_every} layers "
            f"({_human(active_param_count(m))} active)") if m.experts else ""
@@ -358,12 +355,15 @@ def _calibration_text(cal: dict) -> str:
     if "error" in cal:
         return f"calibration: not run: {cal['error']}"
     MiB = 2**20
-    lines = [f"calibration on this machine ({cal['steps']} steps), peak memory per device:"]
+    lines = [f"calibration on this machine (median of {cal['steps']} profiled steps), peak memory per device "
+             f"(bytes the tensors asked for):"]
     for d in cal["devices"]:
         pred = d["predicted_bytes"]
         err = f"({d['error']:+.1%})" if d["error"] is not None else ""
+        spread = f", spread {d['measured_spread']:.1%}" if d.get("measured_spread") is not None else ""
         lines.append(f"  {d['device']:<8} predicted {pred / MiB if pred is not None else float('nan'):9.1f} MiB, "
-                     f"measured {d['measured_bytes'] / MiB:9.1f} MiB {err}")
+                     f"measured {d['measured_bytes'] / MiB:9.1f} MiB {err}{spread}; allocator chunks "
+                     f"{d.get('allocated_bytes', 0.0) / MiB:.1f} MiB")
     lines.append(f"  (all devices share one allocator here; its process-wide peak was "
                  f"{cal['total_check'] / MiB:.1f} MiB)")
     if "predicted_step_time_s" in cal:

@@ -3,41 +3,44 @@
 :func:`phalanx.plan.memory.memory_per_device` answers "does the fullest device fit" for
 any hardware; this module predicts *each* device of the run ``phalanx train`` would start
 with this config, for ``phalanx plan --calibrate`` to compare with measurements. It
-follows the engines' placement (read from ``parallel/mesh_engine.py``, ``tensor.py``,
-``zero.py``, ``pipeline.py`` and ``train/engine.py``):
+follows the engines' placement and step (read from ``engines/mesh.py``,
+``models/transformer.py``, ``parallel/zero.py``, ``parallel/pipeline.py`` and
+``engines/strategy.py``), term by term, as found in the allocator's record of real steps
+(``phalanx.train.calibrate``):
 
 * persistent: float32 weights where ``tf.device`` puts them (tensor rank ``t`` holds its
   column/row/vocab slices; replicated LayerNorm parameters, row-parallel biases and the
   position table sit on tensor rank 0; the tied embedding's second copy on the last
   stage), AdamW ``m`` and ``v`` (float32) on each shard's primary device, divided by ``dp``
   under ZeRO >= 1;
+* the mesh engine's optimizer reads every parameter group into one flat float32 buffer
+  (``ShardedAdamW._flat_params``); that read depends on no gradient, so the executor runs it
+  when the step starts and the buffer lives through the whole step: 4 bytes per parameter;
+* under a mixed policy every layer casts its kernel to the compute dtype in each forward
+  and the backward reads the cast copy: ``e`` bytes per parameter per activation set held;
 * activations: each stage's blocks on its devices (the tensor-parallel split of
-  :func:`~phalanx.plan.memory.layer_activation_bytes`, counted as fused kernels keep them:
-  phalanx's GPT ops are fused kernels on every device, ``models/gpt_ops.py``) times the
-  micro-batches the schedule keeps in flight on that rank;
-* gradients: a float32 accumulator per weight on the weight's device;
-* the optimizer step of the mesh engine builds flat float32 buffers per parameter group
-  (the gradient concatenation, ZeRO pieces; AdamW itself updates in place): ``OPT_BUFFERS``
-  of them per parameter held at the peak, measured; TensorFlow's executor starts a group's
-  update as soon as its gradients exist, so these overlap the end of the backward;
-* the backward: ``GradientTape.gradient`` ops carry no device, so TensorFlow's placer puts
-  every one of them on the step function's default device, the mesh's first device
-  (measured from the partition graphs: all gradient MatMuls of pp2 and tp2 ran on CPU:0);
-  that device holds the backward's working set of every replica: ``MESH_BACKWARD_SETS``
-  of one block's activations each (the mesh engine's peak falls in the optimizer step,
-  when most of the backward's tensors are gone), and with ``dp > 1`` and ZeRO < 2 the
-  first replica's devices also hold the ``add_n`` of all replicas' gradients;
-* tf.distribute replicas (``dp`` only) run their own backward and per-variable updates on
-  their own devices: covered by the planner's stated 5% overhead.
+  :func:`~phalanx.plan.memory.layer_activation_bytes`, fused kernels: the GPT's LayerNorm,
+  softmax and GELU are XLA-compiled functions that keep only their inputs) times the
+  micro-batches the schedule keeps in flight on that rank, read from the schedule table;
+  with the head's logits and float32 softmax on the last stage;
+* the backward's working set when it starts (the first block's gradients of activations
+  and of the fused kernels): :data:`BACKWARD_SETS` of one block's activations on that device;
+* gradients: every backward leaves a float32 gradient per weight, and all of them stay alive
+  until the optimizer step (Grappler turns the chain of additions into one ``AddN``), so a
+  rank holds one gradient set per backward already run (:func:`rank_peak` walks the rank's
+  schedule); in the optimizer step the flat gradient and AdamW's flat temporaries
+  (:data:`OPT_BUFFERS` per parameter) join the state, and the peak is the larger of the
+  phases. (``train.grad_accum > 1`` adds one more sum per accumulation step: not counted.)
 
-The two measured factors come from ``--calibrate`` runs on logical CPUs (see
-``tests/test_plan_engine.py`` and the figures recorded there).
+The StrategyEngine (``dp`` on tf.distribute, no ``tp``/``pp``/ZeRO) has no flat buffers:
+Keras's optimizer updates each variable; its optimizer phase holds every gradient.
 
 Example:
     >>> from phalanx.config import load_config
-    >>> cfg = load_config(None, ["model.layers=2", "parallel.tp=2", "parallel.devices=cpu:2"])
+    >>> cfg = load_config(None, ["model.layers=2", "parallel.tp=2", "parallel.devices=cpu:2",
+    ...                          "precision.policy=float32"])
     >>> mem = engine_memory_per_device(cfg)
-    >>> sorted(mem), mem[0].total > mem[1].total     # device 0 also runs the backward
+    >>> sorted(mem), mem[0].total > mem[1].total     # device 0 also holds LayerNorms and positions
     ([0, 1], True)
 """
 
@@ -46,17 +49,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from phalanx.config import Config, parse_devices, resolve_degrees
+from phalanx.core.costs import ModelSpec
+from phalanx.plan.engine_rules import stage_bounds
+from phalanx.parallel.schedules import build_schedule
+from phalanx.plan.memory import ACTIVATION_BYTES, layer_activation_bytes, schedule_in_flight
 
-# Flat float32 buffers, per parameter a device holds, alive at the peak of the mesh engine's
-# optimizer step (concatenated gradient, its pieces, AdamW's temporaries). Measured with
-# --calibrate at tp2 and pp2 (4 layers, d_model 256): since AdamW updates in place and the
-# GPT's ops are fused kernels (issue 14), no device's peak falls in the optimizer step any
-# more (it was 3.0 when AdamW built new m, v and weights).
-OPT_BUFFERS = 0.0
-# Block activations' worth of gradient tensors alive at the peak on the device that runs the
-# mesh engine's backward (measured as above: 0.6 of a block's fused-kernel activations;
-# 0.25 of the larger unfused set before issue 14).
-MESH_BACKWARD_SETS = 0.6
+# Float32 buffers per parameter, beyond the flat parameter copy, alive at the peak of the mesh
+# engine's optimizer step: the flat gradient of every group (the global norm needs all of them
+# before any update) and the AdamW temporary of the group being updated (ShardedAdamW.apply;
+# the allocator's record shows 2 on most devices, 3 when two updates overlap).
+OPT_BUFFERS = 2.0
+# One block's activations, counted at 4 bytes an element, is the working set the backward holds
+# when it starts: the same bytes under float32 and mixed_bfloat16 (under a mixed policy the
+# gradients are cast to float32 beside their compute-dtype values). Measured with --calibrate
+# at tp2, pp2 (1 and 4 micro-batches), dp2 and dp2 x tp2 x pp2, 4 layers, d_model 256.
+BACKWARD_SETS = 0.375
 
 
 @dataclass(frozen=True)
@@ -85,14 +92,35 @@ def _block_params(d: int, f: int, tp: int, t: int) -> float:
     return split + (4 * d + 2 * d if t == 0 else 0)
 
 
+def rank_peak(schedule, rank: int, set_bytes: float, grad_bytes: float, backward_bytes: float) -> float:
+    """Most bytes rank ``rank`` holds while it runs its actions of ``schedule`` (a
+    :class:`~phalanx.parallel.schedules.Schedule`): activation sets in flight (``set_bytes``
+    each) plus one float32 weight gradient per backward already run (``grad_bytes`` each:
+    Grappler rewrites the executor's chain of gradient additions into one ``AddN`` at the
+    end, so every micro-batch's gradient stays alive until then), plus the backward's
+    working set while a backward starts; at the end, all gradients and their sum.
+
+    >>> from phalanx.parallel.schedules import build_schedule
+    >>> sched = build_schedule("1f1b", 2, 4, 1)     # rank 0: F0 F1 B0 F2 B1 F3 B2 B3
+    >>> rank_peak(sched, 0, set_bytes=10, grad_bytes=1, backward_bytes=0)   # F2, F3 held after B0, B1
+    22
+    """
+    held = done = 0
+    peak = 0.0
+    for a in schedule.per_stage[rank]:
+        if a.kind == "F":
+            held += 1
+            peak = max(peak, held * set_bytes + done * grad_bytes)
+        else:
+            peak = max(peak, held * set_bytes + done * grad_bytes + backward_bytes)
+            held -= 1
+            done += 1
+    return max(peak, done * grad_bytes + (grad_bytes if done > 1 else 0))
+
+
 def engine_memory_per_device(cfg: Config) -> dict[int, DeviceMemory]:
     """Device index (mesh order: data, pipe, tensor; as ``parallel.devices`` numbers them) ->
     predicted peak bytes of one training step of ``cfg``."""
-    from phalanx.plan.arithmetic import ModelSpec
-    from phalanx.plan.engine_rules import stage_bounds
-    from phalanx.plan.memory import (ACTIVATION_BYTES, DEFAULT_OVERHEAD_FRACTION, layer_activation_bytes,
-                                     schedule_in_flight)
-
     m, p, t = cfg.model, cfg.parallel, cfg.train
     _, n = parse_devices(p.devices)
     dp, pp, tp = resolve_degrees(cfg, n or max(p.dp, 1) * max(p.pp, 1) * max(p.tp, 1))
@@ -101,13 +129,18 @@ def engine_memory_per_device(cfg: Config) -> dict[int, DeviceMemory]:
     v = p.virtual_stages if p.schedule == "interleaved" else 1
     micro = t.global_batch // (dp * t.grad_accum * p.microbatches)
     bounds = stage_bounds(spec, pp, v)
-    peaks, last_peak = schedule_in_flight(p.schedule if pp > 1 else "1f1b", pp, p.microbatches, v)
+    sched = build_schedule(p.schedule if pp > 1 else "1f1b", pp, p.microbatches, v)
+    _, last_peak = schedule_in_flight(sched.name, pp, p.microbatches, v)
     e = ACTIVATION_BYTES[cfg.precision.policy]
+    cast = e if e < 4 else 0  # bytes of a compute-dtype copy of a weight
     d, f, s, V = m.d_model, m.ffn_dim, m.seq_len, m.vocab
     whole = layer_activation_bytes(spec, micro, 1, p.recompute, False, e, False, fused=True)
     split_part = layer_activation_bytes(spec, micro, tp, p.recompute, False, e, False, fused=True)
     # tensor rank 0 keeps the unsplit part (LayerNorms, residual) and its slice of the rest
     unsplit = (whole - split_part * tp) / (1 - tp) if tp > 1 else whole
+    whole4 = layer_activation_bytes(spec, micro, 1, p.recompute, False, 4, False, fused=True)
+    split4 = layer_activation_bytes(spec, micro, tp, p.recompute, False, 4, False, fused=True)
+    unsplit4 = (whole4 - split4 * tp) / (1 - tp) if tp > 1 else whole4
     out: dict[int, DeviceMemory] = {}
     for rep in range(dp):
         for r in range(pp):
@@ -123,25 +156,27 @@ def engine_memory_per_device(cfg: Config) -> dict[int, DeviceMemory]:
                         copy = V * d / tp
                     elif not m.tie_embeddings:
                         params += V * d / tp
-                per_block = (split_part - unsplit) + unsplit if tr == 0 else split_part - unsplit
+                per_block = split_part if tr == 0 else split_part - unsplit
                 per_set = max(sum(b - a for c, (a, b) in enumerate(bounds) if c % pp == r and c == ch)
                               for ch in range(len(bounds))) * per_block
-                acts = peaks[r] * per_set
+                head = 0.0
                 if r == pp - 1:  # final LayerNorm and this tensor rank's logits and float32 softmax
-                    acts += last_peak * ((e * s * micro * d if tr == 0 else 0) + (e + 4) * s * micro * V / tp)
+                    head = last_peak * ((e * s * micro * d if tr == 0 else 0) + (e + 4) * s * micro * V / tp)
                 weights = 4.0 * (params + copy)
                 optimizer = 8.0 * params / (dp if p.zero >= 1 else 1)
-                grads = 4.0 * (params + copy)
-                temps = OPT_BUFFERS * 4.0 * (params + copy) if mesh else 0.0
-                if not mesh:
-                    # tf.distribute replicas: each runs its own backward and per-variable updates
-                    # on its device; the planner's stated overhead covers them (measured: within
-                    # 7% at one device and dp2)
-                    temps = DEFAULT_OVERHEAD_FRACTION * (weights + optimizer + grads + acts)
-                if mesh and dp > 1 and rep == 0 and p.zero < 2:
-                    temps += 4.0 * (params + copy)  # the add_n of all replicas' gradients lands here
-                if rep == 0 and r == 0 and tr == 0 and mesh:
-                    # every replica's backward runs on this one device (see the module docstring)
-                    temps += MESH_BACKWARD_SETS * whole * dp
-                out[(rep * pp + r) * tp + tr] = DeviceMemory(weights, optimizer, grads, acts, temps)
+                grad = 4.0 * (params + copy)
+                set_bytes = per_set + cast * (params + copy)
+                backward = BACKWARD_SETS * (split4 if tr == 0 else split4 - unsplit4)
+                if mesh:
+                    step = rank_peak(sched, r, set_bytes, grad, backward) + head
+                    flat = 4.0 * params  # the optimizer's flat parameter copy, alive all step
+                    opt = OPT_BUFFERS * 4.0 * params
+                else:  # StrategyEngine: one micro-batch, Keras updates each variable
+                    step = set_bytes + backward + head
+                    flat, opt = 0.0, grad
+                if step >= opt:
+                    out_mem = DeviceMemory(weights, optimizer, 0.0, step - backward, flat + backward)
+                else:
+                    out_mem = DeviceMemory(weights, optimizer, grad, 0.0, flat + opt - grad)
+                out[(rep * pp + r) * tp + tr] = out_mem
     return out

@@ -1,27 +1,27 @@
 """What phalanx's engines run, as the planner needs to know it.
 
 The planner can model more than the engines run (ZeRO-3, the ``zb`` schedule,
-sequence parallelism, expert parallelism and tp/pp/ZeRO/recompute for the mixture-of-experts
-GPT). Such a layout is *plan only*: shown in its own labelled list, never proposed as the
-best. What is runnable is read from the engine's own rules where they can be probed:
+sequence parallelism, and for the mixture-of-experts GPT tp/pp/ZeRO/recompute, and expert
+parallelism with them or across nodes). Such a layout is *plan only*: shown in its own
+labelled list, never proposed as the best. What is runnable is read from the engine's own rules where they can be probed:
 
 * ZeRO stages and schedules: the values :func:`phalanx.config.validate` accepts for
   ``parallel.zero`` and ``parallel.schedule`` (the same checks the engine relies on);
-* the stage split: the engine's cost-balanced :func:`phalanx.parallel.pipeline.partition`
-  over :func:`phalanx.parallel.mesh_engine.layer_costs` (FLOPs per token of each block,
+* the stage split: the engine's cost-balanced :func:`phalanx.parallel.partition.partition`
+  over :func:`phalanx.core.costs.layer_costs` (FLOPs per token of each block,
   the embedding and the head), not equal layer counts;
 * gradient reduction: the single-process mesh engine (and ``MirroredStrategy`` with
   ``ReductionToOneDevice``) sums each shard's replicas with ``add_n`` on one device and
   every replica reads the sum back (reduce-to-one + broadcast); ZeRO-2 reduce-scatters
   directly (replica ``d`` sums piece ``d``); only ``parallel.strategy=multi_worker``
   uses ``MultiWorkerMirroredStrategy``'s collective RING all-reduce;
-* the mixture-of-experts GPT: two flags, :data:`GPT_EXPERT_PARALLEL` and
-  :data:`GPT_MOE_ON_MESH`, stated here because the refusals sit inside the engines'
+* the mixture-of-experts GPT: three flags, :data:`GPT_EXPERT_PARALLEL`,
+  :data:`GPT_EP_WITH_MESH_KNOBS` and :data:`GPT_MOE_ON_MESH`, stated here because the refusals sit inside the engines'
   constructors; ``tests/test_plan_engine.py`` checks each against the engine's refusal,
   so when an engine learns one the test says which flag to flip.
 
 Example:
-    >>> from phalanx.plan.arithmetic import ModelSpec
+    >>> from phalanx.core.costs import ModelSpec
     >>> from phalanx.plan.layout import Layout
     >>> m = ModelSpec(layers=4, d_model=64, heads=4, vocab=256, seq_len=32)
     >>> plan_only_reasons(m, Layout(dp=2, zero=3))
@@ -29,8 +29,10 @@ Example:
     >>> plan_only_reasons(m, Layout(dp=2, zero=2))
     []
     >>> moe = ModelSpec(layers=4, d_model=64, heads=4, vocab=256, seq_len=32, experts=4)
-    >>> plan_only_reasons(moe, Layout(dp=4)), len(plan_only_reasons(moe, Layout(dp=4, ep=2)))
-    ([], 1)
+    >>> plan_only_reasons(moe, Layout(dp=4)), plan_only_reasons(moe, Layout(dp=4, ep=2))
+    ([], [])
+    >>> len(plan_only_reasons(moe, Layout(dp=2, ep=2, zero=1)))  # the ep engine and the mesh engine refuse it
+    2
     >>> engine_zero_stages(), engine_schedules()
     ((0, 1, 2), ('gpipe', '1f1b', 'interleaved'))
 """
@@ -39,17 +41,20 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from phalanx.config import SCHEDULES, ConfigError, from_dict
+from phalanx.config import ConfigError, SCHEDULES, from_dict
+from phalanx.core.costs import layer_costs
+from phalanx.parallel.partition import partition
 
 
 # What the built-in GPT's engines run for a mixture-of-experts model (``model.experts``).
 # Flip a flag when the engine runs it: the planner then proposes those layouts.
-# False while `phalanx train` refuses parallel.ep > 1 (train/trainer.py make_engine): the GPT's
-# experts train data parallel; expert parallelism runs only for a Keras model built with
-# phalanx.layers.MoE(..., ep=N), through phalanx.fit.
-GPT_EXPERT_PARALLEL = False
+# True: `phalanx train` runs dp x ep for the MoE GPT (engines/factory.py build_engine routes
+# parallel.ep > 1 to engines/keras_gpt.py KerasGPTEngine), in one process (its devices: one node).
+GPT_EXPERT_PARALLEL = True
+# False while that engine refuses ep with tp, pp, ZeRO or recompute (keras_gpt.refuse_unhonoured).
+GPT_EP_WITH_MESH_KNOBS = False
 # False while the mesh engine (tp, pp, ZeRO, recompute) refuses model.experts
-# (parallel/mesh_engine.py MeshEngine): the MoE GPT trains on tf.distribute (one device, dp, multi_worker).
+# (engines/mesh.py MeshEngine): the MoE GPT trains on tf.distribute (one device, dp, multi_worker) or dp x ep.
 GPT_MOE_ON_MESH = False
 
 
@@ -74,8 +79,10 @@ def engine_schedules() -> tuple[str, ...]:
     return tuple(SCHEDULES)
 
 
-def plan_only_reasons(m, lay) -> list[str]:
-    """Why the engine cannot run layout ``lay`` of model ``m`` (empty: it can)."""
+def plan_only_reasons(m, lay, hw=None) -> list[str]:
+    """Why the engine cannot run layout ``lay`` of model ``m`` (empty: it can); with the
+    :class:`~phalanx.plan.hardware.Hardware` ``hw``, also a layout the engine runs only within
+    one node (expert parallelism, in one process)."""
     reasons = []
     if lay.zero not in engine_zero_stages():
         reasons.append(f"ZeRO-{lay.zero} (the engine runs parallel.zero {', '.join(map(str, engine_zero_stages()))})")
@@ -84,20 +91,27 @@ def plan_only_reasons(m, lay) -> list[str]:
     if lay.sequence_parallel:
         reasons.append("sequence parallelism (not in the mesh engine)")
     mesh_engine = lay.tp > 1 or lay.pp > 1 or lay.zero > 0 or lay.recompute != "none"
-    if m.experts and lay.ep > 1 and not GPT_EXPERT_PARALLEL:
-        reasons.append(f"expert parallelism parallel.ep={lay.ep} for the built-in GPT (phalanx train refuses "
-                       f"parallel.ep > 1: its experts train data parallel; ep runs for Keras models with "
-                       f"phalanx.layers.MoE(ep=...) through phalanx.fit)")
+    if m.experts and lay.ep > 1:
+        if not GPT_EXPERT_PARALLEL:
+            reasons.append(f"expert parallelism parallel.ep={lay.ep} for the built-in GPT (phalanx train refuses "
+                           f"parallel.ep > 1: its experts train data parallel; ep runs for Keras models with "
+                           f"phalanx.layers.MoE(ep=...) through phalanx.fit)")
+        elif mesh_engine and not GPT_EP_WITH_MESH_KNOBS:
+            reasons.append(f"expert parallelism parallel.ep={lay.ep} with tp/pp/ZeRO/recompute (phalanx train runs "
+                           f"ep as dp x ep only)")
+        elif hw is not None and lay.dp * lay.tp * lay.pp > hw.devices_per_node:
+            reasons.append(f"expert parallelism parallel.ep={lay.ep} across nodes (phalanx train runs ep in one "
+                           f"process: at most {hw.devices_per_node} devices)")
     if m.experts and mesh_engine and not GPT_MOE_ON_MESH:
         reasons.append("mixture of experts with tp/pp/ZeRO/recompute (the mesh engine refuses model.experts; "
-                       "the MoE GPT trains data parallel)")
+                       "the MoE GPT trains dp or dp x ep)")
     if m.dropout > 0 and mesh_engine:
         reasons.append("dropout with tp/pp/ZeRO/recompute (the mesh engine refuses model.dropout > 0)")
     return reasons
 
 
 def divisibility_reason(m, tp: int) -> str | None:
-    """The engine's tensor-parallel rule (``phalanx.parallel.tensor.check_tp``): tp divides
+    """The engine's tensor-parallel rule (``phalanx.models.transformer.check_tp``): tp divides
     heads, ffn and vocab."""
     for key, value in (("model.heads", m.heads), ("model.ffn", m.ffn_dim), ("model.vocab", m.vocab)):
         if value % tp:
@@ -111,25 +125,16 @@ def stage_bounds(m, pp: int, virtual_stages: int = 1) -> tuple[tuple[int, int], 
 
     The engine balances stages by forward FLOPs per token (the embedding on the first
     stage, the head and loss on the last), so the last stage usually holds fewer blocks.
-    Dense models use the engine's own ``layer_costs``; a mixture-of-experts model (which
-    the mesh engine does not cut yet) uses the planner's per-block FLOPs with the same
-    partitioner.
+    The costs are :func:`phalanx.core.costs.layer_costs`, the engine's own (an expert block
+    costs its ``top_k`` MLPs and router, for a mixture-of-experts model the mesh engine does
+    not cut yet).
 
-    >>> from phalanx.plan.arithmetic import ModelSpec
+    >>> from phalanx.core.costs import ModelSpec
     >>> stage_bounds(ModelSpec(layers=8, d_model=64, heads=4, vocab=4096, seq_len=32), 2)  # a heavy head
     ((0, 7), (7, 8))
     """
-    # Imported here: both modules import TensorFlow, which plain arithmetic does not need.
-    from phalanx.parallel.mesh_engine import layer_costs
-    from phalanx.parallel.pipeline import partition
-
     chunks = pp * virtual_stages
     costs, embed, head = layer_costs(m)
-    if m.experts:
-        from phalanx.plan.arithmetic import layer_forward_flops_per_token
-
-        costs = [layer_forward_flops_per_token(m, bool(m.experts and (i + 1) % m.moe_every == 0))
-                 for i in range(m.layers)]
     try:
         return tuple(partition(costs, chunks, embed, head))
     except ValueError as err:

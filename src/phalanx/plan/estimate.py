@@ -1,7 +1,7 @@
 """One plan: a layout's parameters, FLOPs, memory per device and time, as one document.
 
 Example:
-    >>> from phalanx.plan.arithmetic import ModelSpec
+    >>> from phalanx.core.costs import ModelSpec
     >>> from phalanx.plan.hardware import get_hardware
     >>> from phalanx.plan.layout import Layout
     >>> m = ModelSpec(layers=12, d_model=768, heads=12, vocab=50304, seq_len=1024)
@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from phalanx.plan.arithmetic import ModelSpec, active_param_count, flops_per_token, param_count
+from phalanx.core.costs import ModelSpec, active_param_count, flops_per_token, param_count
+from phalanx.plan.engine_rules import plan_only_reasons
 from phalanx.plan.hardware import Hardware
 from phalanx.plan.layout import Layout
 from phalanx.plan.memory import DEFAULT_OVERHEAD_FRACTION, Memory, memory_per_device
@@ -34,9 +35,8 @@ class Plan:
     @property
     def plan_only(self) -> list[str]:
         """Why the engine cannot run this layout (empty: it can)."""
-        from phalanx.plan.engine_rules import plan_only_reasons
 
-        return plan_only_reasons(self.model, self.layout)
+        return plan_only_reasons(self.model, self.layout, self.hardware)
 
     @property
     def fits(self) -> bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from phalanx.config import ConfigError
-from phalanx.plan.arithmetic import RECOMPUTE_MODES
+from phalanx.core.costs import RECOMPUTE_MODES
 from phalanx.parallel.schedules import SCHEDULE_NAMES
 
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")

@@ -37,7 +37,7 @@ activations a rank holds at once: the planner counts them from the very schedule
 the executor runs.
 
 Example:
-    >>> from phalanx.plan.arithmetic import ModelSpec
+    >>> from phalanx.core.costs import ModelSpec
     >>> m = ModelSpec(layers=24, d_model=1024, heads=16, vocab=51200, seq_len=2048, dropout=0.1)
     >>> s, b, h, a = 2048, 1, 1024, 16
     >>> layer_activation_bytes(m, b, tp=1, recompute="none", elem_bytes=2) == s * b * h * (34 + 5 * a * s / h)
@@ -49,7 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from phalanx.parallel.schedules import build_schedule
-from phalanx.plan.arithmetic import ModelSpec
+from phalanx.core.costs import ModelSpec
 from phalanx.plan.engine_rules import stage_bounds
 from phalanx.plan.layout import Layout, check_expert_parallel
 

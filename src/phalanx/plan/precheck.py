@@ -10,12 +10,27 @@ Python caller.
 
 Budgets:
 
-* logical CPU devices share the host's RAM: the sum over devices, plus the whole-model
-  float32 copy the engines build in host NumPy at start (``models/gpt.initial_weights``,
-  4 bytes per parameter), must fit the host's available RAM (``MemAvailable``);
+* logical CPU devices share the host's RAM: the sum over devices, plus the host's own
+  transient peak (below), must fit the host's available RAM (``MemAvailable``);
 * GPUs: each device's estimate must fit ``device_memory_bytes`` when it is known (pass
-  it; TensorFlow does not report a GPU's capacity before allocating), and the host must
-  hold the start-up copy.
+  it; TensorFlow does not report a GPU's capacity before allocating), and the host
+  must hold its transient peak.
+
+The host's transient peak (:func:`host_peak`) is what the engine that will run puts in
+host NumPy memory besides the devices' own state, at its largest moment:
+
+* the mesh engine (tp, pp, ZeRO, recomputation) moves weights one shard at a time:
+  initial weights are made per shard (``models/init.py`` tiles), checkpoints are written
+  by one thread per device holding one slot at a time and restored box by box into each
+  slot (``checkpoint/sharded.py``), pruning masks are computed shard by shard
+  (``phalanx.prune``). Its peak is a few copies of the largest shard (one device's part
+  of the largest weight) per writer thread, never the model;
+* the tf.distribute engines (one device, dp, multi_worker, parameter_server) hold whole
+  variables, but move them one at a time: initial weights are assigned one tensor at a
+  time (``engines/task.py``), checkpoints are written and restored by up to
+  ``MAX_THREADS`` threads each holding one variable (``checkpoint.variable_sets``). Their
+  peak is a few copies of the largest variable per thread, plus, with pruning, the whole
+  masks (still saved whole: ``phalanx.prune.Pruner.state``).
 
 Activations are counted as fused kernels keep them, on every device: phalanx's GPT ops
 are fused kernels on CPUs too (``models/gpt_ops.py``; checked with ``phalanx plan --calibrate``).
@@ -26,15 +41,19 @@ Example:
     >>> try:
     ...     check_fits(load_config(None, ["model.d_model=1048576"]), host_memory_bytes=2**34)
     ... except Exception as err:
-    ...     print(str(err)[:52])
-    model: does not fit in memory: needs 826,306.8 GiB o
+    ...     print(str(err)[:36])
+    model: does not fit in memory: needs
 """
 
 from __future__ import annotations
 
 import os
 
-from phalanx.config import Config, ConfigError, parse_devices
+from phalanx.checkpoint.sharded import MAX_THREADS, set_count
+from phalanx.config import Config, ConfigError, parse_devices, resolve_degrees
+from phalanx.core.costs import ModelSpec, param_count
+from phalanx.plan.layout import Layout
+from phalanx.plan.memory import memory_per_device
 
 GiB = 2**30
 
@@ -62,10 +81,6 @@ def _device_kind(spec: str) -> str:
 
 def estimate_per_device(cfg: Config, device_count: int | None = None):
     """``(Memory of the most loaded device, devices, dp, pp, tp)`` for ``cfg``'s layout."""
-    from phalanx.config import resolve_degrees
-    from phalanx.plan.arithmetic import ModelSpec
-    from phalanx.plan.layout import Layout
-    from phalanx.plan.memory import memory_per_device
 
     p, t = cfg.parallel, cfg.train
     _, n = parse_devices(p.devices)
@@ -81,6 +96,68 @@ def estimate_per_device(cfg: Config, device_count: int | None = None):
     return memory_per_device(ModelSpec.from_config(cfg.model), lay, fused=True), count, dp, pp, tp
 
 
+#: host copies of the largest slot one checkpoint writer (or restoring thread) holds at once:
+#: the slot read from its device or file, TensorFlow's copy when it is assigned, and the
+#: contiguous/finite-check temporaries (measured with tracemalloc at up to ~2.1 per thread:
+#: tests/test_precheck_host.py)
+COPIES_PER_WRITER = 3
+#: host copies of the largest shard while weights are made (the shard and one tile of draws)
+#: or pruning masks computed (|w| keys, comparisons, the mask): phalanx.prune works shard by shard
+COPIES_PER_SHARD = 3
+
+
+def runs_on_mesh(cfg: Config, tp: int, pp: int) -> bool:
+    """Whether ``phalanx train`` runs ``cfg`` on the mesh engine (at the resolved ``tp``,
+    ``pp``): the rule of ``phalanx.engines.factory.needs_mesh_engine`` (the planner may not
+    import the engines; tests/test_precheck_host.py checks that the two agree)."""
+    p = cfg.parallel
+    return tp > 1 or pp > 1 or p.tp > 1 or p.pp > 1 or p.zero > 0 or p.recompute != "none" or p.strategy == "mesh"
+
+
+def largest_shard_elements(spec, tp: int, mesh: bool) -> int:
+    """Elements of the largest part of one logical GPT weight that one device holds: each
+    weight's tensor-parallel shard on the mesh engine (vocab rows / columns, q|k|v heads,
+    MLP columns / rows split by ``tp``; position embeddings replicated), the whole tensor on
+    the tf.distribute engines (experts' ``[E, d, f]`` included)."""
+    d, f, v, t = spec.d_model, spec.ffn_dim, spec.vocab, spec.seq_len
+    split = tp if mesh else 1
+    sizes = [v * d // split, t * d, 3 * d * d // split, d * d // split, d * f // split]
+    if spec.experts:
+        sizes.append(spec.experts * d * f)
+    return max(sizes)
+
+
+def host_peak(cfg: Config, dp: int, pp: int, tp: int, devices: int) -> tuple[float, str]:
+    """``(bytes, what)``: the host NumPy memory the run needs besides the devices' state, at
+    its largest moment (see the module docstring), and a description naming its parts."""
+
+    spec = ModelSpec.from_config(cfg.model)
+    mesh = runs_on_mesh(cfg, tp, pp)
+    shard = 4.0 * largest_shard_elements(spec, tp, mesh)  # float32 bytes
+    if mesh:
+        writers = max(1, min(MAX_THREADS, devices))
+        io = writers * COPIES_PER_WRITER * shard
+        work = COPIES_PER_SHARD * shard
+        return max(io, work), (f"mesh engine, per shard: largest shard {shard / GiB:,.2f} GiB; checkpoint "
+                               f"save/restore {writers} thread(s) x {COPIES_PER_WRITER} copies = {io / GiB:,.2f} "
+                               f"GiB; initialisation and pruning {COPIES_PER_SHARD} copies = {work / GiB:,.2f} GiB")
+    # tf.distribute engines: whole variables, one at a time. Initial weights are assigned one
+    # tensor at a time (GPTTask.build); a checkpoint is written and restored by up to
+    # MAX_THREADS threads (one per ~64 MiB of state, checkpoint.variable_sets), each holding one
+    # variable; pruning masks (train.prune) are still saved whole, as an extra set (Pruner.state).
+    params = float(param_count(spec))
+    writers = set_count(4.0 * params * 3)  # weights, m, v
+    io = writers * COPIES_PER_WRITER * shard
+    work = COPIES_PER_SHARD * shard
+    masks = 4.0 * params if cfg.train.prune.target > 0 else 0.0
+    what = (f"tf.distribute engine, per variable: largest variable {shard / GiB:,.2f} GiB; checkpoint "
+            f"save/restore {writers} thread(s) x {COPIES_PER_WRITER} copies = {io / GiB:,.2f} GiB; "
+            f"initialisation and pruning {COPIES_PER_SHARD} copies = {work / GiB:,.2f} GiB")
+    if masks:
+        what += f"; plus {masks / GiB:,.2f} GiB of whole pruning masks gathered to save"
+    return max(io, work) + masks, what
+
+
 def check_fits(cfg: Config, device_count: int | None = None, *, device_memory_bytes: float | None = None,
                host_memory_bytes: float | None = None) -> None:
     """Raise :class:`ConfigError` with the figures if ``cfg`` cannot fit; return None if it can.
@@ -89,27 +166,23 @@ def check_fits(cfg: Config, device_count: int | None = None, *, device_memory_by
     ``device_memory_bytes``: one accelerator's memory (GPUs; ignored for CPU devices).
     ``host_memory_bytes``: the host's available RAM (default: ``MemAvailable``).
     """
-    from phalanx.plan.arithmetic import ModelSpec, param_count
-
     mem, count, dp, pp, tp = estimate_per_device(cfg, device_count)
     host = host_available_bytes() if host_memory_bytes is None else host_memory_bytes
-    startup = 4.0 * param_count(ModelSpec.from_config(cfg.model))  # whole float32 weights in NumPy
+    transient, what = host_peak(cfg, dp, pp, tp, count)
     cpu = _device_kind(cfg.parallel.devices) == "cpu"
     if cpu:
-        needed, available = mem.total * count + startup, host
+        needed, available = mem.total * count + transient, host
         where = (f"{count} CPU device(s) sharing this host's {host / GiB:,.1f} GiB of available RAM "
-                 f"(all devices {mem.total * count / GiB:,.1f} GiB + {startup / GiB:,.1f} GiB of float32 "
-                 f"weights built in host memory at start)")
+                 f"(all devices {mem.total * count / GiB:,.1f} GiB + {transient / GiB:,.2f} GiB host peak: {what})")
         per = needed
     else:
         per = mem.total
         available = device_memory_bytes if device_memory_bytes else float("inf")
         needed = mem.total
         where = f"each of {count} GPU(s) has {available / GiB:,.1f} GiB"
-        if startup > host:
-            needed, available, per = startup, host, startup
-            where = (f"the host must build the {startup / GiB:,.1f} GiB of float32 weights at start but has "
-                     f"{host / GiB:,.1f} GiB available")
+        if transient > host:
+            needed, available, per = transient, host, transient
+            where = (f"the host needs {transient / GiB:,.2f} GiB ({what}) but has {host / GiB:,.1f} GiB available")
     if needed <= available:
         return
     states = mem.weights + mem.gradients + mem.optimizer

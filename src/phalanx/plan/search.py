@@ -20,7 +20,7 @@ tp/pp/ZeRO/recompute for the built-in MoE GPT; see
 ``plan_only``, each with its reasons; they are never the best candidate.
 
 Example:
-    >>> from phalanx.plan.arithmetic import ModelSpec
+    >>> from phalanx.core.costs import ModelSpec
     >>> from phalanx.plan.hardware import get_hardware
     >>> m = ModelSpec(layers=24, d_model=2048, heads=16, vocab=51200, seq_len=2048)
     >>> res = search(m, get_hardware("a100-40gb"), devices=16, global_batch=64, top=3)
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from phalanx.plan.arithmetic import ModelSpec
+from phalanx.core.costs import ModelSpec
 from phalanx.plan.engine_rules import divisibility_reason, plan_only_reasons
 from phalanx.plan.estimate import Plan, estimate
 from phalanx.plan.hardware import GiB, Hardware
@@ -89,7 +89,7 @@ class SearchResult:
     plan_only: list[Plan] = field(default_factory=list)   # modelled, not runnable: never "best"
 
     def plan_only_reasons(self, plan: Plan) -> list[str]:
-        return plan_only_reasons(plan.model, plan.layout)
+        return plan_only_reasons(plan.model, plan.layout, plan.hardware)
 
 
 def _divisors(n: int) -> list[int]:
@@ -181,7 +181,7 @@ def search(m: ModelSpec, hw: Hardware, devices: int, global_batch: int, *, polic
     final: list[Plan] = []
     plan_only: list[Plan] = []
     for _, rough in scored:
-        bucket = plan_only if plan_only_reasons(m, rough.layout) else final
+        bucket = plan_only if plan_only_reasons(m, rough.layout, hw) else final
         if len(bucket) >= top:
             if len(final) >= top and len(plan_only) >= top:
                 break

@@ -3,11 +3,11 @@
 Model:
 
 * Compute: each model stage's forward and backward FLOPs per micro-batch (from
-  :mod:`phalanx.plan.arithmetic`, recomputation added to the backward) divided by
+  :mod:`phalanx.core.costs`, recomputation added to the backward) divided by
   ``peak FLOP/s x utilization``. The default utilisation, 0.5, is about what
   Megatron-LM sustained on A100s for 1T parameters (163 of 312 TFLOP/s, Narayanan
   et al. 2021, Table 1); override it with ``--utilization``.
-* Tensor parallelism, as the mesh engine does it (``parallel/tensor.py``): per block and
+* Tensor parallelism, as the mesh engine does it (``models/transformer.py``, ``ShardedGPT``): per block and
   micro-batch, the two row-parallel partial sums are added with ``add_n`` on the group's
   first device (it receives ``t-1`` activations each) and the two LayerNorm outputs are
   read from there by the other ``t-1`` devices (it sends ``t-1`` each); the backward moves
@@ -52,7 +52,7 @@ shares a node when ``tp`` divides the node size; a dp group or pipeline neighbou
 nodes when ``tp x dp`` (resp. ``tp x dp`` for the next stage) leaves the node.
 
 Example:
-    >>> from phalanx.plan.arithmetic import ModelSpec
+    >>> from phalanx.core.costs import ModelSpec
     >>> from phalanx.plan.hardware import get_hardware
     >>> from phalanx.plan.layout import Layout
     >>> m = ModelSpec(layers=24, d_model=2048, heads=16, vocab=51200, seq_len=2048)
@@ -67,7 +67,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from phalanx.parallel.schedules import build_schedule, bubble_formula
-from phalanx.plan.arithmetic import (ModelSpec, layer_forward_flops_per_token, logits_forward_flops_per_token,
+from phalanx.core.costs import (ModelSpec, layer_forward_flops_per_token, logits_forward_flops_per_token,
                                      attention_core_flops_per_token)
 from phalanx.plan.hardware import Hardware
 from phalanx.plan.layout import Layout, check_expert_parallel

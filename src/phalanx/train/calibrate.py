@@ -1,9 +1,10 @@
 """``phalanx plan --calibrate``: run real steps here and compare each device with the plan.
 
-Builds the engine ``phalanx train`` would build (``phalanx.train.trainer.make_engine``)
+Builds the engine ``phalanx train`` would build (``phalanx.engines.factory.build_engine``)
 on the configured devices (``parallel.devices=cpu:N`` for N logical CPUs), runs one
-step to trace and allocate, then measures one more step and reports, per device,
-the predicted and the measured peak bytes, and the median step time of ``steps`` steps.
+step to trace and allocate (the warm-up), then profiles ``steps`` more steps and reports,
+per device, the predicted and the measured peak bytes (the median over the profiled
+steps, with their spread), and the median step time of ``steps`` steps.
 
 How memory is measured per device. Logical CPU devices share one BFC allocator
 (measured on TF 2.21: ``get_memory_info('CPU:k')`` returns the same process-wide
@@ -11,14 +12,22 @@ figure for every ``k``), so the per-device peak is reconstructed from that alloc
 own record:
 
 * the TensorFlow profiler logs every allocation and deallocation of the BFC allocator
-  with its size and the op that made it (``MemoryAllocation`` events, ``tf_op`` stat);
+  with its size and, when the executor made it, the op (``MemoryAllocation`` events,
+  ``tf_op`` stat); an XLA-compiled kernel's buffers (the GPT's fused LayerNorm, softmax
+  and GELU) name no op: they belong to the op whose profiler event encloses them on the
+  same thread (before this, they all counted on the first device);
 * the partition graphs of the step's function (``RunMetadata.function_graphs``) say on
   which device every op ran;
 * replaying the events in time order, each op's bytes counted on its device, gives the
   peak of every device during the step, on top of the bytes alive before it (the
   variables, counted by their own devices).
 
-The sum over devices is checked against ``get_memory_info``'s process-wide peak
+Sizes are the bytes each tensor asked for, not the allocator chunk it got: a shared BFC
+allocator hands a request any free chunk up to twice its size, and which one is free
+depends on the order the executor ran independent ops in on *all* logical devices; that
+made one device's peak vary by 11% from step to step (tp2, 4 layers), against 2% for the
+requested bytes. The chunk figure is reported beside it (``allocated_bytes``). The
+sum over devices is checked against ``get_memory_info``'s process-wide peak
 (``total_check``). ``TF_CPU_ALLOCATOR_USE_BFC=true`` must be set before TensorFlow
 starts: :func:`phalanx.plan.cli.main` sets it for ``--calibrate`` before any import.
 
@@ -27,7 +36,7 @@ Example (needs TensorFlow and a fresh process; runs real steps):
     >>> cfg = load_config(None, ["model.layers=2", "parallel.tp=2", "parallel.devices=cpu:2"])
     >>> cal = calibrate(cfg, predicted_per_device={0: 1e6, 1: 1e6})             # doctest: +SKIP
     >>> sorted(cal["devices"][0])                                               # doctest: +SKIP
-    ['device', 'error', 'measured_bytes', 'predicted_bytes']
+    ['allocated_bytes', 'device', 'error', 'measured_bytes', 'measured_spread', 'predicted_bytes']
 """
 
 from __future__ import annotations
@@ -38,13 +47,29 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
+
+from phalanx.mesh import build_mesh
+from phalanx.plan.engine_memory import engine_memory_per_device
+
+# Inter-op threads of the calibration process (see prepare_devices).
+INTER_OP_THREADS = 1
 
 
 def prepare_devices(cfg) -> None:
     """Create the run's devices (``parallel.devices=cpu:N``: N logical CPUs) now: TensorFlow
-    accepts that only before its first op, and the matmul peak probe is an op."""
-    from phalanx.mesh import build_mesh
+    accepts that only before its first op, and the matmul peak probe is an op.
 
+    The executor gets one inter-op thread (:data:`INTER_OP_THREADS`), set now for the same
+    reason: with a pool, the order of independent ops (two groups' AdamW updates, two
+    replicas' backwards) follows the machine's load, and so does each device's peak (one
+    device of dp2 x tp2 x pp2 measured 19.3 or 21.9 MiB in steps of one run at load 7);
+    with one thread the order, and every device's peak, was the same in every step.
+    Kernels keep their intra-op threads.
+    """
+    import tensorflow as tf
+
+    tf.config.threading.set_inter_op_parallelism_threads(INTER_OP_THREADS)
     build_mesh(cfg)
 
 
@@ -63,15 +88,18 @@ def calibrate(cfg, plan=None, steps: int = 3, predicted_per_device: dict | None 
     import numpy as np
     import tensorflow as tf
 
-    from phalanx.train.task import GPTTask
-    from phalanx.train.trainer import make_engine
+    from phalanx.engines.task import GPTTask
+    from phalanx.engines.factory import build_engine
 
-    engine = make_engine(cfg, GPTTask(cfg.model, cfg.precision.policy, cfg.train.seed))
+    engine = build_engine(cfg, GPTTask(cfg.model, cfg.precision.policy, cfg.train.seed))
     rng = np.random.default_rng(cfg.train.seed)
     batch = tf.constant(rng.integers(0, cfg.model.vocab, (cfg.train.global_batch, cfg.model.seq_len + 1)),
                         dtype=tf.int32)
     device_of_op = _trace_placement(engine, batch)  # the first step: traces, places, allocates
-    per_device, total = measure_step_memory(engine, batch, device_of_op)
+    # Each profiled step gives every device's peak; the median over ``steps`` of them is the
+    # figure (the executor orders independent ops differently from step to step).
+    runs = [_measure_step(engine, batch, device_of_op) for _ in range(steps)]
+    total = float(np.median([r.total for r in runs]))
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -79,18 +107,21 @@ def calibrate(cfg, plan=None, steps: int = 3, predicted_per_device: dict | None 
         times.append(time.perf_counter() - start)
     measured_t = float(np.median(times))
     if predicted_per_device is None and plan is not None:
-        from phalanx.plan.engine_memory import engine_memory_per_device
 
         predicted_per_device = {d: m.total for d, m in engine_memory_per_device(cfg).items()}
     predicted_per_device = predicted_per_device or {}
     devices = []
     for index, name in enumerate(_mesh_devices(engine)):
-        measured = per_device.get(_short(name), 0.0)
+        short = _short(name)
+        peaks = [r.requested.get(short, 0.0) for r in runs]
+        measured = float(np.median(peaks))
         predicted = predicted_per_device.get(index)
-        devices.append({"device": _short(name), "predicted_bytes": predicted, "measured_bytes": measured,
+        devices.append({"device": short, "predicted_bytes": predicted, "measured_bytes": measured,
+                        "measured_spread": (max(peaks) - min(peaks)) / measured if measured else None,
+                        "allocated_bytes": float(np.median([r.allocated.get(short, 0.0) for r in runs])),
                         "error": (predicted - measured) / measured if predicted is not None and measured else None})
     out = {"steps": steps, "devices": devices, "total_check": total,
-           "measured_step_time_s": measured_t}
+           "unplaced_bytes": max(r.unplaced for r in runs), "measured_step_time_s": measured_t}
     if plan is not None:
         predicted_t = plan.time.step_time_s
         out.update({"predicted_step_time_s": predicted_t,
@@ -172,58 +203,124 @@ def _stat_value(stat, names: dict):
     return getattr(stat, kind) if kind else None
 
 
-def measure_step_memory(engine, batch, device_of_op: dict[str, str]) -> tuple[dict[str, float], float]:
-    """Peak bytes per device (short name) during one ``engine.train_step(batch)``, and
-    the process-wide peak ``get_memory_info`` reports (the check on the sum)."""
-    import tensorflow as tf
+def _read_profile(logdir: str):
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    files = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
+    space = xplane_pb2.XSpace()
+    with open(files[-1], "rb") as fh:
+        space.ParseFromString(fh.read())
+    return space
+
+
+def allocation_events(space, device_of_op: dict[str, str]) -> tuple[list, int]:
+    """``(time_ps, is_allocation, addr, requested bytes, chunk bytes, device or None)`` of
+    every BFC event of a profile, in time order; and the requested bytes of allocations no
+    op could be found for.
+
+    Requested bytes are what the tensor asked for; the chunk is what the BFC allocator gave:
+    up to twice the request, since it does not split a free chunk smaller than twice the
+    request, and which chunk is free depends on the order the executor happened to run ops
+    in, across all logical devices at once (they share one allocator). The chunk figure
+    varied by 11% from step to step on one device (tp2, 4 layers), the requested one by 2%.
+
+    An allocation names its op (``tf_op``) only when TensorFlow's executor made it. The
+    buffers an XLA-compiled kernel allocates (phalanx's fused GPT ops are ``jit_compile``
+    functions: their outputs are activations) carry no op; they are made on the thread
+    that runs the kernel, inside that op's own profiler event (``ExecutorState::Process``
+    ... ``ProcessAsync::Start`` named after the node), so the innermost enclosing event of
+    a known op on the same thread gives their device.
+    """
+    events, unplaced = [], 0
+    for plane in space.planes:
+        names = {k: m.name for k, m in plane.stat_metadata.items()}
+        for line in plane.lines:
+            base = line.timestamp_ns * 1000
+            spans, memory = [], []
+            for ev in line.events:
+                kind = plane.event_metadata[ev.metadata_id].name
+                start = base + ev.offset_ps
+                stats = {names[s.metadata_id]: _stat_value(s, names) for s in ev.stats}
+                if kind in ("MemoryAllocation", "MemoryDeallocation"):
+                    memory.append((start, kind == "MemoryAllocation", stats))
+                    continue
+                op = stats.get("name") or kind.split(":", 1)[0]
+                if isinstance(op, str) and op in device_of_op:
+                    spans.append((start, start + ev.duration_ps, device_of_op[op]))
+            for when, is_alloc, stats in memory:
+                dev = None
+                if is_alloc:
+                    dev = device_of_op.get(str(stats.get("tf_op", "")))
+                    if dev is None:
+                        inside = [s for s in spans if s[0] <= when <= s[1]]
+                        if inside:
+                            dev = min(inside, key=lambda s: s[1] - s[0])[2]
+                        else:
+                            unplaced += int(stats.get("requested_bytes") or 0)
+                events.append((when, is_alloc, stats.get("addr"), int(stats.get("requested_bytes") or 0),
+                               int(stats.get("allocation_bytes") or 0), dev))
+    events.sort(key=lambda e: (e[0], not e[1]))
+    return events, unplaced
+
+
+@dataclass
+class StepMemory:
+    """One profiled step: per-device peaks (short device name -> bytes) counted by the bytes
+    each tensor asked for (``requested``) and by the BFC chunks it got (``allocated``);
+    ``get_memory_info``'s process-wide peak (``total``); bytes no op could be found for."""
+
+    requested: dict[str, float]
+    allocated: dict[str, float]
+    total: float
+    unplaced: int
+
+
+def measure_step_memory(engine, batch, device_of_op: dict[str, str]) -> tuple[dict[str, float], float]:
+    """Peak bytes per device (short name) during one ``engine.train_step(batch)``, by the
+    bytes the tensors asked for, and the process-wide peak ``get_memory_info`` reports."""
+    step = _measure_step(engine, batch, device_of_op)
+    return step.requested, step.total
+
+
+def _replay(events, base: dict[str, float], first: str, field: int) -> dict[str, float]:
+    """Peak of every device: the bytes alive before the step (``base``) plus the step's
+    allocations on that device, replayed in time order (``field``: 3 requested, 4 chunk)."""
+    current, peak = dict(base), dict(base)
+    live: dict[int, tuple[str, int]] = {}
+    for event in events:
+        _, is_alloc, addr, dev = event[0], event[1], event[2], event[5]
+        if is_alloc:
+            dev = dev or first  # nothing says where: the caller's device
+            live[addr] = (dev, event[field])
+            current[dev] = current.get(dev, 0.0) + event[field]
+            peak[dev] = max(peak.get(dev, 0.0), current[dev])
+        elif addr in live:  # freed memory allocated before the trace is part of ``base``
+            dev, size = live.pop(addr)
+            current[dev] -= size
+    return peak
+
+
+def _measure_step(engine, batch, device_of_op) -> StepMemory:
+    import tensorflow as tf
 
     variables: list = []
     _variables(engine, set(), variables)
     base: dict[str, float] = {}
     for v in variables:
-        # the BFC allocator hands out multiples of 256 bytes
         # (a variable of unknown shape, e.g. ZeRO's AdamW scratch, is empty between steps)
         count = v.shape.num_elements() if v.shape.is_fully_defined() else int(tf.size(v))
-        nbytes = -(-int(count) * v.dtype.size // 256) * 256
+        nbytes = -(-int(count) * v.dtype.size // 256) * 256  # the BFC allocator's 256-byte granule
         base[_short(v.device)] = base.get(_short(v.device), 0.0) + nbytes
+    first = _short(_mesh_devices(engine)[0])
+    tf.config.experimental.reset_memory_stats(first)
     logdir = tempfile.mkdtemp(prefix="phalanx-calibrate-")
     try:
         tf.profiler.experimental.start(logdir)
         float(engine.train_step(batch)["loss"])
         tf.profiler.experimental.stop()
-        total = float(tf.config.experimental.get_memory_info(_short(_mesh_devices(engine)[0]))["peak"])
-        files = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
-        space = xplane_pb2.XSpace()
-        with open(files[-1], "rb") as fh:
-            space.ParseFromString(fh.read())
+        total = float(tf.config.experimental.get_memory_info(first)["peak"])
+        space = _read_profile(logdir)
     finally:
         shutil.rmtree(logdir, ignore_errors=True)
-    events = []
-    for plane in space.planes:
-        names = {k: m.name for k, m in plane.stat_metadata.items()}
-        for line in plane.lines:
-            for ev in line.events:
-                kind = plane.event_metadata[ev.metadata_id].name
-                if kind not in ("MemoryAllocation", "MemoryDeallocation"):
-                    continue
-                stats = {names[s.metadata_id]: _stat_value(s, names) for s in ev.stats}
-                when = line.timestamp_ns * 1000 + ev.offset_ps
-                events.append((when, kind == "MemoryAllocation", stats))
-    events.sort(key=lambda e: (e[0], not e[1]))
-    current = dict(base)
-    peak = dict(base)
-    live: dict[int, tuple[str, int]] = {}
-    default = _short(_mesh_devices(engine)[0])  # allocations outside any op: the caller's device
-    for _, is_alloc, stats in events:
-        addr = stats.get("addr")
-        if is_alloc:
-            dev = device_of_op.get(str(stats.get("tf_op", "")), default)
-            size = int(stats.get("allocation_bytes") or 0)
-            live[addr] = (dev, size)
-            current[dev] = current.get(dev, 0.0) + size
-            peak[dev] = max(peak.get(dev, 0.0), current[dev])
-        elif addr in live:  # freed memory allocated before the trace is part of ``base``
-            dev, size = live.pop(addr)
-            current[dev] -= size
-    return peak, total
+    events, unplaced = allocation_events(space, device_of_op)
+    return StepMemory(_replay(events, base, first, 3), _replay(events, base, first, 4), total, unplaced)

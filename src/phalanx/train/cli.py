@@ -21,8 +21,18 @@ import math
 import sys
 from pathlib import Path
 
+from phalanx import checkpoint
 from phalanx.config import Config, ConfigError, load_config, split_config_args
+from phalanx.data.pipeline import make_datasets
+from phalanx.data.tokenize import load_run_tokenizer
+from phalanx.export.runtime import main_eval as eval_artifact, main_generate as generate_artifact
+from phalanx.mesh import build_mesh
+from phalanx.plan.precheck import check_fits
 
+
+# The trainer, engines, cluster strategies and generate import TensorFlow: they are imported where
+# used (deferred, not a cycle), after _runtime_first has set up what TensorFlow only accepts before
+# its runtime starts, and so that --help stays instant.
 
 def main_train(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="phalanx train", description="Train a model as the config says; "
@@ -32,7 +42,6 @@ def main_train(argv: list[str]) -> int:
     ns = parser.parse_intermixed_args(argv)
     path, overrides = split_config_args(ns.args)
     cfg = load_config(path, overrides)
-    from phalanx.plan.precheck import check_fits
     check_fits(cfg)  # before TensorFlow builds anything: a clear refusal instead of an OOM
     cluster = _runtime_first(cfg)
     from phalanx.train.trainer import Trainer
@@ -47,7 +56,6 @@ def _runtime_first(cfg: Config):
     from phalanx.cluster.strategies import needs_cluster, setup_cluster
     if needs_cluster(cfg):  # an explicit multi-process strategy, or TF_CONFIG naming several tasks
         return setup_cluster(cfg)
-    from phalanx.mesh import build_mesh
     build_mesh(cfg)
     return None
 
@@ -58,21 +66,20 @@ def _load_run(run_dir: str, overrides: list[str]) -> Config:
         raise ConfigError("run.dir", f"{run_dir!r} has no config.yaml; is it a phalanx run directory?")
     # Evaluate/generate on one device whatever layout trained it (checkpoints are layout-independent).
     single = ["parallel.dp=1", "parallel.tp=1", "parallel.pp=1", "parallel.zero=0", "parallel.microbatches=1",
-              "parallel.devices=auto", "parallel.strategy=auto", "parallel.recompute=none",
+              "parallel.devices=auto", "parallel.strategy=auto", "parallel.recompute=none", "parallel.ep=1",
               "parallel.schedule=1f1b", "parallel.virtual_stages=1", "train.grad_accum=1", f"run.dir={run_dir}"]
     return load_config(path, single + overrides)
 
 
 def _restored_engine(cfg: Config):
-    from phalanx import checkpoint
-    from phalanx.train.trainer import make_engine
-    from phalanx.train.task import GPTTask
+    from phalanx.engines.factory import build_engine
+    from phalanx.engines.task import GPTTask
 
     # The newest checkpoint that verifies: a damaged newer one is skipped with a warning.
     restored = checkpoint.restore_latest(Path(cfg.run.dir) / "checkpoints")
     if restored is None:
         raise ConfigError("run.dir", f"{cfg.run.dir!r} has no checkpoint yet")
-    engine = make_engine(cfg, GPTTask(cfg.model, cfg.precision.policy, cfg.train.seed))
+    engine = build_engine(cfg, GPTTask(cfg.model, cfg.precision.policy, cfg.train.seed))
     engine.load_state_dict(restored.tensors)
     return engine, restored.step
 
@@ -86,10 +93,8 @@ def main_eval(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     ns = parser.parse_intermixed_args(argv)
     if (Path(ns.run_dir) / "export.json").is_file():  # a `phalanx export` artifact, run in its own runtime
-        from phalanx.export.runtime import main_eval as eval_artifact
         return eval_artifact(ns.run_dir, ns.overrides, ns.json)
     cfg = _load_run(ns.run_dir, ns.overrides)
-    from phalanx.data.pipeline import make_datasets
     from phalanx.train.trainer import Trainer
 
     engine, step = _restored_engine(cfg)
@@ -123,11 +128,9 @@ def main_generate(argv: list[str]) -> int:
     if ns.temperature < 0:
         raise ConfigError("--temperature", f"must be >= 0, got {ns.temperature}")
     if (Path(ns.run_dir) / "export.json").is_file():  # a `phalanx export` artifact, run in its own runtime
-        from phalanx.export.runtime import main_generate as generate_artifact
         return generate_artifact(ns.run_dir, ns.prompt, ns.tokens, ns.temperature, ns.top_k, ns.seed)
     cfg = _load_run(ns.run_dir, ns.overrides)
     from phalanx.models.generate import generate
-    from phalanx.train.trainer import load_run_tokenizer
 
     tokenizer = load_run_tokenizer(Path(ns.run_dir) / "tokenizer")
     engine, _ = _restored_engine(cfg)

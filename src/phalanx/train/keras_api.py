@@ -38,12 +38,13 @@ from phalanx.config import Config, ConfigError
 from phalanx.data.keras_inputs import Batches
 from phalanx.engines import keras_cluster
 from phalanx.engines.keras_model import KerasModelEngine, apply_precision
-from phalanx.precision import describe as precision_line
+from phalanx.fsutil import RunLock
 from phalanx.layers import TransformerBlock
 from phalanx.mesh import Mesh
 from phalanx.models import parallelize
-from phalanx.train.moe_stats import MoEStats
+from phalanx.precision import describe as precision_line
 from phalanx.train import keras_state
+from phalanx.train.moe_stats import MoEStats
 from phalanx.train.progress import RunOutput
 
 DEFAULT_RUN_DIR = "runs/default"
@@ -341,7 +342,6 @@ def fit(model, cfg: Config, mesh: Mesh, x=None, y=None, *, batch_size=None, epoc
         # Only the chief writes the run directory, prints, and runs the callbacks that write files.
         loop.update(callbacks=keras_cluster.chief_callbacks_only(callbacks), verbose=0)
         return _fit_loop(engine, model, cfg, None, train, val, workers=workers, **loop)
-    from phalanx.fsutil import RunLock
     with RunLock(run_dir):
         return _fit_loop(engine, model, cfg, run_dir, train, val, workers=workers, **loop)
 

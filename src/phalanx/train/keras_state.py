@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from phalanx.layers.moe import is_step_total
 from phalanx.layers.sharding import ShardedLayer
 
 _SHARD = re.compile(r"_shard\d+")
@@ -89,9 +90,14 @@ def _collapse(variables, group_of, name_of) -> list[Entry]:
 
 
 def model_entries(model) -> list[Entry]:
-    """The model's variables as logical tensors, in ``model.variables`` order."""
+    """The model's variables as logical tensors, in ``model.variables`` order.
+
+    An MoE layer's per-step statistics totals are left out: the engine starts them at
+    zero every step, so they carry no state across steps, and leaving them out keeps
+    checkpoints written before they existed resumable."""
     groups = _groups(model)
-    return _collapse(model.variables, lambda v: groups.get(id(v)), lambda v: _plain(v.path))
+    kept = [v for v in model.variables if not is_step_total(v)]
+    return _collapse(kept, lambda v: groups.get(id(v)), lambda v: _plain(v.path))
 
 
 def optimizer_entries(model) -> list[Entry]:

@@ -1,8 +1,8 @@
 """Throughput and model FLOPs utilisation (MFU).
 
 MFU = model FLOPs per step / step time / peak FLOP/s. Model FLOPs count the work
-the model needs (the planner's :func:`phalanx.plan.arithmetic.flops_per_token`, through
-:func:`phalanx.train.task.gpt_training_flops_per_token`), not recomputation. The peak is ``train.peak_flops``
+the model needs (the planner's :func:`phalanx.core.costs.flops_per_token`, through
+:func:`phalanx.core.costs.gpt_training_flops_per_token`), not recomputation. The peak is ``train.peak_flops``
 when set (accelerators: take the vendor figure), otherwise measured once per machine
 and dtype by a matmul probe (:func:`phalanx.plan.hardware.measure_matmul_peak`) and
 cached.
@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 from phalanx.config import Config
+from phalanx.plan.hardware import measure_matmul_peak
 
 
 def mfu(flops_per_step: float, step_time_s: float, peak: float) -> float:
@@ -35,7 +36,6 @@ def peak_flops(cfg: Config, n_devices: int = 1) -> float:
     """
     if cfg.train.peak_flops > 0:
         return cfg.train.peak_flops * n_devices
-    from phalanx.plan.hardware import measure_matmul_peak
 
     import tensorflow as tf
     gpus = len(tf.config.list_physical_devices("GPU"))

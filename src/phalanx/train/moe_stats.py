@@ -1,24 +1,26 @@
 """Mixture-of-experts figures for the rows ``phalanx.fit`` writes (``metrics.jsonl``, TensorBoard).
 
-Every :class:`phalanx.layers.MoE` keeps statistics of its last training call in
-non-trainable scalars (``balance``, ``dropped_fraction``, ``load_min``, ``load_max``).
+Every :class:`phalanx.layers.MoE` sums statistics over its training calls (totals that
+``phalanx.fit``'s engine starts at zero every step). The layer is called once per
+micro-batch of every data replica, so after a step the totals cover the whole batch.
 :class:`MoEStats` reads them after every training step and gives each epoch's row the
-mean over that epoch's steps (as the row's ``loss`` is the epoch's mean) of:
+mean over that epoch's steps (as the row's ``loss`` is the epoch's mean) of the step's:
 
-* ``moe_aux_loss``: the load-balancing loss the layers added, ``sum over layers of
-  aux_loss_coef x balance`` (the router z-loss is not in it);
-* ``moe_balance``: ``balance`` averaged over layers (``E x sum_e f_e x P_e`` before the
-  coefficient: 1.0 for a uniform router, ``E`` when every token picks one expert);
-* ``moe_dropped``: the share of token-to-expert assignments dropped by capacity, over all
-  layers (each layer weighted by its ``top_k``: dropped assignments / assignments);
-* ``moe_load_min`` / ``moe_load_max``: the least / most loaded expert's share of the kept
-  assignments x E, min / max over layers (1.0 is perfect balance).
+* ``moe_aux_loss``: the load-balancing loss the layers added to the step's loss, ``sum
+  over layers of aux_loss_coef x balance`` (the router z-loss is not in it);
+* ``moe_balance``: ``balance`` averaged over layers, where a layer's ``balance`` is ``E x
+  sum_e f_e x P_e`` before the coefficient (1.0 for a uniform router, ``E`` when every
+  token picks one expert) averaged over the step's calls — each micro-batch balances its
+  own tokens, as the loss it adds does;
+* ``moe_dropped``: the share of the step's token-to-expert assignments dropped by
+  capacity (each call has its own capacity), over all layers: dropped assignments /
+  assignments;
+* ``moe_load_min`` / ``moe_load_max``: the least / most loaded expert's share of the
+  step's kept assignments x E (counts summed over the calls), min / max over layers
+  (1.0 is perfect balance).
 
-What "the last training call" is on a layout: the layer is called once per micro-batch,
-so with several data replicas or micro-batches the figures are those of the step's last
-micro-batch in the engine's order (the last replica's last micro-batch; across workers,
-averaged over the workers like any other float state). On one device with one
-micro-batch they are the whole batch's.
+Across workers the totals are averaged over the workers like any other float state,
+which leaves these ratios the whole global batch's.
 
 Example:
     >>> import keras, numpy as np
@@ -59,8 +61,6 @@ class MoEStats:
 
     def __init__(self, model):
         self.layers = moe_layers(model) if model is not None else []
-        weights = np.array([float(layer.top_k) for layer in self.layers])
-        self._top_k = weights / weights.sum() if self.layers else weights
         self._coef = np.array([float(layer.aux_loss_coef) for layer in self.layers])
         self._sums: dict[str, float] = {}
         self._steps = 0
@@ -69,15 +69,22 @@ class MoEStats:
         return bool(self.layers)
 
     def read(self) -> dict[str, float]:
-        """The figures of the last training step (empty without MoE layers)."""
+        """The figures of the calls since the totals were last reset: in ``phalanx.fit``,
+        the last training step (empty without MoE layers)."""
         if not self.layers:
             return {}
-        # rows: layers; columns: balance, dropped_fraction, load_min, load_max
-        v = np.array([[float(np.asarray(var.numpy())) for var in
-                       (m.balance, m.dropped_fraction, m.load_min, m.load_max)] for m in self.layers])
-        return {"moe_aux_loss": float(self._coef @ v[:, 0]), "moe_balance": float(v[:, 0].mean()),
-                "moe_dropped": float(self._top_k @ v[:, 1]), "moe_load_min": float(v[:, 2].min()),
-                "moe_load_max": float(v[:, 3].max())}
+        balance, dropped, assignments, load_min, load_max = [], 0.0, 0.0, [], []
+        for m in self.layers:
+            calls, total_balance, total, load = (np.asarray(v.numpy(), np.float64) for v in m.statistics_totals())
+            kept = max(float(load.sum()), 1.0)
+            balance.append(float(total_balance) / max(float(calls), 1.0))
+            dropped += float(total) - float(load.sum())
+            assignments += float(total)
+            load_min.append(float(load.min()) / kept * m.num_experts)
+            load_max.append(float(load.max()) / kept * m.num_experts)
+        return {"moe_aux_loss": float(self._coef @ np.array(balance)), "moe_balance": float(np.mean(balance)),
+                "moe_dropped": dropped / max(assignments, 1.0), "moe_load_min": min(load_min),
+                "moe_load_max": max(load_max)}
 
     def update(self) -> None:
         """Add the last training step's figures to the epoch's sums."""

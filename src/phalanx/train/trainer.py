@@ -30,9 +30,16 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from phalanx import checkpoint, precision
+from phalanx import checkpoint, precision, prune
+from phalanx.cluster.preemption import stop_agreement
 from phalanx.config import Config, ConfigError
+from phalanx.data import pipeline
+from phalanx.data.tokenize import save_tokenizer
+from phalanx.engines.factory import build_engine
+from phalanx.engines.task import GPTTask
 from phalanx.fsutil import RunLock
+from phalanx.train.metrics import mfu, peak_flops
+from phalanx.train.moe_stats import MoEStats
 from phalanx.train.progress import RunOutput, plot_loss
 
 
@@ -56,41 +63,6 @@ class Summary:
                 f"MFU {100 * self.mfu:.1f}%, {self.wall_s:.0f}s, {self.skipped_steps} skipped steps{stop}\n"
                 f"outputs: {self.run_dir}/metrics.jsonl, {self.run_dir}/loss.png, {self.run_dir}/tb/, "
                 f"{self.checkpoint or 'no checkpoint'}")
-
-
-def make_engine(cfg: Config, task, cluster=None):
-    """The engine for ``cfg``: tf.distribute (dp only) or the mesh engine."""
-    from phalanx.mesh import build_mesh
-    from phalanx.train.engine import StrategyEngine, default_strategy
-
-    if cfg.parallel.sequence_parallel:
-        raise ConfigError("parallel.sequence_parallel", "true: the built-in GPT's engines do not run sequence "
-                                                        "parallelism yet; it runs for a Keras model built from "
-                                                        "phalanx.layers.TransformerBlock through phalanx.fit (tp > 1)")
-    if cfg.parallel.ep > 1:
-        raise ConfigError("parallel.ep", f"{cfg.parallel.ep}: the built-in GPT's experts train data parallel so "
-                                         f"far (phalanx train takes parallel.ep=1); expert parallelism runs for a "
-                                         f"Keras model with phalanx.layers.MoE(..., ep=N) through phalanx.fit")
-    if getattr(cluster, "devices", None):  # cluster: a mesh whose devices span the workers
-        from phalanx.parallel.apply import make_mesh_engine
-        return make_mesh_engine(cfg, build_mesh(cfg, list(cluster.devices)), task)
-    from phalanx.cluster.strategies import refuse_unhonoured
-    if cluster is not None:  # a multi-process strategy, built first (cluster.strategies.setup_cluster)
-        refuse_unhonoured(cfg, cluster.name)  # (setup_cluster checked it too; a hand-made set-up may not)
-        if cluster.coordinator is not None:  # cluster: parameter servers, steps scheduled on the workers
-            from phalanx.cluster.ps_engine import ParameterServerEngine
-            return ParameterServerEngine(cfg, task, cluster.strategy, cluster.coordinator, cluster.info.num_workers)
-        return StrategyEngine(cfg, task, cluster.strategy)
-    refuse_unhonoured(cfg, cfg.parallel.strategy)  # e.g. an explicit "mirrored" with parallel.zero=1
-    mesh = build_mesh(cfg)
-    from phalanx.parallel.apply import make_mesh_engine, needs_mesh_engine
-    if mesh.tp > 1 or mesh.pp > 1 or needs_mesh_engine(cfg):  # (mesh: -1 degrees resolved)
-        return make_mesh_engine(cfg, mesh, task)
-    if cfg.parallel.microbatches != 1:
-        raise ConfigError("parallel.microbatches", f"{cfg.parallel.microbatches} splits a pipeline's batch, but "
-                                                   f"parallel.pp=1 trains without a pipeline; use train.grad_accum="
-                                                   f"{cfg.parallel.microbatches} to split each step's batch")
-    return StrategyEngine(cfg, task, default_strategy(mesh.devices))
 
 
 def device_count(engine) -> int:
@@ -143,7 +115,6 @@ class Trainer:
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.interactive, self.quiet = interactive, quiet
         if task is None:
-            from phalanx.train.task import GPTTask
             task = GPTTask(cfg.model, _keras_policy(cfg), cfg.train.seed)
         self.task = task
         self._datasets = datasets
@@ -168,10 +139,8 @@ class Trainer:
         keras.utils.set_random_seed(self.cfg.train.seed)
         self._check_run_dir()
         if self._datasets is None:
-            from phalanx.data.pipeline import make_datasets
-            self._datasets = make_datasets(self.cfg, self.worker_index, self.num_workers)
-        self.engine = make_engine(self.cfg, self.task, self.cluster)
-        from phalanx import prune
+            self._datasets = pipeline.make_datasets(self.cfg, self.worker_index, self.num_workers)
+        self.engine = build_engine(self.cfg, self.task, self.cluster)
         self.pruner = prune.Pruner(self.cfg, self.engine) if prune.enabled(self.cfg) else None
         if self.is_chief:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -189,8 +158,6 @@ class Trainer:
         ``checkpoints/damaged/``; a checkpoint of another model, or whose data position
         belongs to other data, is refused with a ConfigError naming the key.
         """
-        from phalanx.data import pipeline
-
         builtin_data = isinstance(self._datasets, pipeline.Datasets)
         restored = checkpoint.restore_latest(self.ckpt_dir, warn=self._warn)
         if restored is None:
@@ -209,8 +176,7 @@ class Trainer:
                                              f"{str(err).strip(chr(34))}; use the run's own model.* keys or a "
                                              f"new run.dir") from None
         if self.pruner is not None:  # the checkpoint's masks (prune/mask/<name>) hold until the next update
-            from phalanx.prune import MASK_PREFIX
-            self.pruner.load({k: restored.tensors[k] for k in restored.tensors if k.startswith(MASK_PREFIX)})
+            self.pruner.load(restored.tensors)  # read per mask when needed (the mesh engine's came with its state)
         if builtin_data and (path / "data").is_dir():
             iterator = pipeline.restore_iterator(self._datasets, path / "data")
         elif builtin_data:
@@ -236,8 +202,6 @@ class Trainer:
     def _save(self, step: int, iterator) -> Path | None:
         if not self.is_chief:
             return None
-        from phalanx.data import pipeline
-
         writers = {}
         if isinstance(iterator, pipeline.TrainIterator):
             writers["data"] = lambda d: pipeline.save_iterator(iterator, d)
@@ -303,8 +267,6 @@ class Trainer:
             self._warn(str(err))
 
     def _fit(self) -> Summary:
-        from phalanx.train.metrics import mfu, peak_flops
-
         t_start = time.monotonic()
         self.build()
         cfg, t = self.cfg, self.cfg.train
@@ -323,7 +285,6 @@ class Trainer:
         step = start
         # cluster: under multi_worker all workers must stop at the same step (one tiny all-reduce of the
         # SIGTERM flag per step, phalanx.cluster.preemption); one process just reads its own flag.
-        from phalanx.cluster.preemption import stop_agreement
         agree_stop = stop_agreement(self.cluster)
         with RunOutput(self.run_dir, t.steps, start, self.interactive, self.quiet,
                        write=self.is_chief) as out, \
@@ -349,9 +310,8 @@ class Trainer:
                            "tokens_per_s": rate, "mfu": util, "step_time_s": elapsed / window_steps,
                            "grad_norm": float(result["grad_norm"]), "loss_scale": float(result["loss_scale"]),
                            "skipped": float(result["skipped"])}
-                    stats = getattr(self.task, "stats", None)  # e.g. the MoE blocks' balance and load
-                    if stats is not None and hasattr(self.engine, "model"):
-                        row.update(stats(self.engine.model))
+                    if self.cfg.model.experts and hasattr(self.engine, "model"):  # MoE totals of the whole step
+                        row.update(MoEStats(self.engine.model).read())
                     if self.pruner is not None:  # measured: exact zeros among the pruned weights
                         row["sparsity"] = self.pruner.sparsity()
                     if evaluating:
@@ -384,20 +344,6 @@ class Trainer:
         """A warning the user must see (a skipped checkpoint), even with quiet=True."""
         if self.is_chief:
             print(f"warning: {text}", file=sys.stderr, flush=True)
-
-
-def save_tokenizer(tokenizer, directory: Path) -> None:
-    """Save the run's tokenizer (for ``phalanx generate``) with its description."""
-    import json
-    directory.mkdir(parents=True, exist_ok=True)
-    entry = tokenizer.save(directory)
-    (directory / "entry.json").write_text(json.dumps(entry))
-
-
-def load_run_tokenizer(directory: Path):
-    import json
-    from phalanx.data.tokenize import load_tokenizer
-    return load_tokenizer(directory, json.loads((directory / "entry.json").read_text()))
 
 
 def _skipped_steps(engine) -> int:

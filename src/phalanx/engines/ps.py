@@ -1,6 +1,6 @@
 """Training under ``ParameterServerStrategy``: steps scheduled on the workers by the chief.
 
-:class:`ParameterServerEngine` is the :class:`~phalanx.train.engine.StrategyEngine`
+:class:`ParameterServerEngine` is the :class:`~phalanx.engines.strategy.StrategyEngine`
 step (same loss, clipping, loss scaling, AdamW, same ``state_dict`` names), run the
 parameter-server way:
 
@@ -19,9 +19,10 @@ parameter-server way:
   the step, and the checkpointed position resumes exactly. (TensorFlow's per-worker
   datasets, ``coordinator.create_per_worker_dataset``, would save that transfer, but
   give the dataset function no worker index to shard by and no position to resume at.)
-* :meth:`state_dict` first waits for every scheduled step (``coordinator.join``), then
-  reads the ps variables: the chief writes an ordinary checkpoint that any layout,
-  e.g. one process (``phalanx eval RUN_DIR``), loads.
+* :meth:`checkpoint_slots` (and :meth:`state_dict`) first waits for every scheduled step
+  (``coordinator.join``); the chief's checkpoint writer then reads the ps variables one
+  at a time (never the whole state on the chief) into an ordinary checkpoint that any
+  layout, e.g. one process (``phalanx eval RUN_DIR``), loads.
 
 The values :meth:`train_step` returns are fetched when converted with ``float()``
 (the trainer does that at log boundaries), so the chief does not wait for each step.
@@ -41,7 +42,7 @@ import numpy as np
 import tensorflow as tf
 
 from phalanx.config import Config, ConfigError
-from phalanx.train.engine import StrategyEngine
+from phalanx.engines.strategy import StrategyEngine
 
 
 class RemoteScalar:
@@ -130,6 +131,11 @@ class ParameterServerEngine(StrategyEngine):
         """Wait until every scheduled step has run (errors of a step are raised here)."""
         self.coordinator.join()
         self._pending = []
+
+    def checkpoint_slots(self):
+        # no step in flight while the slots are read (save) or assigned (restore)
+        self.join()
+        return super().checkpoint_slots()
 
     def state_dict(self) -> dict[str, np.ndarray]:
         self.join()

@@ -16,11 +16,18 @@ the magnitudes of the whole logical weights with sparsity
 during the ramp ``round(s_t x M)`` per group (capped at ``M - N``), so the ramp moves in
 steps of ``1/M``.
 
-The engines (:meth:`StrategyEngine.apply_masks`, the mesh engine's) hold the masks:
-installing one zeroes the masked weights and their AdamW moments, and every optimizer
-step multiplies the updated weights and moments by the mask, so masked weights are
-exactly zero after every step on every layout. Masks are checkpointed as
-``prune/mask/<name>`` (float32 0/1) and reinstalled on resume.
+Shard by shard (:mod:`phalanx.prune.shards`): the masks are computed from the shards each
+device holds, never from a joined weight; a tensor's global threshold comes from a radix
+selection over its shards (:mod:`phalanx.prune.select`), and the masks equal, element for
+element, those of the whole-tensor functions below (:func:`unstructured_mask`,
+:func:`nm_mask`, which stay the reference) on every layout.
+
+The engines hold the masks: installing one zeroes the masked weights and their AdamW
+moments, and every optimizer step multiplies the updated weights and moments by the
+mask, so masked weights are exactly zero after every step on every layout. Masks are
+checkpointed as ``prune/mask/<name>`` (float32 0/1): by the mesh engine as part of its
+own per-device state (cut like the moments), by the tf.distribute engines as whole
+tensors (:meth:`Pruner.state`); both are reinstalled on resume.
 
 Example:
     >>> import numpy as np
@@ -112,36 +119,65 @@ def measured_sparsity(weights: dict[str, np.ndarray]) -> float:
 
 
 class Pruner:
-    """Drives an engine's masks from the trainer: schedule, checkpoint state, resume."""
+    """Drives an engine's masks from the trainer: schedule, checkpoint state, resume; works
+    on the shards the engine's devices hold (:func:`phalanx.prune.shards.weight_shards`)."""
 
     def __init__(self, cfg: Config, engine):
-        if not hasattr(engine, "apply_masks"):
-            from phalanx.config import ConfigError
-            raise ConfigError("train.prune.target", f"{cfg.train.prune.target}: {type(engine).__name__} cannot "
-                                                    f"apply pruning masks; set train.prune.target=0")
+        from phalanx.prune.shards import weight_shards
+
         self.pc, self.engine = cfg.train.prune, engine
-        self.masks: dict[str, np.ndarray] = {}
+        self.shards = weight_shards(engine, prunable)
+        # the mesh engine keeps its masks in its own per-device state (checkpoint slots)
+        self.in_engine_state = hasattr(getattr(engine, "optimizer", None), "set_shard_mask")
 
     def before_step(self, step: int) -> bool:
         """Recompute and install the masks if ``step`` (completed steps) is an update point."""
+        from phalanx.prune.shards import shard_masks
+
         if not is_update_step(step, self.pc):
             return False
-        weights = {n: w for n, w in self.engine.weights().items() if prunable(n)}
         sparsity = scheduled_sparsity(step, self.pc.target, self.pc.start, self.pc.end)
-        self.masks = compute_masks(weights, sparsity, self.pc.pattern)
-        self.engine.apply_masks(self.masks)
+        nm = parse_prune_pattern(self.pc.pattern)
+        for name, shards in self.shards.items():  # one weight at a time, shard by shard
+            for shard, mask in shard_masks(shards, sparsity, nm, nm_mask):
+                shard.install(mask)
+                del mask
         return True
 
     def state(self) -> dict[str, np.ndarray]:
-        return {MASK_PREFIX + n: m for n, m in self.masks.items()}
+        """Masks to checkpoint besides the engine's own state: none for the mesh engine (its
+        shard sets hold them), whole tensors for the tf.distribute engines."""
+        if self.in_engine_state:
+            return {}
+        return {MASK_PREFIX + n: np.asarray(v.numpy()) for n, v in self.engine.masks.items()}
 
-    def load(self, tensors: dict[str, np.ndarray]) -> None:
-        """Reinstall the masks a checkpoint holds (none: nothing pruned yet)."""
-        masks = {k[len(MASK_PREFIX):]: np.asarray(v, np.float32) for k, v in tensors.items()
-                 if k.startswith(MASK_PREFIX)}
-        if masks:
-            self.masks = masks
-            self.engine.apply_masks(masks)
+    def load(self, tensors) -> None:
+        """Reinstall the masks a checkpoint holds (``tensors``: a mapping by logical name, read
+        when asked for; none: nothing pruned yet). The mesh engine's were loaded with its state."""
+        if self.in_engine_state:
+            return
+        for name in self.engine.masks:
+            if MASK_PREFIX + name in tensors:
+                self.engine.apply_masks({name: np.asarray(tensors[MASK_PREFIX + name], np.float32)})
+
+    def whole_masks(self) -> dict[str, np.ndarray]:
+        """The installed masks as whole logical tensors (joins them: for tests and tools)."""
+        if not self.in_engine_state:
+            return {n: np.asarray(v.numpy()) for n, v in self.engine.masks.items()}
+        from phalanx import checkpoint
+        sets = checkpoint.state_of(self.engine)
+        for s in sets:
+            s.slots = [slot for slot in s.slots if slot.name.startswith(MASK_PREFIX)]
+        return {k[len(MASK_PREFIX):]: v for k, v in checkpoint.gather(sets).items()}
 
     def sparsity(self) -> float:
-        return measured_sparsity(self.engine.weights())
+        """Share of exact zeros over all pruned weights, counted shard by shard."""
+        from phalanx.prune.shards import distinct
+
+        zeros = total = 0
+        for shards in self.shards.values():
+            for shard in distinct(shards):
+                w = shard.fetch()
+                zeros += int(w.size - np.count_nonzero(w))
+                total += int(w.size)
+        return zeros / total if total else 0.0

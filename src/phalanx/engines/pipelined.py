@@ -2,7 +2,7 @@
 
 A subclass says what a stage computes (:meth:`PipelinedEngine.forward`), which
 variables each stage reads (``stage_keys``) and how a batch is cut into micro-batches;
-this class runs the step in :class:`~phalanx.train.engine.StrategyEngine`'s order
+this class runs the step in :class:`~phalanx.engines.strategy.StrategyEngine`'s order
 (per-replica pipelines -> sum over copies and replicas -> unscale, global norm, clip,
 skip on non-finite -> AdamW, ZeRO-sharded when asked) and describes its state as one
 shard set per device, by logical name and box (:meth:`PipelinedEngine.checkpoint_slots`:
@@ -18,11 +18,11 @@ import tensorflow as tf
 from phalanx import checkpoint
 from phalanx.checkpoint import ShardSet, Slot
 from phalanx.config import Config, ConfigError
+from phalanx.core.loss_scale import LossScale
 from phalanx.mesh import Mesh
 from phalanx.parallel.params import ShardedParams, ShardKey
 from phalanx.parallel.pipeline import PipelineTrace, run_schedule, schedule_for
 from phalanx.parallel.zero import ShardedAdamW
-from phalanx.train.engine import LossScale
 
 COMPUTE_DTYPES = {"float32": tf.float32, "mixed_bfloat16": tf.bfloat16, "mixed_float16": tf.float16}
 

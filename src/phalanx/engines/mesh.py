@@ -1,13 +1,14 @@
 """The mesh engine: the GPT trained over a ``(data, pipe, tensor)`` mesh by hand placement.
 
 Every layout (dp x pp x tp, any schedule, ZeRO 0/1/2, recomputation) runs the same
-step as :class:`phalanx.train.engine.StrategyEngine`, in the same order:
+step as :class:`phalanx.engines.strategy.StrategyEngine`, in the same order:
 
 1. replica ``d`` takes rows ``[d*b, (d+1)*b)`` of the batch, cuts them into
    ``train.grad_accum`` accumulation steps and each of those into
    ``parallel.microbatches`` micro-batches, and runs the pipeline schedule
    (:mod:`phalanx.parallel.pipeline`) over its ``pipe`` ranks, each stage split over
-   its ``tensor`` devices (:mod:`phalanx.parallel.tensor`); the loss of each
+   its ``tensor`` devices (:class:`phalanx.models.transformer.ShardedGPT`: the parallel
+   layers' own per-shard code run on the engine's shard variables); the loss of each
    micro-batch is weighted ``loss_scale / (dp x grad_accum x microbatches)``;
 2. gradients are summed over copies (tied embedding) and replicas
    (:mod:`phalanx.parallel.zero`: all-reduce, or reduce-scatter for ZeRO-2);
@@ -38,19 +39,14 @@ import numpy as np
 import tensorflow as tf
 
 from phalanx.config import Config, ConfigError
+from phalanx.core.costs import layer_costs
+from phalanx.engines.pipelined import PipelinedEngine
 from phalanx.mesh import Mesh
 from phalanx.models import gpt
-from phalanx.parallel import recompute, tensor
-from phalanx.parallel.base import PipelinedEngine
+from phalanx.models.transformer import ShardedGPT, gpt_splits
+from phalanx.parallel import recompute
 from phalanx.parallel.params import ShardedParams, ShardKey
-from phalanx.parallel.pipeline import partition
-
-
-def layer_costs(cfg) -> tuple[list[float], float, float]:
-    """Forward FLOPs per token of each block, of the embedding and of the head + loss."""
-    d, f, t, v = cfg.d_model, cfg.ffn_dim, cfg.seq_len, cfg.vocab
-    blk = 2.0 * (3 * d * d + d * d + 2 * d * f) + 4.0 * t * d
-    return [blk] * cfg.layers, 2.0 * d, 2.0 * d * v + 5.0 * v
+from phalanx.parallel.partition import partition
 
 
 class MeshEngine(PipelinedEngine):
@@ -67,7 +63,7 @@ class MeshEngine(PipelinedEngine):
             raise ConfigError("model.dropout", f"{m.dropout}: the mesh engine does not implement dropout; "
                                                f"set model.dropout=0 or use a tf.distribute strategy")
         try:
-            tensor.check_tp(m, mesh.tp)
+            self.model = ShardedGPT(m, mesh.tp, cfg.precision.policy)
         except ValueError as err:
             raise ConfigError("parallel.tp", str(err)) from None
         recompute.check_mode(p.recompute)
@@ -81,7 +77,7 @@ class MeshEngine(PipelinedEngine):
         seed = getattr(task, "seed", cfg.train.seed)
         # Each shard is made alone from its boxes of the per-tensor tiled initialiser: no whole
         # weight exists on the host, and the values equal gpt.initial_weights in every layout.
-        params = ShardedParams(gpt.weight_shapes(m), tensor.gpt_splits(m), self.tp, self.dp, self._place,
+        params = ShardedParams(gpt.weight_shapes(m), gpt_splits(m), self.tp, self.dp, self._place,
                                init=gpt.initializer(m, seed))
         self.stage_keys = [self._stage_keys(s, params) for s in range(self.chunks)]
         self._setup(params, gpt.decays)
@@ -115,7 +111,6 @@ class MeshEngine(PipelinedEngine):
 
     def forward(self, replica: int, stage: int, x, tokens, training: bool = True):
         """Stage ``stage`` of replica ``replica``: activations, or the mean loss on the last stage."""
-        m = self.cfg.model
         devices = self.stage_devices(replica, stage)
         lookup = {key: self.params.shards[key].copies[replica][c] for key, c in self.stage_keys[stage]}
 
@@ -125,16 +120,16 @@ class MeshEngine(PipelinedEngine):
         if stage == 0:
             with tf.device(devices[0]):
                 inputs = tokens[:, :-1]
-            x = tensor.vocab_parallel_embed(inputs, w, devices, m.vocab, self.compute_dtype)
-        attention = recompute.attention_fn(self.cfg.parallel.recompute)
+            x = self.model.embed(inputs, w, devices)
+        wrap_core = recompute.core_wrapper(self.cfg.parallel.recompute)
         start, end = self.bounds[stage]
         for i in range(start, end):
             prefix = f"block_{i}/"
             keys = [k for k in lookup if k[0].startswith(prefix)]
 
-            def run_block(h, *values, _keys=keys, _prefix=prefix):
+            def run_block(h, *values, _keys=keys, _i=i):
                 local = dict(zip(_keys, values))
-                return tensor.block(h, lambda n, t: local[(n, t)], _prefix, devices, m.heads, attention)
+                return self.model.block(h, lambda n, t: local[(n, t)], _i, devices, wrap_core)
 
             fn = recompute.wrap_block(run_block, self.cfg.parallel.recompute)
             x = fn(x, *[lookup[k] if self.cfg.parallel.recompute != "full" else lookup[k].read_value()
@@ -142,7 +137,7 @@ class MeshEngine(PipelinedEngine):
         if stage == self.chunks - 1:
             with tf.device(devices[0]):
                 targets = tokens[:, 1:]
-            return tensor.vocab_parallel_loss(x, targets, w, devices, m)
+            return self.model.loss(x, targets, w, devices)
         return x
 
     def train_step(self, batch) -> dict[str, tf.Tensor]:

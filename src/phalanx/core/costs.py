@@ -1,4 +1,9 @@
-"""Model arithmetic for GPT-style transformers: parameters and training FLOPs.
+"""The one parameter and FLOP model of GPT-style transformers.
+
+Every FLOP figure of phalanx comes from here: MFU (:func:`gpt_training_flops_per_token`,
+through the trainer's task), the pipeline partitioner's stage costs (:func:`layer_costs`,
+used by the mesh engine and by the planner's stage split) and the planner's time and
+memory estimates (``phalanx.plan``).
 
 Dense layers follow phalanx's GPT (docs/DESIGN.md): pre-LayerNorm blocks with
 biases, a fused QKV projection, a GELU MLP of width ``ffn``, learned position
@@ -201,3 +206,50 @@ def flops_per_token(m: ModelSpec, recompute: str = "none") -> float:
 def with_layers(m: ModelSpec, layers: int) -> ModelSpec:
     """The same shape with another depth (handy for per-stage arithmetic)."""
     return replace(m, layers=layers)
+
+
+# ---------------------------------------------------------------------------
+# Users of the model: MFU and the pipeline partitioner
+
+
+def gpt_training_flops_per_token(cfg) -> float:
+    """Model FLOPs per token of a training step (forward + backward, no recomputation) of
+    the GPT ``cfg`` (a ``phalanx.config.ModelConfig``): what MFU divides by.
+
+    >>> from phalanx.config import ModelConfig
+    >>> cfg = ModelConfig(layers=2, d_model=64, heads=4, ffn=256, vocab=512, seq_len=32)
+    >>> gpt_training_flops_per_token(cfg) == flops_per_token(ModelSpec.from_config(cfg), "none")
+    True
+    """
+    return flops_per_token(ModelSpec.from_config(cfg), "none")
+
+
+def embedding_forward_flops_per_token(m: ModelSpec) -> float:
+    """The embedding's elementwise work (token row + position row): ``2 h``. Not a matmul, so
+    not in :func:`flops_per_token`; the partitioner counts it so the first stage is not free."""
+    return 2.0 * m.d_model
+
+
+def loss_forward_flops_per_token(m: ModelSpec) -> float:
+    """Softmax cross-entropy over the vocabulary (max, exp, sum, log, pick): ``5 V``. Not a
+    matmul, so not in :func:`flops_per_token`; the partitioner counts it on the last stage."""
+    return 5.0 * m.vocab
+
+
+def layer_costs(model) -> tuple[list[float], float, float]:
+    """Forward FLOPs per token of each block, of the embedding and of the head + loss: the
+    costs the pipeline partitioner (:func:`phalanx.parallel.partition.partition`) balances.
+
+    ``model``: a :class:`ModelSpec` or a ``phalanx.config.ModelConfig``. A block is
+    :func:`layer_forward_flops_per_token` (an expert block's when ``experts`` says so), the
+    head :func:`logits_forward_flops_per_token` plus :func:`loss_forward_flops_per_token`.
+
+    >>> blocks, embed, head = layer_costs(ModelSpec(layers=2, d_model=8, heads=2, ffn=32, vocab=10, seq_len=4))
+    >>> blocks, embed, head
+    ([1664.0, 1664.0], 16.0, 210.0)
+    """
+    m = model if isinstance(model, ModelSpec) else ModelSpec.from_config(model)
+    blocks = [float(layer_forward_flops_per_token(m, bool(m.experts) and (i + 1) % m.moe_every == 0))
+              for i in range(m.layers)]
+    return (blocks, embedding_forward_flops_per_token(m),
+            logits_forward_flops_per_token(m) + loss_forward_flops_per_token(m))

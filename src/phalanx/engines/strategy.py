@@ -12,11 +12,11 @@ covers one device (``OneDeviceStrategy``), data parallelism on one host
 2. gradients are summed across replicas (``batch_reduce_to``);
 3. they are unscaled, their global norm is taken and clipped; a step whose norm is
    not finite (float16 overflow) changes nothing but the loss scale;
-4. AdamW (:mod:`phalanx.train.optim`) updates every copy of every variable.
+4. AdamW (:mod:`phalanx.core.optim`) updates every copy of every variable.
 
 Example:
     >>> from phalanx.config import Config
-    >>> from phalanx.train.task import GPTTask
+    >>> from phalanx.engines.task import GPTTask
     >>> cfg = Config().replace(model={"layers": 1, "d_model": 32, "heads": 2, "ffn": 64, "seq_len": 8},
     ...                        train={"global_batch": 4})
     >>> engine = StrategyEngine(cfg, GPTTask(cfg.model))
@@ -33,9 +33,13 @@ from typing import Protocol
 import numpy as np
 import tensorflow as tf
 
+from phalanx import checkpoint, prune
+from phalanx.cluster.strategies import local_strategy
 from phalanx.config import Config
-from phalanx.train import optim
-from phalanx.train.task import Task, rows, split_batch, take
+from phalanx.core import optim
+from phalanx.core.batch import rows, split_batch, take
+from phalanx.core.loss_scale import LossScale
+from phalanx.engines.task import Task
 
 
 class Engine(Protocol):
@@ -52,52 +56,12 @@ class Engine(Protocol):
     def num_params(self) -> int: ...
 
 
-class LossScale:
-    """Dynamic loss scaling state for float16 (a fixed 1.0 otherwise).
-
-    Variables live in the strategy scope so every replica reads the same scale.
-    """
-
-    def __init__(self, cfg: Config):
-        p = cfg.precision
-        self.dynamic = p.policy == "mixed_float16"
-        self.growth_interval = p.loss_scale_growth_interval
-        self.scale = tf.Variable(p.loss_scale_init if self.dynamic else 1.0, trainable=False,
-                                 dtype=tf.float32, name="loss_scale")
-        self.good_steps = tf.Variable(0, trainable=False, dtype=tf.int64, name="good_steps")
-        self.skipped = tf.Variable(0, trainable=False, dtype=tf.int64, name="skipped_steps")
-
-    def update(self, finite: tf.Tensor) -> None:
-        """Halve on overflow (and count the skip); double after ``growth_interval`` good steps."""
-        if not self.dynamic:
-            return
-        good = tf.where(finite, self.good_steps + 1, tf.zeros_like(self.good_steps))
-        grow = good >= self.growth_interval
-        new_scale = tf.where(finite, tf.where(grow, self.scale * 2.0, self.scale),
-                             tf.maximum(self.scale / 2.0, 1.0))
-        self.scale.assign(new_scale)
-        self.good_steps.assign(tf.where(grow, tf.zeros_like(good), good))
-        self.skipped.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
-
-    def state(self) -> dict[str, tf.Variable]:
-        return {"loss_scale/scale": self.scale, "loss_scale/good_steps": self.good_steps,
-                "loss_scale/skipped": self.skipped}
-
-
-def default_strategy(devices: list[str]) -> tf.distribute.Strategy:
-    """OneDeviceStrategy for one device, MirroredStrategy for several on this host."""
-    if len(devices) == 1:
-        return tf.distribute.OneDeviceStrategy(devices[0])
-    # Logical CPUs have no NCCL; a reduction to one device works everywhere.
-    return tf.distribute.MirroredStrategy(devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
-
-
 class StrategyEngine:
     """Data-parallel training step through a ``tf.distribute`` strategy."""
 
     def __init__(self, cfg: Config, task: Task, strategy: tf.distribute.Strategy | None = None):
         self.cfg, self.task = cfg, task
-        self.strategy = strategy or default_strategy(["/device:CPU:0"])
+        self.strategy = strategy or local_strategy(["/device:CPU:0"])
         self.dp = self.strategy.num_replicas_in_sync
         self.local_replicas = len(self.strategy.extended.worker_devices)
         self.accum = cfg.train.grad_accum
@@ -105,6 +69,8 @@ class StrategyEngine:
             self.model = task.build()
             self.variables = task.named_variables(self.model)
             self.names = list(self.variables)
+            # what the task's loss adds to on each replica's own copy (GPTTask: MoE statistics)
+            self.step_totals = list(getattr(task, "step_totals", lambda model: [])(self.model))
             self.m = {n: tf.Variable(tf.zeros_like(v), trainable=False, name=f"m/{n}")
                       for n, v in self.variables.items()}
             self.v = {n: tf.Variable(tf.zeros_like(v), trainable=False, name=f"v/{n}")
@@ -114,7 +80,6 @@ class StrategyEngine:
             # pruning masks (phalanx.prune), all ones until apply_masks; multiplied into every update
             self.masks = {}
             if cfg.train.prune.target > 0:
-                from phalanx import prune
                 self.masks = {n: tf.Variable(tf.ones_like(v), trainable=False, name=f"mask/{n}")
                               for n, v in self.variables.items() if prune.prunable(n)}
         self._train_fn = tf.function(self._train_step)
@@ -175,9 +140,21 @@ class StrategyEngine:
         scale = float(self.loss_scale.scale.numpy())
         return {n: np.asarray(tf.convert_to_tensor(g)) / scale for n, g in zip(self.names, grads)}
 
+    def _sum_step_totals(self) -> None:
+        """After a step's replicas each added their calls to their own copy of the step totals
+        (started at zero): every copy gets the sum, the whole batch's."""
+        if not self.step_totals or self.strategy.num_replicas_in_sync == 1:
+            return
+        copies = self.strategy.run(lambda: [tf.identity(v) for v in self.step_totals])
+        for var, copy in zip(self.step_totals, copies):
+            var.assign(self.strategy.reduce(tf.distribute.ReduceOp.SUM, copy, axis=None))
+
     def _train_step(self, batch):
         variables = [self.variables[n] for n in self.names]
+        for var in self.step_totals:
+            var.assign(tf.zeros(var.shape, var.dtype))
         grads, loss = self._reduced_grads(batch)
+        self._sum_step_totals()
         scale = self.loss_scale.scale.read_value()
         norm = optim.global_norm(grads) / scale
         finite = tf.math.is_finite(norm)
@@ -221,6 +198,13 @@ class StrategyEngine:
             state[f"optimizer/v/{n}"] = self.v[n]
         state.update(self.loss_scale.state())
         return state
+
+    def checkpoint_slots(self) -> list[checkpoint.ShardSet]:
+        """The state (weights, ``optimizer/m|v/*``, ``optimizer/step``, loss scale) as whole-variable
+        slots spread over a few shard sets (:func:`phalanx.checkpoint.variable_sets`): a save
+        reads, and a restore assigns, one variable at a time per writer thread, so the host
+        never holds the whole state (``state_dict`` does: for tests and tools)."""
+        return checkpoint.variable_sets(self._state_variables())
 
     def state_dict(self) -> dict[str, np.ndarray]:
         return {k: np.asarray(v.numpy()) for k, v in self._state_variables().items()}

@@ -1,0 +1,125 @@
+"""Config -> engine: the one place that decides which engine trains a model on a layout.
+
+The model code is written for one device; this step decides how it runs on the mesh
+(torchtitan's principle):
+
+* :func:`build_engine` is what ``phalanx train`` builds from a config (and a cluster
+  set up by :func:`phalanx.cluster.strategies.setup_cluster`): tf.distribute's
+  :class:`~phalanx.engines.strategy.StrategyEngine` for data parallelism (one device,
+  MirroredStrategy, MultiWorkerMirroredStrategy), the parameter-server engine, or the
+  mesh engine when tensor/pipeline parallelism, ZeRO or recomputation is asked for;
+* :func:`make_engine` applies a given mesh to a model from outside:
+
+  - the built-in GPT (a :class:`~phalanx.engines.task.GPTTask`, a ``gpt.GPT`` model or a
+    ``ModelConfig``) -> :class:`~phalanx.engines.mesh.MeshEngine`: tensor
+    parallelism over ``tensor``, pipeline over ``pipe``, replicas over ``data``, ZeRO
+    and recomputation from ``cfg.parallel``;
+  - a user's compiled ``keras.Model`` (with ``sample_batch``) ->
+    :class:`~phalanx.engines.keras_model.KerasModelEngine` (the model's own optimizer,
+    loss and metrics). :func:`phalanx.fit` does this for you.
+
+Example:
+    >>> from phalanx.config import Config
+    >>> from phalanx.mesh import Mesh
+    >>> from phalanx.engines.task import GPTTask
+    >>> cfg = Config().replace(model={"layers": 2, "d_model": 16, "heads": 2, "ffn": 32, "seq_len": 8},
+    ...                        train={"global_batch": 2})
+    >>> engine = make_engine(GPTTask(cfg.model), Mesh.from_devices(["/device:CPU:0"], 1, 1, 1), cfg)
+    >>> type(engine).__name__, engine.dp
+    ('MeshEngine', 1)
+"""
+
+from __future__ import annotations
+
+import keras
+
+from phalanx.engines.ps import ParameterServerEngine
+from phalanx.cluster.strategies import local_strategy, refuse_unhonoured
+from phalanx.config import Config, ConfigError, ModelConfig
+from phalanx.engines.keras_model import KerasModelEngine
+from phalanx.engines.keras_gpt import KerasGPTEngine, wants_keras_gpt
+from phalanx.engines.keras_gpt import refuse_unhonoured as keras_gpt_refusals
+from phalanx.engines.strategy import StrategyEngine
+from phalanx.engines.task import GPTTask, KerasTask
+from phalanx.mesh import Mesh, build_mesh
+from phalanx.models import gpt
+from phalanx.engines.mesh import MeshEngine
+
+
+def needs_mesh_engine(cfg: Config) -> bool:
+    """Whether ``cfg`` asks for anything only the mesh engine does."""
+    p = cfg.parallel
+    return p.tp > 1 or p.pp > 1 or p.zero > 0 or p.recompute != "none" or p.strategy == "mesh"
+
+
+def build_engine(cfg: Config, task, cluster=None):
+    """The engine ``phalanx train`` runs for ``cfg``: tf.distribute (dp only), parameter
+    servers, or the mesh engine. ``cluster``: what ``setup_cluster`` returned (None on one
+    process)."""
+    if cfg.parallel.sequence_parallel:
+        raise ConfigError("parallel.sequence_parallel", "true: the built-in GPT's engines do not run sequence "
+                                                        "parallelism yet; it runs for a Keras model built from "
+                                                        "phalanx.layers.TransformerBlock through phalanx.fit (tp > 1)")
+    if wants_keras_gpt(cfg):  # expert parallelism: the GPT of parallel Keras layers on the Keras-model engine
+        if cluster is not None or not isinstance(task, GPTTask):
+            raise ConfigError("parallel.ep", f"{cfg.parallel.ep}: phalanx train runs expert parallelism for the "
+                                             f"built-in GPT in one process; across workers or for another task, "
+                                             f"use parallel.ep=1 (a Keras model: phalanx.layers.MoE(ep=N) through "
+                                             f"phalanx.fit)")
+        keras_gpt_refusals(cfg)  # before the devices are touched
+        return KerasGPTEngine(cfg, task, build_mesh(cfg))
+    if getattr(cluster, "devices", None):  # cluster: a mesh whose devices span the workers
+        return make_mesh_engine(cfg, build_mesh(cfg, list(cluster.devices)), task)
+    if cluster is not None:  # a multi-process strategy, built first (cluster.strategies.setup_cluster)
+        refuse_unhonoured(cfg, cluster.name)  # (setup_cluster checked it too; a hand-made set-up may not)
+        if cluster.coordinator is not None:  # cluster: parameter servers, steps scheduled on the workers
+            return ParameterServerEngine(cfg, task, cluster.strategy, cluster.coordinator, cluster.info.num_workers)
+        return StrategyEngine(cfg, task, cluster.strategy)
+    refuse_unhonoured(cfg, cfg.parallel.strategy)  # e.g. an explicit "mirrored" with parallel.zero=1
+    mesh = build_mesh(cfg)
+    if mesh.tp > 1 or mesh.pp > 1 or needs_mesh_engine(cfg):  # (mesh: -1 degrees resolved)
+        return make_mesh_engine(cfg, mesh, task)
+    if cfg.parallel.microbatches != 1:
+        raise ConfigError("parallel.microbatches", f"{cfg.parallel.microbatches} splits a pipeline's batch, but "
+                                                   f"parallel.pp=1 trains without a pipeline; use train.grad_accum="
+                                                   f"{cfg.parallel.microbatches} to split each step's batch")
+    return StrategyEngine(cfg, task, local_strategy(mesh.devices))
+
+
+def make_mesh_engine(cfg: Config, mesh: Mesh, task):
+    """The mesh engine for ``task`` (GPTTask or KerasTask) on ``mesh``."""
+    if isinstance(task, GPTTask):
+        if task.cfg != cfg.model:
+            raise ConfigError("model", "the GPTTask's ModelConfig differs from cfg.model; build the task from cfg.model")
+        return MeshEngine(cfg, mesh, task)
+    if isinstance(task, KerasTask):
+        raise ConfigError("parallel.pp", "a Keras model trains on tensor/pipeline layouts through "
+                                         "phalanx.fit(model, x, y, ...) with its compiled optimizer; the "
+                                         "Trainer's KerasTask supports data parallelism only")
+    raise TypeError(f"make_mesh_engine takes a GPTTask, got {type(task).__name__}")
+
+
+def make_engine(model_or_task, mesh: Mesh, cfg: Config, sample_batch=None):
+    """An Engine that trains ``model_or_task`` on ``mesh`` as ``cfg.parallel`` says.
+
+    Accepts a GPTTask, ``ModelConfig``, ``gpt.GPT`` (its current weights are the starting
+    point) or a compiled ``keras.Model`` with ``sample_batch`` = one ``(x, y,
+    sample_weight)`` batch (its compiled optimizer, loss and metrics are used).
+    """
+    task = model_or_task
+    start = None
+    if isinstance(model_or_task, ModelConfig):
+        task = GPTTask(model_or_task, cfg.precision.policy, cfg.train.seed)
+    elif isinstance(model_or_task, gpt.GPT):
+        task = GPTTask(model_or_task.cfg, cfg.precision.policy, cfg.train.seed)
+        start = {n: v.numpy() for n, v in model_or_task.named_variables().items()}
+    elif isinstance(model_or_task, keras.Model):
+        if sample_batch is None:
+            raise ValueError("sample_batch: a Keras model needs one (x, y, sample_weight) batch to build its "
+                             "compiled loss, metrics and optimizer; or train it with phalanx.fit")
+        return KerasModelEngine(model_or_task, cfg, mesh, sample_batch)
+    engine = make_mesh_engine(cfg, mesh, task)
+    if start is not None:
+        for name, value in start.items():
+            engine.params.assign_logical(name, value)
+    return engine

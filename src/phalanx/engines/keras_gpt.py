@@ -1,0 +1,282 @@
+"""The built-in GPT config trained by :class:`~phalanx.engines.keras_model.KerasModelEngine`:
+what ``phalanx train`` runs for expert parallelism (``model.experts`` with ``parallel.ep > 1``).
+
+The model is :func:`phalanx.models.transformer.gpt` — the built-in GPT written from
+phalanx's parallel Keras layers, equal logits — with its experts cut into ``parallel.ep``
+shards, started from the same :func:`phalanx.models.gpt.initial_weights`. The Keras engine
+places it (expert shard ``j`` of each group of ``ep`` data replicas lives on that group's
+``j``-th replica; tokens travel to their experts and back), and runs the step: every replica's
+rows, ``train.grad_accum`` micro-batches, the loss ``mean token cross-entropy + the MoE
+balancing losses`` as the built-in task's. What makes it the trainer's run and not a Keras
+``fit``:
+
+* **the optimizer** is phalanx's: :class:`PhalanxAdamW`, a Keras optimizer whose ``apply`` is
+  the one AdamW apply (:func:`phalanx.core.optim.apply_adamw`) with the built-in decay mask
+  (:func:`phalanx.models.gpt.decays`), the trainer's learning-rate schedule, global-norm
+  clipping (``train.clip_norm``) and :class:`~phalanx.core.loss_scale.LossScale`
+  (``mixed_float16``), exactly as :class:`~phalanx.engines.strategy.StrategyEngine`;
+* **the state** has the built-in GPT's logical names (weights, ``optimizer/m/*``,
+  ``optimizer/v/*``, ``optimizer/step``, ``loss_scale/*``), whole tensors: a checkpoint written
+  here resumes on the one-device engine and back;
+* **the figures**: ``train_step`` returns ``loss``, ``grad_norm``, ``lr``, ``loss_scale`` and
+  ``skipped``; the MoE layers' step totals (all replicas and micro-batches) are on
+  ``model`` for :mod:`phalanx.train.moe_stats`.
+
+What it cannot honour is refused before anything is built (:func:`refuse_unhonoured`).
+
+Example:
+    >>> from phalanx.config import Config
+    >>> from phalanx.mesh import Mesh
+    >>> from phalanx.engines.task import GPTTask
+    >>> cfg = Config().replace(model={"layers": 2, "d_model": 16, "heads": 2, "ffn": 32, "seq_len": 8,
+    ...                               "experts": 2, "moe_every": 2}, train={"global_batch": 2})
+    >>> engine = KerasGPTEngine(cfg, GPTTask(cfg.model), Mesh.from_devices(["/device:CPU:0"], 1, 1, 1))
+    >>> import numpy as np
+    >>> sorted(engine.train_step(np.zeros([2, 9], np.int32)))
+    ['grad_norm', 'loss', 'loss_scale', 'lr', 'skipped']
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from phalanx import prune
+from phalanx.config import Config, ConfigError
+from phalanx.core import optim
+from phalanx.core.loss_scale import LossScale
+from phalanx.engines.keras_model import KerasModelEngine
+from phalanx.engines.task import GPTTask
+from phalanx.mesh import Mesh
+from phalanx.models import gpt as builtin
+from phalanx.models import transformer
+
+
+def wants_keras_gpt(cfg: Config) -> bool:
+    """Whether ``phalanx train`` runs ``cfg`` on :class:`KerasGPTEngine`: expert parallelism."""
+    return cfg.parallel.ep > 1
+
+
+def refuse_unhonoured(cfg: Config, mesh: Mesh | None = None) -> None:
+    """Raise :class:`ConfigError` naming the first key of ``cfg`` this engine would not honour,
+    or a layout that cannot exist, before anything is built."""
+    p, m = cfg.parallel, cfg.model
+    if not m.experts:
+        raise ConfigError("parallel.ep", f"{p.ep}: expert parallelism shards the experts of a mixture-of-experts "
+                                         f"model, and model.experts=0 (dense); set model.experts or parallel.ep=1")
+    if m.experts % p.ep:
+        divisors = [d for d in range(1, m.experts + 1) if m.experts % d == 0]
+        raise ConfigError("parallel.ep", f"{p.ep} does not divide model.experts={m.experts}: each of the ep shards "
+                                         f"holds experts/ep experts; pick ep from {divisors}")
+    dp = mesh.dp if mesh is not None else p.dp
+    if dp >= 1 and dp % p.ep:
+        raise ConfigError("parallel.ep", f"{p.ep} does not divide parallel.dp={dp}: experts are sharded over the "
+                                         f"data replicas in groups of ep")
+    why = "the expert-parallel GPT (parallel.ep > 1) trains through the Keras-model engine"
+    if p.zero:
+        raise ConfigError("parallel.zero", f"{p.zero}: {why}, whose AdamW states stay whole next to each weight "
+                                           f"(ZeRO shards the dense GPT's states on the mesh engine); use "
+                                           f"parallel.zero=0 with parallel.ep={p.ep}")
+    if p.recompute != "none":
+        raise ConfigError("parallel.recompute", f"{p.recompute!r}: {why}, which does not recompute activations; "
+                                                f"use parallel.recompute=none with parallel.ep={p.ep}")
+    if p.strategy not in ("auto", "mesh"):
+        raise ConfigError("parallel.strategy", f"{p.strategy!r}: {why}, which places the model on the devices "
+                                               f"itself (one process); use parallel.strategy=auto")
+    if p.tp > 1 or (mesh is not None and mesh.tp > 1):
+        raise ConfigError("parallel.tp", f"{p.tp}: {why}, and tensor x expert parallelism of phalanx train is not "
+                                         f"tested yet; use parallel.tp=1 with parallel.ep={p.ep}")
+    if p.pp > 1 or (mesh is not None and mesh.pp > 1):
+        raise ConfigError("parallel.pp", f"{p.pp}: {why}, and pipeline x expert parallelism of phalanx train is "
+                                         f"not tested yet; use parallel.pp=1 with parallel.ep={p.ep}")
+    if p.microbatches != 1:
+        raise ConfigError("parallel.microbatches", f"{p.microbatches} splits a pipeline's batch, but parallel.pp=1; "
+                                                   f"use train.grad_accum={p.microbatches} to split each step's batch")
+    if prune.enabled(cfg):
+        raise ConfigError("train.prune.target", f"{cfg.train.prune.target}: {why}, which has no pruning masks; "
+                                                f"prune with parallel.ep=1")
+
+
+class PhalanxAdamW(keras.optimizers.Optimizer):
+    """phalanx's AdamW step (:func:`phalanx.core.optim.apply_adamw`, the trainer's schedule,
+    clipping and loss scaling) as a Keras optimizer, so that a Keras-model engine applies it.
+
+    ``decays``: ``id(keras variable) -> bool``, whether weight decay applies (from the
+    logical name of the weight the variable holds a part of). Moments are float32
+    ``tf.Variable`` s next to each variable (``m``, ``v``, in ``build`` order); ``step``
+    counts applied updates (a step skipped on non-finite gradients does not count), as
+    ``optimizer/step`` of the other engines. ``last`` holds the figures of the last step.
+    """
+
+    def __init__(self, cfg: Config, decays: dict[int, bool], device: str, name: str = "phalanx_adamw"):
+        super().__init__(learning_rate=cfg.train.lr, name=name)
+        self.cfg, self._decays = cfg, decays
+        with tf.init_scope(), tf.device(device):
+            self.step = tf.Variable(0, trainable=False, dtype=tf.int64, name="optimizer_step")
+            self.loss_scale = LossScale(cfg)
+            self.last = {key: tf.Variable(0.0, trainable=False, dtype=tf.float32, name=f"last_{key}")
+                         for key in ("grad_norm", "lr", "loss_scale", "skipped")}
+        self.m: list[tf.Variable] = []
+        self.v: list[tf.Variable] = []
+
+    def build(self, variables):
+        super().build(variables)
+        missing = [v.path for v in variables if id(v) not in self._decays]
+        if missing:
+            raise ValueError(f"PhalanxAdamW: no decay flag for {missing[:3]}: built for another model")
+        for var in variables:
+            with tf.init_scope(), tf.device(var.value.device):
+                name = var.path.replace("/", "_")
+                self.m.append(tf.Variable(tf.zeros(var.shape, tf.float32), trainable=False, name=f"m_{name}"))
+                self.v.append(tf.Variable(tf.zeros(var.shape, tf.float32), trainable=False, name=f"v_{name}"))
+
+    def scale_loss(self, loss):
+        return loss * self.loss_scale.scale.read_value()
+
+    def apply(self, grads, trainable_variables=None):
+        variables = self._trainable_variables if trainable_variables is None else list(trainable_variables)
+        if [id(v) for v in variables] != [id(v) for v in self._trainable_variables]:
+            raise ValueError("PhalanxAdamW.apply: takes the gradients of every variable it was built for, in order")
+        dense = []
+        for var, grad in zip(variables, grads):
+            with tf.device(var.value.device):  # an unused weight (None) still decays and moves with its moments
+                dense.append(tf.zeros(var.shape, tf.float32) if grad is None
+                             else tf.cast(tf.convert_to_tensor(grad), tf.float32))
+        t = self.cfg.train
+        scale = self.loss_scale.scale.read_value()
+        norm = optim.global_norm(dense) / scale
+        finite = tf.math.is_finite(norm)
+        factor = optim.clip_factor(norm, t.clip_norm) / scale
+        lr = optim.learning_rate(self.step, t)
+        count = self.step + 1
+        for var, grad, m, v in zip(variables, dense, self.m, self.v):
+            with tf.device(var.value.device):
+                optim.apply_adamw(var.value, m, v, grad, step=count, lr=lr, factor=factor, finite=finite, cfg=t,
+                                  decay=self._decays[id(var)])
+        self.step.assign_add(tf.cast(finite, tf.int64))
+        self.loss_scale.update(finite)
+        for key, value in (("grad_norm", norm), ("lr", lr), ("loss_scale", scale),
+                           ("skipped", 1.0 - tf.cast(finite, tf.float32))):
+            self.last[key].assign(tf.cast(value, tf.float32))
+
+
+class _Converter:
+    """Moves per-variable arrays of the Keras GPT (weights, or AdamW moments: element-wise, so
+    laid out as the weights) to and from the built-in GPT's logical names, through a second
+    model of the same layout and :func:`~phalanx.models.transformer.gpt_weights` /
+    :func:`~phalanx.models.transformer.load_gpt_weights` (the one definition of the mapping)."""
+
+    def __init__(self, cfg: Config, model, ep: int):
+        self.model = transformer.gpt(cfg.model, tp=1, ep=ep, seed=None, name="converter")
+        self.variables = list(self.model.trainable_variables)
+        ours = list(model.trainable_variables)
+        if [tuple(v.shape) for v in ours] != [tuple(v.shape) for v in self.variables]:
+            raise ValueError("keras_gpt: the converter model's variables do not line up with the model's")
+
+    def to_logical(self, arrays: list[np.ndarray]) -> dict[str, np.ndarray]:
+        for var, value in zip(self.variables, arrays):
+            var.assign(value)
+        return transformer.gpt_weights(self.model)
+
+    def from_logical(self, tensors: dict[str, np.ndarray]) -> list[np.ndarray]:
+        transformer.load_gpt_weights(self.model, tensors)
+        return [np.asarray(v.numpy()) for v in self.variables]
+
+
+class KerasGPTEngine:
+    """The built-in GPT (``cfg.model``) with experts sharded over ``parallel.ep``, trained by
+    :class:`KerasModelEngine` on ``mesh`` with phalanx's AdamW (module docstring)."""
+
+    def __init__(self, cfg: Config, task: GPTTask, mesh: Mesh):
+        if not isinstance(task, GPTTask):
+            raise TypeError(f"KerasGPTEngine trains the built-in GPT (a GPTTask), got {type(task).__name__}")
+        if task.cfg != cfg.model:
+            raise ConfigError("model", "the GPTTask's ModelConfig differs from cfg.model; build the task from "
+                                       "cfg.model")
+        refuse_unhonoured(cfg, mesh)
+        self.cfg, self.task, self.mesh = cfg, task, mesh
+        self.dp, self.ep = mesh.dp, cfg.parallel.ep
+        self.n_devices = len(mesh.devices)
+        self.names = list(builtin.weight_shapes(cfg.model))
+        self.model = transformer.gpt(cfg.model, tp=1, ep=self.ep, seed=task.seed, dtype_policy=task.dtype_policy)
+        self._convert = _Converter(cfg, self.model, self.ep)
+        flags = self._convert.from_logical({n: np.full(s, float(builtin.decays(n)), np.float32)
+                                            for n, s in builtin.weight_shapes(cfg.model).items()})
+        decays = {}
+        for var, flag in zip(self.model.trainable_variables, flags):
+            if flag.size and flag.min() != flag.max():
+                raise ValueError(f"keras_gpt: {var.path} holds parts of weights with and without decay")
+            decays[id(var)] = bool(flag.size and flag.flat[0] > 0)
+        self.optimizer = PhalanxAdamW(cfg, decays, mesh.device(0, 0, 0))
+        self.loss_scale = self.optimizer.loss_scale
+        self.model.compile(optimizer=self.optimizer,
+                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        # Keras wraps any optimizer in its LossScaleOptimizer under mixed_float16; this one scales
+        # the loss itself (phalanx's LossScale, the other engines' state and checkpoint names).
+        self.model.optimizer = self.optimizer
+        tokens = np.zeros([cfg.train.global_batch, cfg.model.seq_len], np.int32)
+        self.engine = KerasModelEngine(self.model, cfg, mesh, (tokens, tokens, None))
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _xy(batch):
+        batch = tf.convert_to_tensor(batch)
+        return batch[:, :-1], batch[:, 1:], None
+
+    def train_step(self, batch) -> dict[str, tf.Tensor]:
+        """One step on a global batch ``[b, seq_len + 1]`` of token ids."""
+        loss = self.engine.train_step(self._xy(batch))["loss"]
+        out = {key: tf.identity(var) for key, var in self.optimizer.last.items()}
+        out["loss"] = loss
+        return out
+
+    def eval_step(self, batch) -> tf.Tensor:
+        return self.engine.test_step(self._xy(batch))["loss"]
+
+    # -- state ------------------------------------------------------------------------------
+
+    def _moments(self, slots: list[tf.Variable]) -> dict[str, np.ndarray]:
+        return self._convert.to_logical([s.numpy() for s in slots])
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        state = transformer.gpt_weights(self.model)
+        state["optimizer/step"] = np.asarray(self.optimizer.step.numpy())
+        m, v = self._moments(self.optimizer.m), self._moments(self.optimizer.v)
+        for n in self.names:
+            state[f"optimizer/m/{n}"], state[f"optimizer/v/{n}"] = m[n], v[n]
+        state.update({k: np.asarray(var.numpy()) for k, var in self.loss_scale.state().items()})
+        return state
+
+    def load_state_dict(self, state) -> None:
+        wanted = list(self.names) + ["optimizer/step"] + [f"optimizer/{s}/{n}" for s in "mv" for n in self.names] + \
+            list(self.loss_scale.state())
+        missing = [k for k in wanted if k not in state]
+        if missing:
+            raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}; "
+                           f"was it written for a different model?")
+        shapes = builtin.weight_shapes(self.cfg.model)
+        values = {}
+        for key in wanted:
+            value = np.asarray(state[key])
+            logical = key.rsplit("optimizer/m/", 1)[-1].rsplit("optimizer/v/", 1)[-1]
+            if logical in shapes and tuple(value.shape) != shapes[logical]:
+                raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(value.shape)}, the model expects "
+                                 f"{shapes[logical]}: a different model config?")
+            values[key] = value
+        transformer.load_gpt_weights(self.model, {n: values[n].astype(np.float32) for n in self.names})
+        self.engine.sync_copies()
+        for prefix, slots in (("optimizer/m/", self.optimizer.m), ("optimizer/v/", self.optimizer.v)):
+            arrays = self._convert.from_logical({n: values[prefix + n].astype(np.float32) for n in self.names})
+            for slot, array in zip(slots, arrays):
+                slot.assign(array)
+        self.optimizer.step.assign(int(values["optimizer/step"]))
+        for key, var in self.loss_scale.state().items():
+            var.assign(values[key].astype(var.dtype.as_numpy_dtype))
+
+    def num_params(self) -> int:
+        return builtin.num_params(self.cfg.model)
+
+    def weights(self) -> dict[str, np.ndarray]:
+        return transformer.gpt_weights(self.model)

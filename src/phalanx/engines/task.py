@@ -1,0 +1,170 @@
+"""What is trained: a model, its named variables, its loss on a batch.
+
+The engines are written against :class:`Task`, so the built-in GPT and any user
+Keras 3 model (Sequential, Functional or subclassed, with a Keras loss) train
+through the same loop.
+
+Example:
+    >>> import keras, numpy as np
+    >>> task = KerasTask(lambda: keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]),
+    ...                  keras.losses.MeanSquaredError())
+    >>> model = task.build()
+    >>> float(task.loss(model, (np.ones([4, 3], "float32"), np.zeros([4, 1], "float32")))) >= 0
+    True
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+import tensorflow as tf
+
+from phalanx.config import ModelConfig
+from phalanx.core import costs
+from phalanx.models import gpt
+
+
+class Task(Protocol):
+    def build(self) -> Any:
+        """Create the model's variables (called inside the engine's strategy scope)."""
+
+    def named_variables(self, model) -> dict[str, tf.Variable]:
+        """Logical name -> trainable variable (the names checkpoints use)."""
+
+    def loss(self, model, batch, training: bool = False) -> tf.Tensor:
+        """Mean loss over the batch, float32 scalar."""
+
+    def decays(self, name: str) -> bool:
+        """Whether AdamW weight decay applies to the named variable."""
+
+    def flops_per_example(self) -> float:
+        """Training FLOPs (forward + backward) per example, for MFU; 0 if unknown."""
+
+    def tokens_per_example(self) -> int:
+        """Tokens (or samples) an example counts as, for throughput."""
+
+
+def call_with_losses(model, inputs, training: bool = False):
+    """``model(inputs)`` and the float32 sum of the losses its layers added in this call.
+
+    Under tf.distribute every replica calls the same layer objects at once (a thread each),
+    so the losses a layer keeps for ``model.losses`` may be another replica's (measured: a
+    dp2 MoE GPT step's loss 13% above the mean of the replicas' own). A Keras
+    ``StatelessScope`` collects this call's own; it also holds the call's variable updates
+    (MoE statistics, dropout seeds) back, and they are applied after it, each to this
+    replica's copy (:func:`_assign_here`).
+
+    Example:
+        >>> import keras, numpy as np
+        >>> from phalanx.layers import MoE
+        >>> x, moe = keras.Input((4, 8)), MoE(num_experts=4, hidden_dim=8, aux_loss_coef=0.5)
+        >>> model = keras.Model(x, moe(x))
+        >>> y, aux = call_with_losses(model, np.ones([2, 4, 8], "float32"), training=True)
+        >>> bool(np.isclose(float(aux), 0.5 * float(moe.balance.numpy())))  # the call's balancing loss
+        True
+    """
+    import keras  # the scope is Keras's; TensorFlow is already loaded
+
+    with keras.StatelessScope(collect_losses=True, initialize_variables=False) as scope:
+        outputs = model(inputs, training=training)
+    updates = [(v, scope.get_current_value(v)) for v in model.variables]
+    updates = [(v, value) for v, value in updates if value is not None]
+    if len(updates) != len(scope.state_mapping):
+        raise RuntimeError(f"{model.name}: {len(scope.state_mapping) - len(updates)} variable updates of the call "
+                           f"are on variables model.variables does not list; they cannot be applied")
+    for variable, value in updates:
+        _assign_here(variable, value)
+    losses = [tf.cast(loss, tf.float32) for loss in scope.losses]
+    return outputs, tf.add_n(losses) if losses else tf.zeros([], tf.float32)
+
+
+def _assign_here(variable, value) -> None:
+    """Assign a (Keras) variable's copy on this replica only. An aggregated write (MoE's
+    statistics are ``only_first_replica``) is a cross-replica synchronisation, which
+    TensorFlow refuses inside the engine's micro-batch loop (``merge_call`` in control flow)
+    and which would keep replica 0's value alone; each replica writes its own copy instead,
+    and the engine sums the step totals' copies after the step (:meth:`GPTTask.step_totals`)."""
+    var = variable.value if hasattr(variable, "value") and isinstance(variable.value, tf.Variable) else variable
+    if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context() \
+            and hasattr(var, "_get_on_device_or_primary"):  # a distributed variable: this replica's copy
+        var = var._get_on_device_or_primary()
+    var.assign(tf.cast(value, var.dtype))
+
+
+class GPTTask:
+    """The built-in GPT on int32 batches ``[b, seq_len + 1]``."""
+
+    def __init__(self, cfg: ModelConfig, dtype_policy: str = "float32", seed: int = 0):
+        self.cfg, self.dtype_policy, self.seed = cfg, dtype_policy, seed
+
+    def build(self):
+        model = gpt.GPT(self.cfg, self.dtype_policy)
+        # one tensor at a time (the values of gpt.initial_weights, drawn in seeded tiles): the
+        # host never holds the whole initial model
+        init = gpt.initializer(self.cfg, self.seed)
+        for name, var in model.named_variables().items():
+            var.assign(init(name))
+        return model
+
+    def named_variables(self, model) -> dict[str, tf.Variable]:
+        return model.named_variables()
+
+    def loss(self, model, batch, training: bool = False) -> tf.Tensor:
+        """Mean token cross-entropy, plus for an MoE GPT the balancing losses of this call
+        (this replica's rows: :func:`call_with_losses`)."""
+        if not self.cfg.experts:
+            return gpt.lm_loss(model(batch[:, :-1], training=training), batch[:, 1:])
+        logits, balancing = call_with_losses(model, batch[:, :-1], training)
+        return gpt.lm_loss(logits, batch[:, 1:]) + balancing
+
+    def decays(self, name: str) -> bool:
+        return gpt.decays(name)
+
+    def step_totals(self, model) -> list:
+        """The variables :meth:`loss` adds to on each replica's own copy: the MoE layers'
+        statistics totals (:meth:`phalanx.layers.MoE.statistics_totals`). The engine starts
+        them at zero every step and sums the copies after it, so that they hold the whole
+        batch's (what :mod:`phalanx.train.moe_stats` reads); empty for a dense GPT."""
+        return [v for block in model.blocks if block.moe is not None for v in block.moe.statistics_totals()]
+
+    def flops_per_example(self) -> float:
+        return costs.gpt_training_flops_per_token(self.cfg) * self.cfg.seq_len
+
+    def tokens_per_example(self) -> int:
+        return self.cfg.seq_len
+
+
+class KerasTask:
+    """Any Keras 3 model with a Keras loss, on ``(x, y)`` batches.
+
+    ``model_fn`` builds the model (it is called inside the strategy scope, so the
+    variables land on the right devices). Weights are named by their Keras path.
+    """
+
+    def __init__(self, model_fn: Callable[[], Any], loss_fn: Callable, sample_input=None):
+        self.model_fn, self.loss_fn, self.sample_input = model_fn, loss_fn, sample_input
+
+    def build(self):
+        model = self.model_fn()
+        if not model.built and self.sample_input is not None:
+            model(self.sample_input)
+        return model
+
+    def named_variables(self, model) -> dict[str, tf.Variable]:
+        names = {}
+        for v in model.trainable_variables:
+            names[v.path] = v.value if hasattr(v, "value") else v
+        return names
+
+    def loss(self, model, batch, training: bool = False) -> tf.Tensor:
+        x, y = batch
+        return tf.cast(self.loss_fn(y, model(x, training=training)), tf.float32)
+
+    def decays(self, name: str) -> bool:
+        return name.endswith("kernel") or name.endswith("embeddings")
+
+    def flops_per_example(self) -> float:
+        return 0.0
+
+    def tokens_per_example(self) -> int:
+        return 1

@@ -1,0 +1,219 @@
+"""``phalanx train`` with expert parallelism (issue 11's "Done when"): the MoE GPT of
+configs/moe.yaml at dp4 x ep2 on 4 logical CPUs, against the run of the same config on the
+built-in GPT's own engine (the oracle: a different model implementation, optimizer loop and
+engine), checkpoints that cross between the two, and the refusals.
+
+The balancing loss is a product of two means over the tokens a replica sees (Switch eq. 4),
+so with ``aux_loss_coef > 0`` a data-parallel run (ep or not) balances each replica's rows and
+its loss is not the one-device loss of the whole batch (7e-4 relative apart after 6 steps
+here). Hence: without the balancing loss, dp4 x ep2 = one device; with it (moe.yaml's 0.01),
+dp4 x ep2 = one device with ``train.grad_accum=4``, whose four micro-batches are the four
+replicas' rows, each balanced by itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from phalanx.cli import main
+from phalanx.config import ConfigError, load_config
+from phalanx.train.progress import read_metrics
+
+CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "moe.yaml")
+EP2 = ["parallel.devices=cpu:4", "parallel.dp=4", "parallel.ep=2"]
+ONE = ["parallel.devices=cpu:1", "parallel.dp=1", "parallel.ep=1"]
+STEPS = 6
+
+
+def small(tmp: Path, run: str, steps: int = STEPS, aux: float = 0.0) -> list[str]:
+    """configs/moe.yaml made small and quick: 8 experts top-2 as there, no token dropped
+    (capacity_factor 0), dropout 0, float32, clipping active (a clip_norm below the
+    gradients' norm), a high learning rate so the loss falls within a few steps, constant after
+    one warm-up step (min_lr_ratio 1: a run of 3 steps resumed to 6 has the 6-step schedule)."""
+    return ["model.layers=2", "model.d_model=32", "model.heads=2", "model.ffn=32", "model.seq_len=16",
+            "train.global_batch=8", f"train.steps={steps}", "train.lr=1e-2", "train.warmup=1",
+            "train.min_lr_ratio=1", "train.clip_norm=0.5", "train.log_every=1", "train.eval_every=0",
+            "checkpoint.every=3", f"model.aux_loss_coef={aux}", "precision.policy=float32",
+            "data.max_bytes=200000", f"data.cache_dir={tmp / 'cache'}", f"run.dir={tmp / run}"]
+
+
+def train(tmp: Path, run: str, layout: list[str], steps: int = STEPS, aux: float = 0.0) -> list[dict]:
+    assert main(["train", CONFIG, "--quiet", *small(tmp, run, steps, aux), *layout]) == 0
+    return read_metrics(tmp / run)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The one-device run and the Done-when layout (dp4 x ep2), STEPS steps each, without the
+    balancing loss."""
+    tmp = tmp_path_factory.mktemp("moe_train")
+    return tmp, train(tmp, "one", ONE), train(tmp, "ep2", EP2)
+
+
+def test_done_when_command_trains_and_equals_the_one_device_run(runs):
+    tmp, one, ep2 = runs
+    losses = [r["loss"] for r in ep2]
+    assert [r["step"] for r in ep2] == list(range(1, STEPS + 1))
+    assert losses[-1] < losses[0] - 0.3, losses                       # it learns
+    np.testing.assert_allclose(losses, [r["loss"] for r in one], rtol=1e-4)
+    # the optimizer's figures are phalanx's: the same schedule, clipped norm and loss scale
+    for key in ("lr", "grad_norm", "loss_scale", "skipped"):
+        np.testing.assert_allclose([r[key] for r in ep2], [r[key] for r in one], rtol=1e-4, err_msg=key)
+    assert max(r["grad_norm"] for r in ep2) > 0.5                     # train.clip_norm=0.5 clipped
+    for row in ep2:                                                   # MoE figures of the whole step
+        assert row["moe_dropped"] == 0.0 and row["moe_aux_loss"] == 0.0
+        assert row["moe_load_min"] <= 1.0 <= row["moe_load_max"]
+    import json
+    layout = json.loads((tmp / "ep2" / "checkpoints" / f"step-{STEPS:08d}" / "meta.json").read_text())["layout"]
+    assert layout["engine"] == "KerasGPTEngine" and layout["dp"] == 4
+
+
+def test_phalanx_eval_reads_an_ep2_run_on_one_device(runs, capsys):
+    import json
+
+    tmp = runs[0]
+    results = {}
+    for run in ("one", "ep2"):
+        capsys.readouterr()
+        assert main(["eval", str(tmp / run), "--json", "train.eval_batches=2"]) == 0
+        results[run] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert results["ep2"]["step"] == STEPS
+    assert results["ep2"]["eval_loss"] == pytest.approx(results["one"]["eval_loss"], rel=1e-4)
+
+
+def test_the_docstring_example_runs():
+    import doctest
+
+    from phalanx.engines import keras_gpt
+    assert doctest.testmod(keras_gpt).failed == 0
+
+
+@pytest.mark.slow
+def test_with_the_balancing_loss_ep2_equals_one_device_balancing_each_replicas_rows(runs):
+    """moe.yaml's aux_loss_coef=0.01: dp4 x ep2 against one device with 4 micro-batches."""
+    tmp = runs[0]
+    ep2 = train(tmp, "ep2_aux", EP2, aux=0.01)
+    accum = train(tmp, "accum_aux", ONE + ["train.grad_accum=4"], aux=0.01)
+    losses = [r["loss"] for r in ep2]
+    assert losses[-1] < losses[0] - 0.3, losses
+    np.testing.assert_allclose(losses, [r["loss"] for r in accum], rtol=1e-4)
+    for row in ep2:
+        assert row["moe_dropped"] == 0.0
+        assert row["moe_balance"] >= 1.0 - 1e-6                     # E x sum f_e P_e, 1 when uniform
+        assert row["moe_aux_loss"] == pytest.approx(0.01 * row["moe_balance"], rel=1e-5)  # one MoE block
+
+
+@pytest.mark.slow
+def test_a_checkpoint_crosses_between_ep2_and_one_device(runs):
+    """ep2 for 3 steps, resumed on one device (the built-in engine) for 3 more, and the
+    reverse: the losses of an uninterrupted one-device run (names and values cross)."""
+    tmp, one, _ = runs
+    uninterrupted = [r["loss"] for r in one]
+    for name, first, second in (("ep2_then_one", EP2, ONE), ("one_then_ep2", ONE, EP2)):
+        head = train(tmp, name, first, steps=3)
+        tail = train(tmp, name, second)
+        assert [r["step"] for r in tail] == list(range(1, STEPS + 1))  # metrics.jsonl: both runs' rows
+        np.testing.assert_allclose([r["loss"] for r in tail], uninterrupted, rtol=1e-4, err_msg=name)
+        assert len(head) == 3
+
+
+def test_the_engine_state_has_the_builtin_names_and_moments(devices):
+    """The state of the ep2 engine: the built-in engine's names and shapes, and after the same
+    steps its values (weights and AdamW moments, whole experts joined from the shards)."""
+    from phalanx.cluster.strategies import local_strategy
+    from phalanx.engines.factory import build_engine
+    from phalanx.engines.keras_gpt import KerasGPTEngine
+    from phalanx.engines.strategy import StrategyEngine
+    from phalanx.engines.task import GPTTask
+
+    cfg = load_config(None, ["model.layers=2", "model.d_model=16", "model.heads=2", "model.ffn=16",
+                             "model.seq_len=8", "model.experts=4", "model.moe_every=1", "train.global_batch=4",
+                             "train.lr=1e-2", "train.warmup=1", "precision.policy=float32",
+                             "model.aux_loss_coef=0", "parallel.devices=cpu:2", "parallel.dp=2", "parallel.ep=2"])
+    rng = np.random.default_rng(1)
+    batches = [rng.integers(0, 256, (4, 9)).astype("int32") for _ in range(3)]
+    ours = build_engine(cfg, GPTTask(cfg.model, "float32", cfg.train.seed))
+    assert isinstance(ours, KerasGPTEngine) and ours.dp == 2 and ours.num_params() == sum(
+        int(np.prod(v.shape)) for v in ours.model.trainable_variables)
+    ref = StrategyEngine(cfg, GPTTask(cfg.model, "float32", cfg.train.seed), local_strategy(devices[:1]))
+    for b in batches:
+        ours.train_step(b)
+        ref.train_step(b)
+    mine, want = ours.state_dict(), ref.state_dict()
+    assert sorted(mine) == sorted(want)
+    for name in want:  # absolute slack at the tensor's scale: a key bias's gradient is round-off (softmax
+        # ignores it), and so are its few-1e-6 values; a wrong mapping is off at the scale itself
+        scale = float(np.max(np.abs(want[name]))) if np.size(want[name]) else 0.0
+        np.testing.assert_allclose(mine[name], want[name], rtol=2e-4, atol=5e-4 * scale + 1e-12, err_msg=name)
+    # loading a state moves every value, moments and step included, into the shards
+    ref.train_step(batches[0])
+    ours.load_state_dict(ref.state_dict())
+    again = ours.state_dict()
+    for name, value in ref.state_dict().items():
+        np.testing.assert_array_equal(again[name], value, err_msg=name)
+    with pytest.raises(KeyError, match="lacks"):
+        ours.load_state_dict({k: v for k, v in want.items() if k != "optimizer/step"})
+
+
+@pytest.mark.parametrize("extra,key", [
+    (["parallel.zero=1"], "parallel.zero"),
+    (["parallel.recompute=full"], "parallel.recompute"),
+    (["parallel.strategy=mirrored"], "parallel.strategy"),
+    (["parallel.tp=2", "parallel.devices=cpu:8"], "parallel.tp"),
+    (["parallel.pp=2", "parallel.devices=cpu:8"], "parallel.pp"),
+    (["parallel.microbatches=2"], "parallel.microbatches"),
+    (["train.prune.target=0.5"], "train.prune.target"),
+    (["model.experts=0"], "parallel.ep.*model.experts=0"),
+    (["model.experts=6", "parallel.ep=4", "parallel.devices=cpu:4"], "parallel.ep.*divide model.experts=6"),
+])
+def test_what_the_expert_parallel_engine_cannot_honour_is_refused(extra, key):
+    from phalanx.engines.factory import build_engine
+    from phalanx.engines.task import GPTTask
+
+    cfg = load_config(None, ["model.experts=4", "model.moe_every=1", "model.layers=2", "train.global_batch=8",
+                             "parallel.devices=cpu:4", "parallel.dp=4", "parallel.ep=2", *extra])
+    with pytest.raises(ConfigError, match=key):
+        build_engine(cfg, GPTTask(cfg.model))
+
+
+def test_impossible_expert_layouts_are_config_errors():
+    from phalanx.engines.factory import build_engine
+    from phalanx.engines.task import GPTTask, KerasTask
+
+    with pytest.raises(ConfigError, match=r"parallel.ep.*does not divide parallel.dp=2"):
+        load_config(None, ["model.experts=4", "parallel.dp=2", "parallel.ep=4"])
+    cfg = load_config(None, ["model.experts=4", "model.layers=2", "parallel.devices=cpu:2", "parallel.dp=2",
+                             "parallel.ep=2"])
+    with pytest.raises(ConfigError, match="parallel.ep.*one process"):
+        build_engine(cfg, GPTTask(cfg.model), cluster=object())      # across workers: not yet
+    with pytest.raises(ConfigError, match="parallel.ep.*one process"):
+        build_engine(cfg, KerasTask(lambda: None, None))
+
+
+def test_mixed_float16_loss_scale_skips_and_halves_as_the_builtin_engine(devices):
+    """An overflowing loss scale (1e30 x the loss in float16): every step is skipped, the scale
+    halves, the optimizer step (and so the learning rate) stays, as on the built-in engine."""
+    from phalanx.cluster.strategies import local_strategy
+    from phalanx.engines.factory import build_engine
+    from phalanx.engines.strategy import StrategyEngine
+    from phalanx.engines.task import GPTTask
+
+    cfg = load_config(None, ["model.layers=2", "model.d_model=32", "model.heads=2", "model.ffn=32",
+                             "model.seq_len=16", "model.experts=4", "model.moe_every=2", "train.global_batch=8",
+                             "precision.policy=mixed_float16", "precision.loss_scale_init=1e30", "train.warmup=4",
+                             "parallel.devices=cpu:2", "parallel.dp=2", "parallel.ep=2"])
+    ours = build_engine(cfg, GPTTask(cfg.model, cfg.precision.policy, cfg.train.seed))
+    ref = StrategyEngine(cfg, GPTTask(cfg.model, cfg.precision.policy, cfg.train.seed), local_strategy(devices[:1]))
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        batch = rng.integers(0, 256, (8, 17)).astype("int32")
+        a, b = ours.train_step(batch), ref.train_step(batch)
+        for key in ("skipped", "loss_scale", "lr"):
+            assert float(a[key]) == pytest.approx(float(b[key]), rel=1e-6), key
+        assert float(a["skipped"]) == 1.0
+        assert float(a["loss"]) == pytest.approx(float(b["loss"]), rel=1e-3)  # float16 compute, two models
+    state = ours.state_dict()
+    assert int(state["loss_scale/skipped"]) == 3 and int(state["optimizer/step"]) == 0
+    assert float(state["loss_scale/scale"]) == pytest.approx(1e30 / 8, rel=1e-6)
