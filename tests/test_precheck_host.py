@@ -75,10 +75,37 @@ def test_the_tf_distribute_engine_moves_one_variable_at_a_time():
     text = str(err.value)
     assert "the host needs 18.75 GiB" in text and "largest variable 0.78 GiB" in text, text
     assert "8 thread(s)" in text, text
-    # pruning masks are still saved whole: that needs the whole weights' size besides
+    # pruning masks are variables of the state, saved one at a time like the weights: no
+    # whole-mask term; the same 8 threads, each holding the largest variable
     pruned = big("parallel.devices=gpu:1", "train.prune.target=0.5")
-    with pytest.raises(ConfigError, match="whole pruning masks"):
-        precheck.check_fits(pruned, device_memory_bytes=ROOMY_GPU, host_memory_bytes=host)
+    assert precheck.host_peak(pruned, dp=1, pp=1, tp=1, devices=1)[0] == peak
+    precheck.check_fits(pruned, device_memory_bytes=ROOMY_GPU, host_memory_bytes=host)
+
+
+def test_pruning_masks_add_to_the_state_the_writer_threads_share():
+    """Masks (one element per pruned weight element) only count in the state's bytes, which
+    set the thread count: a dense state just under 64 MiB is one thread; with masks, two."""
+    small = ["model.layers=6", "model.d_model=256", "model.heads=4", "model.ffn=1024", "model.vocab=2048",
+             "parallel.devices=gpu:1"]
+    dense, pruned = load_config(None, small), load_config(None, [*small, "train.prune.target=0.5"])
+    spec = ModelSpec.from_config(dense.model)
+    assert 12 * param_count(spec) < 64 * 2**20 < 12 * param_count(spec) + 4 * precheck.pruned_elements(spec)
+    one, _ = precheck.host_peak(dense, dp=1, pp=1, tp=1, devices=1)
+    two, what = precheck.host_peak(pruned, dp=1, pp=1, tp=1, devices=1)
+    assert two == 2 * one and "2 thread(s)" in what and "pruning masks" in what
+
+
+@pytest.mark.parametrize("overrides", [[], ["model.experts=2", "model.moe_every=2"],
+                                       ["model.tie_embeddings=false"]])
+def test_the_planner_counts_the_weights_the_pruner_masks(overrides):
+    from phalanx import prune
+    from phalanx.models import gpt
+
+    cfg = load_config(None, ["model.layers=2", "model.d_model=32", "model.heads=2", "model.ffn=64",
+                             "model.seq_len=8", *overrides])
+    weights = gpt.initial_weights(cfg.model, 0)
+    want = sum(int(w.size) for name, w in weights.items() if prune.prunable(name))
+    assert precheck.pruned_elements(ModelSpec.from_config(cfg.model)) == want
 
 
 @pytest.mark.parametrize("overrides", [[], ["parallel.dp=2"], ["parallel.tp=2"], ["parallel.pp=2"],
@@ -155,38 +182,49 @@ def _peak_and_held(fn, runs: int = 2) -> tuple[int, int]:
 
 
 def test_the_host_figure_bounds_what_a_real_strategy_engine_holds(devices, tmp_path):
-    """Initialisation, save and restore of a dp=2 MirroredStrategy engine whose largest
-    variable (the 1 MiB token embedding) is a tenth of its weights: the host transient (NumPy
-    peak less what the variables keep as their storage) <= the pre-check's figure <= 4 x the
-    largest measured peak; each peak a small multiple of the largest variable and under half
-    the whole weights (before: 1x the weights to initialise, 3.2x to save, 2.5x to restore)."""
+    """Initialisation, a pruning mask update, save and restore (masks included) of a dp=2
+    MirroredStrategy engine whose largest variable (the 1 MiB token embedding) is a tenth of its
+    weights: the host transient (NumPy peak less what the variables keep as their storage) <=
+    the pre-check's figure <= 4 x the largest measured peak; each peak a small multiple of the
+    largest variable and under half the whole weights (before: 1x the weights to initialise,
+    3.2x to save, 2.5x to restore; with pruning masks saved whole, ~0.9x the weights more)."""
     import numpy as np
 
-    from phalanx import checkpoint
+    from phalanx import checkpoint, prune
     from phalanx.cluster.strategies import local_strategy
     from phalanx.engines.strategy import StrategyEngine
     from phalanx.engines.task import GPTTask
     from phalanx.models import gpt
 
     overrides = ["model.layers=12", "model.d_model=128", "model.heads=4", "model.ffn=512", "model.vocab=2048",
-                 "model.seq_len=16", "train.global_batch=4", "parallel.dp=2", "parallel.devices=cpu:2"]
+                 "model.seq_len=16", "train.global_batch=4", "parallel.dp=2", "parallel.devices=cpu:2",
+                 "train.prune.target=0.5", "train.prune.start=0", "train.prune.end=10", "train.prune.every=1"]
     cfg = load_config(None, overrides)
     strategy, task = local_strategy(devices[:2]), GPTTask(cfg.model)
     engine = StrategyEngine(cfg, task, strategy)
     for name, value in gpt.initial_weights(cfg.model, 0).items():  # built one tensor at a time, same values
         np.testing.assert_array_equal(engine.variables[name].numpy(), value, err_msg=name)
-    engine.train_step(np.arange(4 * 17, dtype=np.int32).reshape(4, 17) % 2048)  # non-zero moments
+    pruner = prune.Pruner(cfg, engine)
     saves, built = iter(range(100)), []
     measured = {  # the engines built are kept until measured, so that their own state counts as held
         "init": _peak_and_held(lambda: built.append(StrategyEngine(cfg, task, strategy))),
-        "save": _peak_and_held(lambda: checkpoint.save(tmp_path / f"s{next(saves)}", 1, checkpoint.state_of(engine))),
+        "prune": _peak_and_held(lambda: pruner.before_step(5)),
     }
     built.clear()
+    engine.train_step(np.arange(4 * 17, dtype=np.int32).reshape(4, 17) % 2048)  # non-zero moments
+    masks = pruner.whole_masks()
+    assert masks and all((m == 0).any() for m in masks.values())
+    measured["save"] = _peak_and_held(
+        lambda: checkpoint.save(tmp_path / f"s{next(saves)}", 1, checkpoint.state_of(engine)))
     state = engine.state_dict()
     restored = checkpoint.restore(checkpoint.latest_valid(tmp_path / "s0"))
+    assert all(prune.MASK_PREFIX + n in restored.tensors for n in masks)
+    engine.apply_masks({n: np.ones(m.shape, np.float32) for n, m in masks.items()})  # the restore must bring them
     measured["restore"] = _peak_and_held(lambda: checkpoint.load_into(engine, restored))
     for name, value in engine.state_dict().items():
         np.testing.assert_array_equal(value, state[name], err_msg=name)
+    for name, value in pruner.whole_masks().items():
+        np.testing.assert_array_equal(value, masks[name], err_msg=name)
     whole = 4 * engine.num_params()
     largest = max(4 * int(np.prod(v.shape)) for v in engine.variables.values())
     figure, what = precheck.host_peak(cfg, dp=2, pp=1, tp=1, devices=2)

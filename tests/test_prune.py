@@ -343,8 +343,7 @@ def test_mesh_masks_travel_in_the_device_shard_sets(devices, tmp_path):
     cfg, tp2 = _mesh_engine(devices, 2, overrides)
     pruner = prune.Pruner(cfg, tp2)
     pruner.before_step(2)
-    assert pruner.state() == {}
-    sets = checkpoint.state_of(tp2, extra=pruner.state())
+    sets = checkpoint.state_of(tp2)
     assert all(s.name.startswith("dp0-") for s in sets)
     mask_sets = {s.name for s in sets for slot in s.slots if slot.name.startswith(prune.MASK_PREFIX)}
     assert mask_sets == {"dp0-pp0-tp0", "dp0-pp0-tp1"}
@@ -361,6 +360,81 @@ def test_mesh_masks_travel_in_the_device_shard_sets(devices, tmp_path):
     _, fresh = _mesh_engine(devices, 2, overrides)
     checkpoint.load_into(fresh, checkpoint.restore(path))
     assert all((m == 1).all() for m in prune.Pruner(cfg, fresh).whole_masks().values())
+
+
+def _strategy_engine(layout: str, prune_on: bool = True):
+    from phalanx.engines.factory import build_engine
+    from phalanx.engines.strategy import StrategyEngine
+    overrides = ["train.prune.target=0.5", "train.prune.start=0", "train.prune.end=4", "train.prune.every=2"]
+    cfg = load_config(None, TINY + LAYOUTS[layout] + (overrides if prune_on else []))
+    engine = build_engine(cfg, GPTTask(cfg.model, "float32", cfg.train.seed))
+    assert type(engine) is StrategyEngine
+    return cfg, engine
+
+
+@pytest.mark.parametrize("layout", ["one", "dp2"])
+def test_strategy_engine_masks_survive_save_and_resume(layout, tmp_path):
+    """A tf.distribute engine writes its masks as optional whole-variable slots (no 'extra'
+    set), one variable at a time; stopped after 3 steps (between the mask updates before steps
+    2 and 4), saved, and resumed in a new engine, its masks are the saved ones, and steps 3 to
+    5 give the losses, masks and state of the uninterrupted run (start 0, end 4, every 2)."""
+    from phalanx import checkpoint
+    batches = _batches(6)
+    _, _, full_pruner, full_losses = _train_layout(layout)
+    cfg, engine = _strategy_engine(layout)
+    pruner = prune.Pruner(cfg, engine)
+    for step in range(3):
+        pruner.before_step(step)
+        engine.train_step(batches[step])
+    saved_masks = pruner.whole_masks()
+    assert saved_masks and all((m == 0).any() for m in saved_masks.values())
+    sets = checkpoint.state_of(engine)
+    mask_slots = [slot for s in sets for slot in s.slots if slot.name.startswith(prune.MASK_PREFIX)]
+    assert {slot.name for slot in mask_slots} == {prune.MASK_PREFIX + n for n in saved_masks}
+    assert all(slot.optional for slot in mask_slots) and not any(s.name.startswith("extra") for s in sets)
+    path = checkpoint.save(tmp_path, 3, sets)
+    assert {prune.MASK_PREFIX + n for n in saved_masks} <= set(checkpoint.restore(path).tensors)
+
+    cfg, resumed = _strategy_engine(layout)
+    checkpoint.load_into(resumed, checkpoint.restore(path))
+    pruner = prune.Pruner(cfg, resumed)
+    got = pruner.whole_masks()
+    assert set(got) == set(saved_masks)
+    for name in saved_masks:
+        np.testing.assert_array_equal(got[name], saved_masks[name], err_msg=name)
+    losses = []
+    for step in range(3, 6):
+        pruner.before_step(step)
+        losses.append(float(resumed.train_step(batches[step])["loss"]))
+    np.testing.assert_allclose(losses, full_losses[3:], rtol=1e-6)
+    want = full_pruner.whole_masks()
+    for name, mask in pruner.whole_masks().items():
+        np.testing.assert_array_equal(mask, want[name], err_msg=name)
+    full_state = full_pruner.engine.state_dict()
+    for key, value in resumed.state_dict().items():
+        np.testing.assert_allclose(value, full_state[key], rtol=1e-6, atol=1e-8, err_msg=key)
+
+
+def test_a_dense_checkpoint_resumes_into_a_pruning_strategy_engine(tmp_path):
+    """A checkpoint written without pruning (no prune/mask/* tensors) loads into a pruning
+    tf.distribute engine: every mask stays all ones and the weights are the checkpoint's; the
+    first mask update then prunes them to the schedule."""
+    from phalanx import checkpoint
+    _, dense = _strategy_engine("one", prune_on=False)
+    dense.train_step(_batches(1)[0])
+    path = checkpoint.save(tmp_path, 1, checkpoint.state_of(dense))
+    assert not any(n.startswith(prune.MASK_PREFIX) for n in checkpoint.restore(path).tensors)
+    cfg, fresh = _strategy_engine("one")
+    checkpoint.load_into(fresh, checkpoint.restore(path))
+    pruner = prune.Pruner(cfg, fresh)
+    masks = pruner.whole_masks()
+    assert masks and all((m == 1).all() for m in masks.values())
+    want = dense.state_dict()
+    for key, value in fresh.state_dict().items():
+        np.testing.assert_array_equal(value, want[key], err_msg=key)
+    assert pruner.sparsity() == 0.0
+    assert pruner.before_step(2) and pruner.sparsity() == pytest.approx(prune.scheduled_sparsity(2, 0.5, 0, 4),
+                                                                        abs=1e-3)
 
 
 @pytest.mark.parametrize("rows", [(0, 8, 12), (0, 6, 12), (0, 5, 9, 12)])

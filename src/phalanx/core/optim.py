@@ -73,12 +73,14 @@ def apply_adamw(var, m, v, grad, *, step, lr, factor, finite, cfg: TrainConfig, 
         wd = cfg.weight_decay if decay else 0.0
 
         def update():
-            if wd > 0:
-                var.assign(var.read_value() * (1.0 - lr * wd))
+            decayed = [var.assign(var.read_value() * (1.0 - lr * wd), read_value=False)] if wd > 0 else []
+            # the scaled gradient once the decay's temporary is gone: never both beside var
+            with tf.control_dependencies([op for op in decayed if op is not None]):
+                scaled = grad * tf.cast(factor, grad.dtype)
             tf.raw_ops.ResourceApplyAdam(
                 var=var.handle, m=m.handle, v=v.handle, beta1_power=zero, beta2_power=zero, lr=step_size,
                 beta1=tf.constant(b1, tf.float32), beta2=tf.constant(b2, tf.float32), epsilon=eps,
-                grad=grad * tf.cast(factor, grad.dtype), use_locking=False)
+                grad=scaled, use_locking=False)
             if mask is not None:  # pruned: masked weights (and their moments) stay exactly zero
                 for slot in (var, m, v):
                     slot.assign(slot.read_value() * mask)

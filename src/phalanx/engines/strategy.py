@@ -200,11 +200,19 @@ class StrategyEngine:
         return state
 
     def checkpoint_slots(self) -> list[checkpoint.ShardSet]:
-        """The state (weights, ``optimizer/m|v/*``, ``optimizer/step``, loss scale) as whole-variable
-        slots spread over a few shard sets (:func:`phalanx.checkpoint.variable_sets`): a save
-        reads, and a restore assigns, one variable at a time per writer thread, so the host
-        never holds the whole state (``state_dict`` does: for tests and tools)."""
-        return checkpoint.variable_sets(self._state_variables())
+        """The state (weights, ``optimizer/m|v/*``, ``optimizer/step``, loss scale and, when
+        pruning, the masks ``prune/mask/*``) as whole-variable slots spread over a few shard sets
+        (:func:`phalanx.checkpoint.variable_sets`): a save reads, and a restore assigns, one
+        variable at a time per writer thread, so the host never holds the whole state
+        (``state_dict`` does: for tests and tools). The mask slots are optional: restoring a checkpoint
+        written without pruning leaves the masks as they are (all ones in a new engine)."""
+        variables = self._state_variables()
+        variables.update({prune.MASK_PREFIX + name: mask for name, mask in self.masks.items()})
+        sets = checkpoint.variable_sets(variables)
+        for slot in (slot for s in sets for slot in s.slots):
+            # restoring a mask only assigns it: the weights and moments saved beside it are zero where it is
+            slot.optional = slot.name.startswith(prune.MASK_PREFIX)
+        return sets
 
     def state_dict(self) -> dict[str, np.ndarray]:
         return {k: np.asarray(v.numpy()) for k, v in self._state_variables().items()}

@@ -144,8 +144,15 @@ class ShardedAdamW:
         factor = optim.clip_factor(norm, self.cfg.clip_norm) / scale
         lr = optim.learning_rate(self.step, self.cfg)
         t = self.step + 1
+        # The updates run one group after another on each device, and only once the norm (so
+        # every gradient) exists: ``after[device]`` holds the ops of the group updated last there,
+        # which the next group's parameter read waits for. Without that order the read of the
+        # flat parameters, which depends on no gradient, ran when the step started (a float32
+        # copy of every parameter alive through the forward and backward), and two groups'
+        # updates could overlap or not from one run to the next (a third flat buffer, or not).
+        after: dict[str, list] = {}
         for i, parts in enumerate(reduced):
-            self._update(i, parts, factor, t, lr, finite)
+            self._update(i, parts, factor, t, lr, finite, after)
         self.step.assign_add(tf.cast(finite, tf.int64))
         return norm, finite, lr
 
@@ -172,47 +179,65 @@ class ShardedAdamW:
             flat = tf.pad(flat, [[0, n * self.dp - size]])
             return [flat[d * n:(d + 1) * n] for d in range(self.dp)]
 
-    def _flat_params(self, g: Group, d: int) -> tf.Tensor:
-        return tf.concat([tf.reshape(self.params.shards[k].copies[d][0].read_value(), [-1]) for k in g.keys], 0)
+    def _flat_params(self, g: Group, d: int, after: list) -> tf.Tensor:
+        """Replica ``d``'s parameters of group ``g`` as one flat float32 tensor, read once every
+        op in ``after`` has run (the same values: nothing writes them before the update)."""
+        with tf.control_dependencies(after):
+            return tf.concat([tf.reshape(self.params.shards[k].copies[d][0].read_value(), [-1]) for k in g.keys], 0)
 
-    def _update(self, i, parts, factor, t, lr, finite):
+    def _update(self, i, parts, factor, t, lr, finite, after: dict[str, list]):
+        """Update group ``i`` on every replica; its reads wait for ``factor`` and for
+        ``after[device]``, which is then set to this group's last ops on that device."""
         g = self.groups[i]
+        waits = [after.get(g.devices[d], []) + [factor] for d in range(self.dp)]
         if self.zero == 0 or self.dp == 1:
             for d in range(self.dp):
                 with tf.device(g.devices[d]):
-                    new = self._adam(i, d, self._flat_params(g, d), parts[0], factor, t, lr, finite)
-                    self._assign(g, d, new)
+                    new, done = self._adam(i, d, self._flat_params(g, d, waits[d]), parts[0], factor, t, lr, finite)
+                    after[g.devices[d]] = done + self._assign(g, d, new, done)
             return
         n = self.piece_size(g.total)
-        new_pieces = []
+        new_pieces, dones = [], []
         for d in range(self.dp):
             with tf.device(g.devices[d]):
-                flat = tf.pad(self._flat_params(g, d), [[0, n * self.dp - g.total]])
-                new_pieces.append(self._adam(i, d, flat[d * n:(d + 1) * n], parts[d], factor, t, lr, finite))
+                flat = tf.pad(self._flat_params(g, d, waits[d]), [[0, n * self.dp - g.total]])
+                new, done = self._adam(i, d, flat[d * n:(d + 1) * n], parts[d], factor, t, lr, finite)
+                new_pieces.append(new)
+                dones.append(done)
         for d in range(self.dp):  # all-gather the updated pieces into every replica's copies
             with tf.device(g.devices[d]):
-                self._assign(g, d, tf.concat(new_pieces, 0)[: g.total])
+                after[g.devices[d]] = dones[d] + self._assign(g, d, tf.concat(new_pieces, 0)[: g.total], dones[d])
 
-    def _assign(self, g: Group, d: int, flat: tf.Tensor) -> None:
-        for k, piece in zip(g.keys, tf.split(flat, list(g.sizes))):
-            shard = self.params.shards[k]
-            value = tf.reshape(piece, shard.shape)
-            for copy in shard.copies[d]:
-                copy.assign(value)
+    def _assign(self, g: Group, d: int, flat: tf.Tensor, after: list) -> list:
+        """Write ``flat`` into replica ``d``'s copies of group ``g``'s shards once ``after`` ran;
+        returns the assignments (graph mode; nothing when eager)."""
+        ops = []
+        with tf.control_dependencies(after):
+            for k, piece in zip(g.keys, tf.split(flat, list(g.sizes))):
+                shard = self.params.shards[k]
+                value = tf.reshape(piece, shard.shape)
+                for copy in shard.copies[d]:
+                    ops.append(copy.assign(value, read_value=False))
+        return [op for op in ops if op is not None]
 
     def _mask(self, i: int, d: int):
         return None if self.masks[i] is None else self.masks[i][d]
 
     def _adam(self, i, d, p, grad, factor, t, lr, finite):
         """AdamW on replica ``d``'s flat parameters ``p`` of group ``i`` (whole, or its ZeRO
-        piece) with that replica's ``m``/``v``; returns the new flat parameters."""
+        piece) with that replica's ``m``/``v``; returns the new flat parameters and the op that
+        empties the scratch variable (graph mode; ``[]`` when eager).
+
+        The update's ops wait for ``p`` to be in the scratch variable, so its temporaries
+        (the clipped gradient) are made only then: one order in every step and run."""
         scratch = self.scratch[i][d]
-        scratch.assign(p)
-        optim.apply_adamw(scratch, self.m[i][d], self.v[i][d], grad, step=t, lr=lr, factor=factor, finite=finite,
-                          cfg=self.cfg, decay=self.groups[i].decay, mask=self._mask(i, d))
+        loaded = scratch.assign(p, read_value=False)
+        with tf.control_dependencies([] if loaded is None else [loaded]):
+            optim.apply_adamw(scratch, self.m[i][d], self.v[i][d], grad, step=t, lr=lr, factor=factor,
+                              finite=finite, cfg=self.cfg, decay=self.groups[i].decay, mask=self._mask(i, d))
         new = tf.identity(scratch.read_value())
-        scratch.assign(tf.zeros([0]))
-        return new
+        emptied = scratch.assign(tf.zeros([0]), read_value=False)
+        return new, [] if emptied is None else [emptied]
 
     # -- state -------------------------------------------------------------------
 

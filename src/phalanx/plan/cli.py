@@ -291,7 +291,7 @@ def _plan_text(plan) -> str:
     mem, lay, t = plan.memory, plan.layout, plan.time
     cap = plan.hardware.memory_bytes
     rows = [("weights", mem.weights), ("gradients", mem.gradients), ("optimizer", mem.optimizer),
-            ("activations", mem.activations), ("overhead", mem.overhead)]
+            ("activations", mem.activations), ("temporaries", mem.temporaries), ("overhead", mem.overhead)]
     lines = [f"layout: {lay.describe()}  (global batch {lay.global_batch} x {plan.model.seq_len} tokens)"
              + (f"\nPLAN ONLY: the engine cannot run {'; '.join(plan.plan_only)}" if plan.plan_only else ""),
              f"memory per device (pipeline rank {mem.rank}, {_human(mem.params)} params"

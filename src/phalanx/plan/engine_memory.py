@@ -14,8 +14,8 @@ follows the engines' placement and step (read from ``engines/mesh.py``,
   stage), AdamW ``m`` and ``v`` (float32) on each shard's primary device, divided by ``dp``
   under ZeRO >= 1;
 * the mesh engine's optimizer reads every parameter group into one flat float32 buffer
-  (``ShardedAdamW._flat_params``); that read depends on no gradient, so the executor runs it
-  when the step starts and the buffer lives through the whole step: 4 bytes per parameter;
+  (``ShardedAdamW._flat_params``), 4 bytes per parameter, in the optimizer step only (the
+  read waits for the gradients' norm);
 * under a mixed policy every layer casts its kernel to the compute dtype in each forward
   and the backward reads the cast copy: ``e`` bytes per parameter per activation set held;
 * activations: each stage's blocks on its devices (the tensor-parallel split of
@@ -29,8 +29,12 @@ follows the engines' placement and step (read from ``engines/mesh.py``,
   until the optimizer step (Grappler turns the chain of additions into one ``AddN``), so a
   rank holds one gradient set per backward already run (:func:`rank_peak` walks the rank's
   schedule); in the optimizer step the flat gradient and AdamW's flat temporaries
-  (:data:`OPT_BUFFERS` per parameter) join the state, and the peak is the larger of the
-  phases. (``train.grad_accum > 1`` adds one more sum per accumulation step: not counted.)
+  (:data:`OPT_BUFFERS` per parameter) join the state beside the flat parameters, and the
+  peak is the larger of the phases. Under ``zero=0`` the flat gradients are summed on
+  replica 0's devices and the sum sent to the other replicas: logical CPUs of one process
+  share it (TensorFlow passes a tensor between them without a copy), so there a replica
+  other than 0 holds one buffer fewer. (``train.grad_accum > 1`` adds one more sum per
+  accumulation step: not counted.)
 
 The StrategyEngine (``dp`` on tf.distribute, no ``tp``/``pp``/ZeRO) has no flat buffers:
 Keras's optimizer updates each variable; its optimizer phase holds every gradient.
@@ -56,8 +60,10 @@ from phalanx.plan.memory import ACTIVATION_BYTES, layer_activation_bytes, schedu
 
 # Float32 buffers per parameter, beyond the flat parameter copy, alive at the peak of the mesh
 # engine's optimizer step: the flat gradient of every group (the global norm needs all of them
-# before any update) and the AdamW temporary of the group being updated (ShardedAdamW.apply;
-# the allocator's record shows 2 on most devices, 3 when two updates overlap).
+# before any update) and the AdamW temporary of the group being updated (its weight-decayed
+# or its clipped gradient, one after the other: core.optim.apply_adamw). ShardedAdamW.apply
+# updates one group after another on each device, each once the norm exists, so the same
+# buffers are alive at the peak in every run.
 OPT_BUFFERS = 2.0
 # One block's activations, counted at 4 bytes an element, is the working set the backward holds
 # when it starts: the same bytes under float32 and mixed_bfloat16 (under a mixed policy the
@@ -105,24 +111,39 @@ def rank_peak(schedule, rank: int, set_bytes: float, grad_bytes: float, backward
     >>> rank_peak(sched, 0, set_bytes=10, grad_bytes=1, backward_bytes=0)   # F2, F3 held after B0, B1
     22
     """
+    return rank_peak_parts(schedule, rank, set_bytes, grad_bytes, backward_bytes)[0]
+
+
+def rank_peak_parts(schedule, rank: int, set_bytes: float, grad_bytes: float,
+                    backward_bytes: float) -> tuple[float, int, int, bool]:
+    """:func:`rank_peak` and what is alive at that peak: ``(peak, activation sets held,
+    gradient sets held, whether a backward's working set is)`` (the planner's breakdown).
+
+    >>> from phalanx.parallel.schedules import build_schedule
+    >>> rank_peak_parts(build_schedule("1f1b", 2, 4, 1), 0, 10, 1, 0)
+    (22, 2, 2, False)
+    """
     held = done = 0
-    peak = 0.0
+    best = (0.0, 0, 0, False)
     for a in schedule.per_stage[rank]:
         if a.kind == "F":
             held += 1
-            peak = max(peak, held * set_bytes + done * grad_bytes)
+            if held * set_bytes + done * grad_bytes > best[0]:
+                best = (held * set_bytes + done * grad_bytes, held, done, False)
         else:
-            peak = max(peak, held * set_bytes + done * grad_bytes + backward_bytes)
+            if held * set_bytes + done * grad_bytes + backward_bytes > best[0]:
+                best = (held * set_bytes + done * grad_bytes + backward_bytes, held, done, True)
             held -= 1
             done += 1
-    return max(peak, done * grad_bytes + (grad_bytes if done > 1 else 0))
+    end = done + (1 if done > 1 else 0)  # all gradients and their sum
+    return best if end * grad_bytes <= best[0] else (end * grad_bytes, 0, end, False)
 
 
 def engine_memory_per_device(cfg: Config) -> dict[int, DeviceMemory]:
     """Device index (mesh order: data, pipe, tensor; as ``parallel.devices`` numbers them) ->
     predicted peak bytes of one training step of ``cfg``."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    _, n = parse_devices(p.devices)
+    kind, n = parse_devices(p.devices)
     dp, pp, tp = resolve_degrees(cfg, n or max(p.dp, 1) * max(p.pp, 1) * max(p.tp, 1))
     spec = ModelSpec.from_config(m)
     mesh = tp > 1 or pp > 1 or p.zero > 0 or p.recompute != "none" or p.strategy == "mesh"
@@ -169,14 +190,17 @@ def engine_memory_per_device(cfg: Config) -> dict[int, DeviceMemory]:
                 backward = BACKWARD_SETS * (split4 if tr == 0 else split4 - unsplit4)
                 if mesh:
                     step = rank_peak(sched, r, set_bytes, grad, backward) + head
-                    flat = 4.0 * params  # the optimizer's flat parameter copy, alive all step
-                    opt = OPT_BUFFERS * 4.0 * params
+                    flat = 4.0 * params  # the optimizer's flat parameter copy, optimizer step only
+                    buffers = OPT_BUFFERS
+                    if p.zero == 0 and rep > 0 and kind == "cpu":  # the gradient sum is replica 0's buffer
+                        buffers -= 1
+                    opt = flat + buffers * 4.0 * params
                 else:  # StrategyEngine: one micro-batch, Keras updates each variable
                     step = set_bytes + backward + head
-                    flat, opt = 0.0, grad
+                    opt = grad
                 if step >= opt:
-                    out_mem = DeviceMemory(weights, optimizer, 0.0, step - backward, flat + backward)
+                    out_mem = DeviceMemory(weights, optimizer, 0.0, step - backward, backward)
                 else:
-                    out_mem = DeviceMemory(weights, optimizer, grad, 0.0, flat + opt - grad)
+                    out_mem = DeviceMemory(weights, optimizer, grad, 0.0, opt - grad)
                 out[(rep * pp + r) * tp + tr] = out_mem
     return out

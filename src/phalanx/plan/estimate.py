@@ -7,7 +7,7 @@ Example:
     >>> m = ModelSpec(layers=12, d_model=768, heads=12, vocab=50304, seq_len=1024)
     >>> p = estimate(m, Layout(dp=8, microbatches=4, micro_batch=4), get_hardware("a100-40gb"), tokens=1e9)
     >>> p.fits, sorted(p.to_dict()["memory_per_device_bytes"])
-    (True, ['activations', 'gradients', 'optimizer', 'overhead', 'total', 'weights'])
+    (True, ['activations', 'gradients', 'optimizer', 'overhead', 'temporaries', 'total', 'weights'])
 """
 
 from __future__ import annotations

@@ -3,9 +3,17 @@
 Model states, as phalanx's engines keep them (read from ``parallel/zero.py``,
 ``parallel/params.py``, ``parallel/pipeline.py``): float32 master weights (4 bytes per
 parameter, whatever the precision policy: bfloat16/float16 compute copies are cast per
-use), float32 gradients (4; the pipeline executor casts every gradient to float32) and
-float32 AdamW ``m`` and ``v`` (8): 16 bytes per parameter, the total of Rajbhandari et
-al. 2020 ("ZeRO", section 3.1: 2 + 2 + 12 for mixed-precision Adam) split differently.
+use), float32 gradients (4 per set; the pipeline executor casts every gradient to float32)
+and float32 AdamW ``m`` and ``v`` (8): the 16 bytes per parameter of Rajbhandari et al.
+2020 ("ZeRO", section 3.1: 2 + 2 + 12 for mixed-precision Adam) split differently.
+
+The step, as the engine runs it, is :mod:`phalanx.plan.engine_memory`'s (one definition;
+:func:`memory_per_device` takes its constants and its walk of the schedule, and a test
+holds the two equal on the engine's layouts): one float32 gradient set per backward
+already run (summed only at the end of the step), compute-dtype weight casts per
+activation set in flight, the backward's working set, and the optimizer step's flat
+buffers, whichever phase is larger. What only the planner models (ZeRO-3, experts split
+by ``ep``, sequence parallelism, unfused activations, the overhead line) is added on top.
 ZeRO over the ``dp`` replicas, as the engine does it:
 
 * stage 1 keeps ``m`` and ``v`` of ``1/dp`` of every flat parameter group (padded);
@@ -48,6 +56,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from types import SimpleNamespace
 from phalanx.parallel.schedules import build_schedule
 from phalanx.core.costs import ModelSpec
 from phalanx.plan.engine_rules import stage_bounds
@@ -72,14 +81,16 @@ class Memory:
     params: float = 0.0           # parameters held on that device (before ZeRO-3 sharding)
     in_flight: int = 0            # peak activation sets (micro-batch x chunk) on that rank
     expert_params: float = 0.0    # of ``params``, expert weights (1/ep of each MoE block's experts)
+    temporaries: float = 0.0      # the step's buffers: weight casts, working sets, optimizer's flat buffers
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.overhead
+        return self.weights + self.gradients + self.optimizer + self.activations + self.temporaries + self.overhead
 
     def to_dict(self) -> dict:
         return {"total": self.total, "weights": self.weights, "gradients": self.gradients,
-                "optimizer": self.optimizer, "activations": self.activations, "overhead": self.overhead}
+                "optimizer": self.optimizer, "activations": self.activations, "temporaries": self.temporaries,
+                "overhead": self.overhead}
 
 
 def layer_activation_bytes(m: ModelSpec, micro_batch: int, tp: int = 1, recompute: str = "none",
@@ -186,32 +197,88 @@ def stage_kinds(m: ModelSpec, pp: int, virtual_stages: int) -> tuple[tuple[int, 
     return tuple(out)
 
 
+@lru_cache(maxsize=256)
+def _walk_schedule(name: str, pp: int, microbatches: int, virtual_stages: int):
+    """The schedule table whose actions :func:`~phalanx.plan.engine_memory.rank_peak_parts`
+    walks. With a split backward (``zb``, plan only) a micro-batch's activations and its
+    weight gradient are released at ``W``, so only ``F`` and ``W`` actions are kept."""
+    sched = build_schedule(name, pp, microbatches, virtual_stages)
+    if not sched.split_backward:
+        return sched
+    return SimpleNamespace(per_stage=tuple(tuple(a for a in acts if a.kind != "B") for acts in sched.per_stage))
+
+
+def step_peak_estimate(held: int, backwards: int, set_bytes: float, grad_bytes: float,
+                       backward_bytes: float) -> tuple[float, int, int, bool]:
+    """:func:`~phalanx.plan.engine_memory.rank_peak_parts` in closed form (the search's
+    pre-filter), for a rank that holds at most ``held`` activation sets and runs ``backwards``
+    backward actions: the peak is at the first backward after the last forward (``held`` sets,
+    ``backwards - held`` gradients), at the last backward (one set, ``backwards - 1``
+    gradients) or at the final sum. Exact for gpipe and 1f1b (tested against the walk).
+
+    >>> from phalanx.plan.engine_memory import rank_peak_parts
+    >>> step_peak_estimate(2, 4, 10, 1, 5)     # 1f1b, pp=2, m=4, rank 0: B2 with F2, F3 held
+    (27, 2, 2, True)
+    >>> rank_peak_parts(build_schedule("1f1b", 2, 4, 1), 0, 10, 1, 5)
+    (27, 2, 2, True)
+    """
+    n, w = backwards, min(held, backwards)
+    cands = [(w * set_bytes + (n - w) * grad_bytes + backward_bytes, w, n - w, True),
+             (set_bytes + (n - 1) * grad_bytes + backward_bytes, 1, n - 1, True)]
+    end = n + (1 if n > 1 else 0)
+    cands.append((end * grad_bytes, 0, end, False))
+    return max(cands, key=lambda c: c[0])
+
+
+def runs_on_mesh_engine(lay: Layout) -> bool:
+    """Whether ``phalanx train`` runs ``lay`` on the mesh engine (flat optimizer buffers,
+    micro-batch schedule) rather than tf.distribute (data parallel only: Keras updates each
+    variable), as :func:`~phalanx.plan.engine_memory.engine_memory_per_device` decides with
+    ``parallel.strategy=auto``."""
+    return lay.tp > 1 or lay.pp > 1 or lay.zero > 0 or lay.recompute != "none"
+
+
 def memory_per_device(m: ModelSpec, lay: Layout, overhead_bytes: float = 0.0,
                       overhead_fraction: float = DEFAULT_OVERHEAD_FRACTION, exact_schedule: bool = True,
                       fused: bool = True) -> Memory:
     """Peak bytes on the most loaded device of layout ``lay`` (see the module docstring).
 
+    The step's terms are the engine's, from :mod:`phalanx.plan.engine_memory` (its
+    constants and its walk of the schedule): the compute-dtype weight casts per activation
+    set in flight, one float32 gradient set per backward already run, the backward's working
+    set, and the optimizer phase (flat parameter copy, flat gradient and AdamW temporary)
+    when it is larger than the backward phase. On top, what only
+    the planner models: ZeRO-3 (every per-parameter term divided by ``dp``), experts split
+    by ``ep``, sequence parallelism, unfused activations, and the overhead line.
+
     ``overhead_bytes`` (runtime context, communication buffers) plus ``overhead_fraction``
-    of everything else (allocator fragmentation, temporaries) make the overhead line.
-    ``exact_schedule=False`` uses closed-form in-flight counts (fast, for the search).
+    of everything else (allocator fragmentation) make the overhead line.
+    ``exact_schedule=False`` uses closed-form in-flight counts and peaks (fast, for the search).
     ``fused``: activations as fused GPU/TPU kernels keep them (Korthikanti et al.), or as
     unfused TensorFlow ops do (see :func:`layer_activation_bytes`).
 
     >>> m = ModelSpec(layers=2, d_model=64, heads=4, vocab=256, seq_len=16)
     >>> z0 = memory_per_device(m, Layout(dp=4, zero=0), overhead_fraction=0)
     >>> z2 = memory_per_device(m, Layout(dp=4, zero=2), overhead_fraction=0)
-    >>> z2.gradients == z0.gradients, z2.optimizer == z0.optimizer / 4   # the engine's ZeRO-2
-    (True, True)
+    >>> z2.optimizer == z0.optimizer / 4   # the engine's ZeRO-2 shards AdamW's moments only
+    True
     """
+    # engine_memory builds on this module's activation terms; this function on its step terms
+    from phalanx.plan.engine_memory import BACKWARD_SETS, OPT_BUFFERS, rank_peak_parts
+
     w_b, g_b, o_b = ENGINE_STATE_BYTES
     e = ACTIVATION_BYTES[lay.policy]
+    cast_b = e if e < w_b else 0            # bytes of a compute-dtype copy of a float32 weight
     v, tp, dp = lay.virtual_stages, lay.tp, lay.dp
     check_expert_parallel(m, lay)
     ep = lay.ep
-    if exact_schedule:
+    exact = exact_schedule or lay.pp * lay.microbatches * v <= 4096
+    if exact:
         peaks, last_peak = schedule_in_flight(lay.schedule, lay.pp, lay.microbatches, v)
+        sched = _walk_schedule(lay.schedule, lay.pp, lay.microbatches, v)
     else:
         peaks, last_peak = in_flight_estimate(lay.schedule, lay.pp, lay.microbatches, v)
+    mesh = runs_on_mesh_engine(lay)
     d, s, b = m.d_model, m.seq_len, lay.micro_batch
     embed = m.vocab * d / tp + m.seq_len * d
     final_ln = 2 * d
@@ -219,20 +286,28 @@ def memory_per_device(m: ModelSpec, lay: Layout, overhead_bytes: float = 0.0,
     tied_copy = m.vocab * d / tp if (m.tie_embeddings and lay.pp > 1) else 0.0  # weights + gradient only
     dense_layer, _ = _layer_param_split(m, tp, ep, False)
     moe_dense, moe_expert = _layer_param_split(m, tp, ep, True) if m.experts else (0.0, 0.0)
-    act_dense = layer_activation_bytes(m, b, tp, lay.recompute, lay.sequence_parallel, e, False, fused)
-    act_moe = layer_activation_bytes(m, b, tp, lay.recompute, lay.sequence_parallel, e, True, fused) if m.experts else 0.0
+    act_args = (b, tp, lay.recompute, lay.sequence_parallel)
+    act_dense = layer_activation_bytes(m, *act_args, e, False, fused)
+    act_moe = layer_activation_bytes(m, *act_args, e, True, fused) if m.experts else 0.0
+    # the backward's working set: a fraction of one block's activations counted at 4 bytes
+    backward = BACKWARD_SETS * max(layer_activation_bytes(m, *act_args, 4, False, fused),
+                                   layer_activation_bytes(m, *act_args, 4, True, fused) if m.experts else 0.0)
     kinds = stage_kinds(m, lay.pp, v)
     # ZeRO shards over the replicas that hold the same tensor: dp for dense, dp/ep for experts
     shard_d, shard_e = dp, max(dp // ep, 1)
     best: Memory | None = None
     # Stages are cut by FLOPs, so any rank may be the fullest. Middle ranks holding the same
-    # blocks differ only by their in-flight count: the one with the most stands for them all.
-    middle: dict[tuple, int] = {}
+    # blocks differ only by their in-flight count, and the peak grows or shrinks with it:
+    # the ranks with the most and the fewest stand for them all.
+    middle: dict[tuple, set[int]] = {}
     for r in range(1, lay.pp - 1):
         key = tuple(kinds[c * lay.pp + r] for c in range(v))
-        if key not in middle or peaks[r] > peaks[middle[key]]:
-            middle[key] = r
-    for r in sorted({0, lay.pp - 1, *middle.values()}):
+        group = middle.setdefault(key, set())
+        group.add(r)
+    chosen = {0, lay.pp - 1}
+    for group in middle.values():
+        chosen |= {max(group, key=lambda r: peaks[r]), min(group, key=lambda r: peaks[r])}
+    for r in sorted(chosen):
         dense = expert = 0.0
         act_per_set = 0.0
         for c in range(v):
@@ -243,23 +318,43 @@ def memory_per_device(m: ModelSpec, lay: Layout, overhead_bytes: float = 0.0,
         copy = 0.0
         if r == 0:
             dense += embed
-        acts = peaks[r] * act_per_set
+        head_acts = 0.0
         if r == lay.pp - 1:
             dense += final_ln + head
             copy = tied_copy
             # final LayerNorm input + logits (compute dtype) + float32 softmax for the loss
-            acts += last_peak * (e * s * b * d + (e + 4) * s * b * m.vocab / tp)
+            head_acts = last_peak * (e * s * b * d + (e + 4) * s * b * m.vocab / tp)
         params = dense + expert
-
-        def sharded(per_param: float, by_dp: bool) -> float:
-            return per_param * (dense / shard_d + expert / shard_e) if by_dp else per_param * params
-
-        weights = sharded(w_b, lay.zero >= 3) + w_b * copy / (dp if lay.zero >= 3 else 1)
-        grads = sharded(g_b, lay.zero >= 3) + g_b * copy / (dp if lay.zero >= 3 else 1)
-        optim = sharded(o_b, lay.zero >= 1)
-        subtotal = weights + grads + optim + acts
+        # parameters whose float32 weight, gradient and flat copy this device keeps (ZeRO-3: its shard)
+        held = (dense / shard_d + expert / shard_e + copy / dp) if lay.zero >= 3 else params + copy
+        weights = w_b * held
+        optim = o_b * ((dense / shard_d + expert / shard_e) if lay.zero >= 1 else params)
+        grad_set = g_b * held
+        cast = cast_b * (params + copy)      # the forward's casts are of whole (gathered) weights
+        set_bytes = act_per_set + cast
+        # The two phases composed as engine_memory_per_device composes them (the test
+        # test_planner_memory_is_the_engines holds the two equal on the engine's layouts).
+        if mesh:
+            if exact:
+                step, n_sets, n_grads, in_bwd = rank_peak_parts(sched, r, set_bytes, grad_set, backward)
+            else:
+                step, n_sets, n_grads, in_bwd = step_peak_estimate(
+                    peaks[r], lay.microbatches * v, set_bytes, grad_set, backward)
+            own = held - copy / (dp if lay.zero >= 3 else 1)      # the tied copy is in no optimizer group
+            # optimizer step: the flat parameter copy, the flat gradient and AdamW's temporary
+            opt_phase = w_b * own + OPT_BUFFERS * g_b * own
+        else:  # tf.distribute: one micro-batch, Keras updates each variable with its gradient
+            step, n_sets, n_grads, in_bwd = set_bytes + backward, 1, 0, True
+            opt_phase = grad_set
+        if step + head_acts >= opt_phase:
+            acts = n_sets * act_per_set + head_acts
+            grads = n_grads * grad_set
+            temps = n_sets * cast + (backward if in_bwd else 0.0)
+        else:  # the optimizer step is the peak: one gradient set and the optimizer's buffers
+            acts, grads, temps = 0.0, grad_set, opt_phase - grad_set
+        subtotal = weights + grads + optim + acts + temps
         mem = Memory(weights, grads, optim, acts, overhead_bytes + overhead_fraction * subtotal, r,
-                     params + copy, peaks[r], expert)
+                     params + copy, peaks[r], expert, temps)
         if best is None or mem.total > best.total:
             best = mem
     assert best is not None

@@ -28,9 +28,9 @@ host NumPy memory besides the devices' own state, at its largest moment:
 * the tf.distribute engines (one device, dp, multi_worker, parameter_server) hold whole
   variables, but move them one at a time: initial weights are assigned one tensor at a
   time (``engines/task.py``), checkpoints are written and restored by up to
-  ``MAX_THREADS`` threads each holding one variable (``checkpoint.variable_sets``). Their
-  peak is a few copies of the largest variable per thread, plus, with pruning, the whole
-  masks (still saved whole: ``phalanx.prune.Pruner.state``).
+  ``MAX_THREADS`` threads each holding one variable (``checkpoint.variable_sets``; pruning
+  masks are such variables too, ``prune/mask/*``, and masks are computed one weight at a
+  time). Their peak is a few copies of the largest variable per thread, never the model.
 
 Activations are counted as fused kernels keep them, on every device: phalanx's GPT ops
 are fused kernels on CPUs too (``models/gpt_ops.py``; checked with ``phalanx plan --calibrate``).
@@ -127,6 +127,21 @@ def largest_shard_elements(spec, tp: int, mesh: bool) -> int:
     return max(sizes)
 
 
+def pruned_elements(spec) -> int:
+    """Elements of all pruned weights (one mask element each): the matmul kernels of every
+    block (``attn/qkv``, ``attn/out``, ``mlp/fc``, ``mlp/proj``, or the experts' ``moe/w_in``
+    and ``moe/w_out``) and the head when it is untied (the rule of ``phalanx.prune.prunable``,
+    which the planner may not import; tests/test_precheck_host.py checks that they agree).
+
+    >>> pruned_elements(ModelSpec(layers=2, d_model=8, heads=2, ffn=32, vocab=10, seq_len=4))  # 2 x (4 x 64 + 2 x 256)
+    1536
+    """
+    d, f = spec.d_model, spec.ffn_dim
+    dense = spec.layers - spec.moe_layers
+    return (spec.layers * 4 * d * d + dense * 2 * d * f + spec.moe_layers * spec.experts * 2 * d * f
+            + (0 if spec.tie_embeddings else d * spec.vocab))
+
+
 def host_peak(cfg: Config, dp: int, pp: int, tp: int, devices: int) -> tuple[float, str]:
     """``(bytes, what)``: the host NumPy memory the run needs besides the devices' state, at
     its largest moment (see the module docstring), and a description naming its parts."""
@@ -144,18 +159,18 @@ def host_peak(cfg: Config, dp: int, pp: int, tp: int, devices: int) -> tuple[flo
     # tf.distribute engines: whole variables, one at a time. Initial weights are assigned one
     # tensor at a time (GPTTask.build); a checkpoint is written and restored by up to
     # MAX_THREADS threads (one per ~64 MiB of state, checkpoint.variable_sets), each holding one
-    # variable; pruning masks (train.prune) are still saved whole, as an extra set (Pruner.state).
-    params = float(param_count(spec))
-    writers = set_count(4.0 * params * 3)  # weights, m, v
+    # variable. Pruning masks (train.prune) are variables of the state too (prune/mask/*, one per
+    # pruned weight, no larger than the largest variable): they only add to the state's bytes
+    # that set the thread count; a mask update holds one weight, its mask and the product.
+    masks = float(pruned_elements(spec)) if cfg.train.prune.target > 0 else 0.0
+    writers = set_count(4.0 * (3 * float(param_count(spec)) + masks))  # weights, m, v (+ masks)
     io = writers * COPIES_PER_WRITER * shard
     work = COPIES_PER_SHARD * shard
-    masks = 4.0 * params if cfg.train.prune.target > 0 else 0.0
+    state = "weights, moments and pruning masks" if masks else "weights and moments"
     what = (f"tf.distribute engine, per variable: largest variable {shard / GiB:,.2f} GiB; checkpoint "
-            f"save/restore {writers} thread(s) x {COPIES_PER_WRITER} copies = {io / GiB:,.2f} GiB; "
+            f"save/restore ({state}) {writers} thread(s) x {COPIES_PER_WRITER} copies = {io / GiB:,.2f} GiB; "
             f"initialisation and pruning {COPIES_PER_SHARD} copies = {work / GiB:,.2f} GiB")
-    if masks:
-        what += f"; plus {masks / GiB:,.2f} GiB of whole pruning masks gathered to save"
-    return max(io, work) + masks, what
+    return max(io, work), what
 
 
 def check_fits(cfg: Config, device_count: int | None = None, *, device_memory_bytes: float | None = None,

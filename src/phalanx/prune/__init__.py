@@ -25,9 +25,11 @@ element, those of the whole-tensor functions below (:func:`unstructured_mask`,
 The engines hold the masks: installing one zeroes the masked weights and their AdamW
 moments, and every optimizer step multiplies the updated weights and moments by the
 mask, so masked weights are exactly zero after every step on every layout. Masks are
-checkpointed as ``prune/mask/<name>`` (float32 0/1): by the mesh engine as part of its
-own per-device state (cut like the moments), by the tf.distribute engines as whole
-tensors (:meth:`Pruner.state`); both are reinstalled on resume.
+checkpointed as ``prune/mask/<name>`` (float32 0/1) among the engine's own checkpoint
+slots, written and restored one at a time like the weights: by the mesh engine per device
+(cut like the moments), by the tf.distribute engines one whole variable at a time. The
+slots are optional, so a checkpoint written without pruning resumes into a pruning run
+with every weight kept until the next update.
 
 Example:
     >>> import numpy as np
@@ -119,16 +121,15 @@ def measured_sparsity(weights: dict[str, np.ndarray]) -> float:
 
 
 class Pruner:
-    """Drives an engine's masks from the trainer: schedule, checkpoint state, resume; works
-    on the shards the engine's devices hold (:func:`phalanx.prune.shards.weight_shards`)."""
+    """Drives an engine's masks from the trainer (the schedule, the measured sparsity); works
+    on the shards the engine's devices hold (:func:`phalanx.prune.shards.weight_shards`). The
+    engine checkpoints and restores the masks with its own state (``prune/mask/*`` slots)."""
 
     def __init__(self, cfg: Config, engine):
         from phalanx.prune.shards import weight_shards
 
         self.pc, self.engine = cfg.train.prune, engine
         self.shards = weight_shards(engine, prunable)
-        # the mesh engine keeps its masks in its own per-device state (checkpoint slots)
-        self.in_engine_state = hasattr(getattr(engine, "optimizer", None), "set_shard_mask")
 
     def before_step(self, step: int) -> bool:
         """Recompute and install the masks if ``step`` (completed steps) is an update point."""
@@ -144,26 +145,9 @@ class Pruner:
                 del mask
         return True
 
-    def state(self) -> dict[str, np.ndarray]:
-        """Masks to checkpoint besides the engine's own state: none for the mesh engine (its
-        shard sets hold them), whole tensors for the tf.distribute engines."""
-        if self.in_engine_state:
-            return {}
-        return {MASK_PREFIX + n: np.asarray(v.numpy()) for n, v in self.engine.masks.items()}
-
-    def load(self, tensors) -> None:
-        """Reinstall the masks a checkpoint holds (``tensors``: a mapping by logical name, read
-        when asked for; none: nothing pruned yet). The mesh engine's were loaded with its state."""
-        if self.in_engine_state:
-            return
-        for name in self.engine.masks:
-            if MASK_PREFIX + name in tensors:
-                self.engine.apply_masks({name: np.asarray(tensors[MASK_PREFIX + name], np.float32)})
-
     def whole_masks(self) -> dict[str, np.ndarray]:
-        """The installed masks as whole logical tensors (joins them: for tests and tools)."""
-        if not self.in_engine_state:
-            return {n: np.asarray(v.numpy()) for n, v in self.engine.masks.items()}
+        """The installed masks as whole logical tensors, read from the engine's checkpoint slots
+        (joins them: for tests and tools)."""
         from phalanx import checkpoint
         sets = checkpoint.state_of(self.engine)
         for s in sets:

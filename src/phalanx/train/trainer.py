@@ -175,8 +175,6 @@ class Trainer:
             raise checkpoint.CheckpointError(path / index, f"does not fit this model: "
                                              f"{str(err).strip(chr(34))}; use the run's own model.* keys or a "
                                              f"new run.dir") from None
-        if self.pruner is not None:  # the checkpoint's masks (prune/mask/<name>) hold until the next update
-            self.pruner.load(restored.tensors)  # read per mask when needed (the mesh engine's came with its state)
         if builtin_data and (path / "data").is_dir():
             iterator = pipeline.restore_iterator(self._datasets, path / "data")
         elif builtin_data:
@@ -207,7 +205,7 @@ class Trainer:
             writers["data"] = lambda d: pipeline.save_iterator(iterator, d)
         meta = {"config": self.cfg.to_dict(), "layout": _layout(self.cfg, self.engine)}
         # Every device's shard set, by logical name and box; written one slot at a time per thread.
-        state = checkpoint.state_of(self.engine, extra=self.pruner.state() if self.pruner is not None else None)
+        state = checkpoint.state_of(self.engine)  # pruning masks (prune/mask/*) are engine slots too
         if self._saver is not None:  # checkpoint.async: snapshot now, write in the background
             return self._saver.save(self.ckpt_dir, step, state, meta=meta, writers=writers,
                                     keep=self.cfg.checkpoint.keep)
