@@ -200,12 +200,14 @@ def check_fits(cfg: Config, device_count: int | None = None, *, device_memory_by
             where = (f"the host needs {transient / GiB:,.2f} GiB ({what}) but has {host / GiB:,.1f} GiB available")
     if needed <= available:
         return
-    states = mem.weights + mem.gradients + mem.optimizer
+    # The step's temporaries (weight casts, optimizer flat buffers) grow with the model's size.
+    states = mem.weights + mem.gradients + mem.optimizer + mem.temporaries
     key = "model" if states >= mem.activations else "train.global_batch"
     raise ConfigError(key, (
         f"does not fit in memory: needs {mem.total / GiB:,.1f} GiB on the fullest device (pipeline rank "
         f"{mem.rank}: weights {mem.weights / GiB:,.1f}, gradients {mem.gradients / GiB:,.1f}, optimizer "
-        f"{mem.optimizer / GiB:,.1f}, activations {mem.activations / GiB:,.1f}, overhead "
+        f"{mem.optimizer / GiB:,.1f}, activations {mem.activations / GiB:,.1f}, temporaries "
+        f"{mem.temporaries / GiB:,.1f}, overhead "
         f"{mem.overhead / GiB:,.1f} GiB) at dp={dp} tp={tp} pp={pp}; {per / GiB:,.1f} GiB needed in all, "
         f"but {where}. To fit: shrink the model (model.d_model, model.layers, model.vocab, model.ffn), "
         f"the activations (train.global_batch, or more parallel.microbatches / train.grad_accum, "
