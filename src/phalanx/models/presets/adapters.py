@@ -290,26 +290,25 @@ def _dense_to(cls, layer, tp: int):
     return new
 
 
-def column_problems(layer, tp):
+def _dense_problems(layer, tp, split_axis: int, what: str):
+    """Why ``layer`` cannot be cut over ``tp`` along its kernel's ``split_axis`` (None if it
+    can); ``what`` names the split dimension in the message, ``{}`` standing for its size."""
     dims = dense_dims(layer)
     if dims is None:
         return "is not a Dense layer (or an EinsumDense equal to one)"
     if _dense_unsupported(layer):
         return _dense_unsupported(layer)
-    if dims[1] % tp:
-        return f"has {dims[1]} output units, which tp={tp} does not divide"
+    if dims[split_axis] % tp:
+        return f"has {what.format(dims[split_axis])}, which tp={tp} does not divide"
     return None
+
+
+def column_problems(layer, tp):
+    return _dense_problems(layer, tp, 1, "{} output units")
 
 
 def row_problems(layer, tp):
-    dims = dense_dims(layer)
-    if dims is None:
-        return "is not a Dense layer (or an EinsumDense equal to one)"
-    if _dense_unsupported(layer):
-        return _dense_unsupported(layer)
-    if dims[0] % tp:
-        return f"has input width {dims[0]}, which tp={tp} does not divide"
-    return None
+    return _dense_problems(layer, tp, 0, "input width {}")
 
 
 def to_column(layer, tp):
