@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import os
@@ -27,7 +26,6 @@ import signal
 import subprocess
 import sys
 import threading
-import tracemalloc
 import zipfile
 from pathlib import Path
 
@@ -45,7 +43,7 @@ from phalanx.layers.sharding import Split
 from phalanx.models.transformer import gpt_splits
 from phalanx.engines.task import GPTTask
 
-from helpers import tiny_overrides, write_corpus
+from helpers import peak_numpy_bytes, tiny_overrides, write_corpus
 
 MODEL = dict(layers=2, d_model=32, heads=4, ffn=64, vocab=256, seq_len=8)
 
@@ -374,25 +372,6 @@ def test_the_manifest_is_written_last(tmp_path, monkeypatch):
 
 
 BIG = dict(layers=1, d_model=64, heads=4, ffn=256, vocab=4096, seq_len=16)  # the 1 MiB embedding dominates
-
-
-def peak_numpy_bytes(fn, runs: int = 3) -> int:
-    """The NumPy/Python peak (tracemalloc) of ``fn()``: run once unmeasured first (lazy imports,
-    caches and first-call tracing are not the code path's memory), then the least of ``runs``
-    measured calls, each after ``gc.collect()``. tracemalloc counts every thread's and every
-    finalizer's allocations in its window; a one-off extra (seen once: +256 KiB, one tp4 shard,
-    on one of six identical calls in one process) is noise, the code path's own peak repeats."""
-    fn()
-    peaks = []
-    for _ in range(runs):
-        gc.collect()
-        tracemalloc.start()
-        try:
-            fn()
-            peaks.append(tracemalloc.get_traced_memory()[1])
-        finally:
-            tracemalloc.stop()
-    return min(peaks)
 
 
 def test_peak_host_memory_of_save_restore_and_init_scales_with_the_shard(devices, tmp_path):

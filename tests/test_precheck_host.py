@@ -28,6 +28,8 @@ from phalanx.config import ConfigError, load_config
 from phalanx.core.costs import ModelSpec, param_count
 from phalanx.plan import precheck
 
+from helpers import peak_numpy_bytes
+
 GiB = 2**30
 # ~10 B parameters: 40 GB of float32 weights, far more than the simulated hosts below.
 BIG = ["model.layers=48", "model.d_model=4096", "model.heads=32", "model.vocab=51200", "model.seq_len=2048",
@@ -118,23 +120,6 @@ def test_the_planner_picks_the_engine_the_factory_builds(overrides):
     assert precheck.runs_on_mesh(cfg, cfg.parallel.tp, cfg.parallel.pp) == needs_mesh_engine(cfg)
 
 
-def _peak(fn, runs: int = 2) -> int:
-    """tracemalloc's peak of ``fn()``: once unmeasured (lazy imports, caches, tracing), then
-    the least of ``runs`` measured calls (each after gc), so that allocations of other threads
-    or finalizers that happen to fall in one window are not counted as the code path's."""
-    fn()
-    peaks = []
-    for _ in range(runs):
-        gc.collect()
-        tracemalloc.start()
-        try:
-            fn()
-            peaks.append(tracemalloc.get_traced_memory()[1])
-        finally:
-            tracemalloc.stop()
-    return min(peaks)
-
-
 def test_the_host_figure_bounds_what_a_real_mesh_engine_holds(devices, tmp_path):
     """Save, restore and a pruning step of a tp=2 mesh engine whose largest shard is half the
     token embedding: measured NumPy peaks <= the pre-check's figure <= 4 x the largest of them."""
@@ -150,18 +135,18 @@ def test_the_host_figure_bounds_what_a_real_mesh_engine_holds(devices, tmp_path)
     engine = MeshEngine(cfg, Mesh.from_devices(devices[:2], 1, 1, 2), GPTTask(cfg.model))
     pruner = prune.Pruner(cfg, engine)
     measured = {
-        "prune": _peak(lambda: pruner.before_step(5)),
-        "save": _peak(lambda: checkpoint.save(tmp_path, 1, checkpoint.state_of(engine))),
+        "prune": peak_numpy_bytes(lambda: pruner.before_step(5), runs=2),
+        "save": peak_numpy_bytes(lambda: checkpoint.save(tmp_path, 1, checkpoint.state_of(engine)), runs=2),
     }
     restored = checkpoint.restore(checkpoint.latest_valid(tmp_path))
-    measured["restore"] = _peak(lambda: checkpoint.load_into(engine, restored))
+    measured["restore"] = peak_numpy_bytes(lambda: checkpoint.load_into(engine, restored), runs=2)
     figure, _ = precheck.host_peak(cfg, dp=1, pp=1, tp=2, devices=2)
     print("host peaks (bytes):", measured, "pre-check figure:", figure)
     assert max(measured.values()) <= figure <= 4 * max(measured.values()), (measured, figure)
 
 
 def _peak_and_held(fn, runs: int = 2) -> tuple[int, int]:
-    """Like :func:`_peak`, with the NumPy bytes still held after the call: TensorFlow takes a
+    """Like :func:`helpers.peak_numpy_bytes`, with the NumPy bytes still held after the call: TensorFlow takes a
     large, aligned NumPy array assigned to a variable as the variable's storage (zero-copy, its
     old buffer is freed), so tracemalloc goes on counting restored or initial values that are
     now device state, not host transients. Returns the call with the least peak."""
