@@ -535,19 +535,18 @@ def parse_devices(spec: str) -> tuple[str, int]:
     raise ConfigError("parallel.devices", f"{spec!r} is not valid; use auto, cpu:N or gpu:N with N >= 1 (e.g. cpu:8)")
 
 
-def validate(cfg: Config) -> None:
-    """Raise :class:`ConfigError` for the first impossible value (device count not needed)."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    # Also here, not only when parsing: a Config built directly from the dataclasses skips _coerce.
-    nested = [(section.name, getattr(cfg, section.name)) for section in dataclasses.fields(cfg)]
-    while nested:
-        prefix, obj = nested.pop(0)
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            if dataclasses.is_dataclass(value):
-                nested.append((f"{prefix}.{key_of(f)}", value))
-            elif isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"{prefix}.{key_of(f)}", f"expected a finite number, got {value}")
+def check_model_shape(m) -> None:
+    """Raise :class:`ConfigError` for an impossible GPT shape: the fields ``layers``, ``d_model``,
+    ``heads``, ``ffn``, ``vocab``, ``seq_len``, ``dropout``, ``experts``, ``top_k`` and ``moe_every``
+    of ``m``, a :class:`ModelConfig` or the planner's ``phalanx.core.costs.ModelSpec`` (one rule
+    for both).
+
+    Example:
+        >>> check_model_shape(ModelConfig(d_model=256, heads=5))
+        Traceback (most recent call last):
+        ...
+        phalanx.config.ConfigError: model.heads: 5 does not divide model.d_model=256; pick heads from [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    """
     for key, value in (("model.layers", m.layers), ("model.d_model", m.d_model), ("model.heads", m.heads),
                        ("model.vocab", m.vocab), ("model.seq_len", m.seq_len)):
         _require(value >= 1, key, f"must be >= 1, got {value}")
@@ -562,6 +561,22 @@ def validate(cfg: Config) -> None:
     _require(m.moe_every >= 1, "model.moe_every", f"must be >= 1, got {m.moe_every}")
     _require(not m.experts or m.moe_every <= m.layers, "model.moe_every",
              f"{m.moe_every} > model.layers={m.layers} leaves no block with experts")
+
+
+def validate(cfg: Config) -> None:
+    """Raise :class:`ConfigError` for the first impossible value (device count not needed)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    # Also here, not only when parsing: a Config built directly from the dataclasses skips _coerce.
+    nested = [(section.name, getattr(cfg, section.name)) for section in dataclasses.fields(cfg)]
+    while nested:
+        prefix, obj = nested.pop(0)
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                nested.append((f"{prefix}.{key_of(f)}", value))
+            elif isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{prefix}.{key_of(f)}", f"expected a finite number, got {value}")
+    check_model_shape(m)
     _require(m.capacity_factor >= 0, "model.capacity_factor", f"must be >= 0 (0: no token dropped), got "
                                                               f"{m.capacity_factor}")
     _require(m.aux_loss_coef >= 0, "model.aux_loss_coef", f"must be >= 0, got {m.aux_loss_coef}")

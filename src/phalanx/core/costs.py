@@ -38,6 +38,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from phalanx.config import check_model_shape
+
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
@@ -62,17 +64,7 @@ class ModelSpec:
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("layers", "d_model", "heads", "vocab", "seq_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
-        if self.d_model % self.heads:
-            raise ValueError(f"model.heads={self.heads} does not divide model.d_model={self.d_model}")
-        if self.experts < 0 or self.experts == 1:
-            raise ValueError(f"experts must be 0 (dense) or >= 2, got {self.experts}")
-        if self.experts and not 1 <= self.top_k <= self.experts:
-            raise ValueError(f"top_k must be in [1, experts={self.experts}], got {self.top_k}")
-        if self.moe_every < 1:
-            raise ValueError(f"moe_every must be >= 1, got {self.moe_every}")
+        check_model_shape(self)  # the rule config.ModelConfig follows (ConfigError is a ValueError)
 
     @property
     def ffn_dim(self) -> int:
