@@ -11,14 +11,16 @@ vocab 8192, seq_len 512, batch 8, AdamW. For each precision policy it builds
 
 * the matmul-only ceiling: every dense and attention matmul of the step, forward and
   backward (the same shapes, dtype and transposes as the gradient tape produces for
-  phalanx's step), and nothing else, timed alone. A step cannot be faster; phalanx's
-  tokens/s over the ceiling's is the share of the step spent in matmuls,
+  phalanx's step, :func:`step_matmuls`), and nothing else, each timed alone on
+  ``tf.Variable`` operands with its result read back (:class:`MatmulTimer`), summed. A
+  step cannot be faster; phalanx's tokens/s over the ceiling's is the share of the step
+  spent in matmuls,
 
 then times them in alternating rounds (the order flips every round) on the same
 synthetic random token batch, so all see the same machine load. The numbers
 reported are medians over the measured steps; the ratios are what to trust on a
 shared machine. MFU = 6 x params x tokens (+ attention) / step time / the measured
-matmul peak of the same compute dtype (:func:`phalanx.plan.hardware.measure_matmul_peak`).
+matmul peak of the same compute dtype (one 2048-cubed matmul, :func:`matmul_peak`).
 The output records the CPU model and flags, TensorFlow's oneDNN setting (one process:
 the same for every contender), the date and the load average.
 
@@ -87,6 +89,7 @@ class Timings:
     name: str
     rounds: list[list[float]] = field(default_factory=list)
     cpu_rounds: list[list[float]] = field(default_factory=list)  # process CPU seconds per step
+    detail: list = field(default_factory=list)  # the ceiling's (StepMatmul, median seconds per call)
 
     def all(self) -> list[float]:
         return [t for r in self.rounds for t in r]
@@ -163,60 +166,157 @@ class PeerRunner:
         return times, cpu
 
 
-class CeilingRunner:
-    """Every dense and attention matmul of one training step, forward and backward, alone.
+@dataclass(frozen=True)
+class StepMatmul:
+    """One matmul of the training step, ``count`` times per step: ``a @ b`` with the
+    transposes TensorFlow's gradient uses (``a``/``b`` are the operand shapes as stored)."""
 
-    Per block: the four dense layers (x @ W forward; dy @ W^T and x^T @ dy backward) and
-    the two attention batch matmuls (q @ k^T and probs @ v, and their four gradient
-    matmuls); then the tied head (x @ E^T; dlogits @ E and dlogits^T @ x). Operands are
-    random tensors of the compute dtype made once, a separate set per block (as the step's
-    activations are: reusing one set would keep it in the CPU's cache and flatter the
-    ceiling); one call runs one block's matmuls, ``layers`` calls and one head call make a step.
+    name: str
+    a: tuple
+    b: tuple
+    transpose_a: bool = False
+    transpose_b: bool = False
+    count: int = 1
+
+    def flops(self) -> float:
+        """2 m k n per matrix product, times the batch dims."""
+        m, k = (self.a[-1], self.a[-2]) if self.transpose_a else (self.a[-2], self.a[-1])
+        n = self.b[-2] if self.transpose_b else self.b[-1]
+        return 2.0 * float(np.prod(self.a[:-2], dtype=np.float64)) * m * k * n
+
+    def describe(self) -> str:
+        shape = lambda s, t: "x".join(map(str, s)) + ("^T" if t else "")  # noqa: E731
+        return f"{shape(self.a, self.transpose_a)} @ {shape(self.b, self.transpose_b)}"
+
+
+def step_matmuls(model_cfg: dict, batch: int) -> list[StepMatmul]:
+    """Every dense and attention matmul of one training step of the reference GPT, forward
+    and backward, as phalanx's one-device step runs them (``phalanx.models.transformer.gpt``:
+    separate query, key and value projections ``[d, d]`` — the Keras layers' weights —, heads
+    as ``[b, h, t, hd]`` batch matmuls, tied head ``x @ E^T``).
+
+    Per dense layer ``y = x @ W``: the forward, ``dx = dy @ W^T`` and ``dW = x^T @ dy``.
+    Per attention: ``s = q @ k^T`` (backward ``dq = ds @ k``, ``dk = ds^T @ q``) and
+    ``o = p @ v`` (backward ``dp = do @ v^T``, ``dv = p^T @ do``).
+    """
+    d, f, h, t, v, layers = (model_cfg[k] for k in ("d_model", "ffn", "heads", "seq_len", "vocab", "layers"))
+    n, hd = batch * t, d // h
+    out = []
+    # (name, d_in, d_out, how many per block): query, key and value are three d x d matmuls
+    for name, din, dout, per_block in (("q/k/v", d, d, 3), ("attn out", d, d, 1), ("mlp fc", d, f, 1),
+                                       ("mlp proj", f, d, 1)):
+        count = per_block * layers
+        out += [StepMatmul(f"{name} forward", (n, din), (din, dout), count=count),
+                StepMatmul(f"{name} dx", (n, dout), (din, dout), transpose_b=True, count=count),
+                StepMatmul(f"{name} dW", (n, din), (n, dout), transpose_a=True, count=count)]
+    heads, square = (batch, h, t, hd), (batch, h, t, t)
+    out += [StepMatmul("scores q k^T", heads, heads, transpose_b=True, count=layers),
+            StepMatmul("scores dq", square, heads, count=layers),
+            StepMatmul("scores dk", square, heads, transpose_a=True, count=layers),
+            StepMatmul("probs @ v", square, heads, count=layers),
+            StepMatmul("probs @ v dp", heads, heads, transpose_b=True, count=layers),
+            StepMatmul("probs @ v dv", square, heads, transpose_a=True, count=layers),
+            StepMatmul("head forward", (n, d), (v, d), transpose_b=True),
+            StepMatmul("head dx", (n, v), (v, d)),
+            StepMatmul("head dE", (n, v), (n, d), transpose_a=True)]
+    return out
+
+
+class MatmulTimer:
+    """Times matmuls one at a time, so that nothing but the matmul is measured and nothing
+    of it is skipped.
+
+    Each matmul shape gets its own ``tf.function`` holding that one matmul; its operands are
+    ``tf.Variable`` s (read at run time: no constant folding), ``copies`` different random
+    sets rotated call by call (the step's layers each have their own activations and
+    weights: one set reused would sit in the CPU's cache), and every call reduces a corner
+    of the product to a float32 scalar that is read back to Python, so each call waits for
+    its matmul to finish. One matmul per function: two identical matmuls in one graph would
+    be merged by Grappler's common-subexpression elimination (the flaw of the first ceiling,
+    which timed ``q @ k^T`` and ``p @ v`` twice in one function).
+    """
+
+    def __init__(self, dtype, copies: int = 3, seed: int = 0):
+        self.dtype, self.copies = tf.as_dtype(dtype), copies
+        self._operands: dict = {}
+        self._fns: dict = {}
+        self._rng = tf.random.Generator.from_seed(seed)
+
+    def _operand(self, shape: tuple, copy: int) -> tf.Variable:
+        key = (tuple(shape), copy)
+        if key not in self._operands:
+            # operands of one shape are shared between matmuls, as the step's activations are
+            self._operands[key] = tf.Variable(tf.cast(self._rng.normal(shape, stddev=0.5), self.dtype),
+                                              trainable=False)
+        return self._operands[key]
+
+    def _fn(self, mm: StepMatmul):
+        key = (mm.transpose_a, mm.transpose_b)
+        if key not in self._fns:
+            ta, tb = key
+
+            @tf.function
+            def run(a, b):
+                y = tf.matmul(a, b, transpose_a=ta, transpose_b=tb)
+                return tf.reduce_sum(tf.cast(y[..., :1, :1], tf.float32))
+
+            self._fns[key] = run
+        return self._fns[key]
+
+    def time_call(self, mm: StepMatmul, copy: int = 0) -> float:
+        """Wall seconds of one call of ``mm`` on operand set ``copy``, result read back."""
+        a, b = self._operand(mm.a, copy % self.copies), self._operand(mm.b, (copy + 1) % self.copies)
+        fn = self._fn(mm)
+        start = time.perf_counter()
+        value = float(fn(a, b))  # float(): waits for the matmul and copies the scalar back
+        elapsed = time.perf_counter() - start
+        if not np.isfinite(value):
+            raise RuntimeError(f"matmul {mm.name} gave {value}: the timed work is not real")
+        return elapsed
+
+    def peak(self, size: int = 2048, seconds: float = 1.5) -> float:
+        """FLOP/s of a ``size``-cubed matmul timed as above: the best call (warm-up excluded)."""
+        mm = StepMatmul("square", (size, size), (size, size))
+        self.time_call(mm)  # trace + warm up
+        best, start, i = float("inf"), time.perf_counter(), 0
+        while time.perf_counter() - start < seconds or i < 3:
+            best = min(best, self.time_call(mm, i))
+            i += 1
+        return mm.flops() / best
+
+
+class CeilingRunner:
+    """Every dense and attention matmul of one training step (:func:`step_matmuls`),
+    forward and backward, each timed alone by :class:`MatmulTimer` in the step's compute
+    dtype; a ceiling "step" runs each of them as many times as the step does and its time
+    is the sum of the matmuls' times (the gaps between calls are not counted). A step cannot
+    be faster: phalanx's tokens/s over the ceiling's is the share of the step in matmuls.
     """
 
     def __init__(self, model_cfg: dict, batch: int, policy: str, lr: float, batch_data: np.ndarray):
-        dtype = tf.as_dtype(COMPUTE_DTYPE[policy])
-        d, f, h, t, v = (model_cfg[k] for k in ("d_model", "ffn", "heads", "seq_len", "vocab"))
-        n, hd = batch * t, d // h
-        self.layers = model_cfg["layers"]
-        rnd = lambda *shape: tf.cast(tf.random.normal(shape, stddev=0.1), dtype)  # noqa: E731
-        self.block_args = [[rnd(n, d), rnd(n, f), rnd(d, 3 * d), rnd(d, d), rnd(d, f), rnd(f, d), rnd(n, 3 * d),
-                            rnd(batch * h, t, hd), rnd(batch * h, t, t)] for _ in range(self.layers)]
-        self.head_args = [rnd(n, d), rnd(v, d), rnd(n, v)]
-
-        @tf.function
-        def block(x, wide, w_qkv, w_out, w_fc, w_proj, dqkv, q, probs):
-            mm = tf.matmul
-            out = []
-            # forward: qkv, out, fc (x-sized inputs), proj (ffn-sized input); scores, probs @ v
-            out += [mm(x, w_qkv), mm(x, w_out), mm(x, w_fc), mm(wide, w_proj)]
-            out += [mm(q, q, transpose_b=True), mm(probs, q)]
-            # backward of the dense layers: dx = dy @ W^T, dW = x^T @ dy
-            for xin, w, dy in ((x, w_qkv, dqkv), (x, w_out, x), (x, w_fc, wide), (wide, w_proj, x)):
-                out += [mm(dy, w, transpose_b=True), mm(xin, dy, transpose_a=True)]
-            # backward of scores = q k^T: dq = ds @ k, dk = ds^T @ q; of probs @ v: dp = do v^T, dv = p^T do
-            out += [mm(probs, q), mm(probs, q, transpose_a=True), mm(q, q, transpose_b=True),
-                    mm(probs, q, transpose_a=True)]
-            return [tf.reduce_sum(o[..., :1]) for o in out]
-
-        @tf.function
-        def head(x, emb, dlogits):
-            out = [tf.matmul(x, emb, transpose_b=True), tf.matmul(dlogits, emb),
-                   tf.matmul(dlogits, x, transpose_a=True)]
-            return [tf.reduce_sum(o[..., :1]) for o in out]
-
-        self.block, self.head = block, head
+        self.matmuls = step_matmuls(model_cfg, batch)
+        self.timer = MatmulTimer(COMPUTE_DTYPE[policy])
+        self.per_matmul: dict[str, list[float]] = {mm.name: [] for mm in self.matmuls}  # seconds per call
         self.last_loss = float("nan")
 
     def run(self, steps: int):
         times, cpu = [], []
         for _ in range(steps):
-            start, cpu0 = time.perf_counter(), time.process_time()
-            outs = [self.block(*args) for args in self.block_args] + [self.head(*self.head_args)]
-            [float(o[-1]) for o in outs]  # waits for every call
-            times.append(time.perf_counter() - start)
+            total, cpu0 = 0.0, time.process_time()
+            for mm in self.matmuls:
+                for i in range(mm.count):
+                    t = self.timer.time_call(mm, i)
+                    self.per_matmul[mm.name].append(t)
+                    total += t
+            times.append(total)
             cpu.append(time.process_time() - cpu0)
         return times, cpu
+
+    def breakdown(self) -> list[tuple[StepMatmul, float]]:
+        """(matmul, median seconds per call) over every call so far but each matmul's first
+        ``count`` (the warm-up step's)."""
+        return [(mm, statistics.median(self.per_matmul[mm.name][mm.count:] or self.per_matmul[mm.name]))
+                for mm in self.matmuls]
 
 
 # ---------------------------------------------------------------------------
@@ -224,17 +324,12 @@ class CeilingRunner:
 
 
 def matmul_peak(policy: str) -> float:
-    """The same-dtype matmul peak, measured now with the project's probe.
+    """The same-dtype matmul peak: a 2048-cubed matmul timed alone by :class:`MatmulTimer`.
 
-    Measured afresh into a scratch cache: the shared cache may hold a value taken
-    under another load or another oneDNN setting.
+    (Not :func:`phalanx.plan.hardware.measure_matmul_peak`: its probe puts four identical
+    matmuls in one graph, which Grappler merges into one, and reported 4x the real rate.)
     """
-    import tempfile
-
-    from phalanx.plan.hardware import measure_matmul_peak
-
-    with tempfile.TemporaryDirectory() as scratch:
-        return measure_matmul_peak(COMPUTE_DTYPE[policy], seconds=1.5, cache_dir=scratch, refresh=True)
+    return MatmulTimer(COMPUTE_DTYPE[policy]).peak()
 
 
 def load_average() -> str:
@@ -268,6 +363,8 @@ def measure_policy(policy: str, args, model_cfg: dict, batch_data: np.ndarray, l
             log(f"  {policy:15s} round {r + 1}/{args.rounds} {name:10s} "
                 f"{' '.join(f'{x:.2f}' for x in t)} s/step  loss {runners[name].last_loss:.3f}  "
                 f"load {load_average()}")
+    if "ceiling" in runners:
+        timings["ceiling"].detail = runners["ceiling"].breakdown()
     del runners
     return timings
 
@@ -368,7 +465,23 @@ def build_table(results: dict, args, model_cfg: dict, peaks: dict, loads: list[s
                      f"{peer_tps} | {peer_mfu} | {ratio} | {cpu_ratio} | {own} |")
     lines += ["", "phalanx / keras-hub and phalanx / ceiling are medians over rounds of same-round speed ratios; "
               "targets (issue 14): phalanx >= 1.10x keras-hub in float32 and >= 1.30x in mixed_bfloat16, "
-              "mixed_bfloat16 >= 0.85 of the matmul-only ceiling."]
+              "mixed_bfloat16 >= 0.85 of the matmul-only ceiling. Matmul peak: one 2048^3 matmul, best call; "
+              "ceiling: every matmul of the step timed alone (below), summed."]
+    for policy, timings in results.items():
+        ceiling = timings.get("ceiling")
+        if ceiling is None or not ceiling.detail:
+            continue
+        total_flops = sum(mm.flops() * mm.count for mm, _ in ceiling.detail)
+        total_time = sum(sec * mm.count for mm, sec in ceiling.detail)
+        lines += ["", f"Matmul-only ceiling, {policy} (operands {COMPUTE_DTYPE[policy]}): {len(ceiling.detail)} "
+                  f"matmul shapes, {total_flops / 1e9:.0f} GFLOP per step (the cost model's "
+                  f"{flops_per_step / 1e9:.0f}), {total_time:.2f} s per step at the median call, "
+                  f"{total_flops / total_time / 1e9:.0f} GFLOP/s overall.", "",
+                  "| matmul | operands | per step | ms per call | GFLOP/s | share of ceiling |",
+                  "|---|---|---|---|---|---|"]
+        for mm, sec in ceiling.detail:
+            lines.append(f"| {mm.name} | {mm.describe()} | {mm.count} | {sec * 1e3:.1f} | "
+                         f"{mm.flops() / sec / 1e9:.0f} | {sec * mm.count / total_time:.1%} |")
     return "\n".join(lines) + "\n"
 
 
