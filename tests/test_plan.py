@@ -133,15 +133,16 @@ def test_tied_embedding_copy_has_no_optimizer_state():
 
 def test_pipeline_activation_memory_follows_schedule():
     # seq_len 512: activations outweigh the gradient sets, so the peak is in the backward phase
-    # (at seq_len 64 the engine's per-micro-batch gradients make the end of the step the peak)
+    # (at seq_len 64 the optimizer step's flat buffers are)
     m = ModelSpec(layers=8, d_model=128, heads=4, vocab=256, seq_len=512)
     per_layer = layer_activation_bytes(m, 2, elem_bytes=2)
     one = memory_per_device(m, Layout(pp=4, microbatches=8, micro_batch=2, schedule="1f1b"), overhead_fraction=0)
     gp = memory_per_device(m, Layout(pp=4, microbatches=8, micro_batch=2, schedule="gpipe"), overhead_fraction=0)
     assert one.rank == 0 and one.in_flight == 4 and gp.in_flight == 8
     assert one.activations == pytest.approx(4 * 2 * per_layer)      # 4 micro-batches x 2 layers
-    # ... at the backward after the last forward: 8 - 4 backwards already run, each left a float32 gradient
-    assert one.gradients == pytest.approx(4 * 4 * one.params)
+    # ... at the backward after the last forward: 4 backwards already run, all added into one
+    # float32 gradient sum (not one gradient per micro-batch)
+    assert one.gradients == pytest.approx(4 * one.params)
     # GPipe: every rank holds all 8; the last rank also keeps 8 micro-batches' logits and is the peak,
     # at its first backward (no gradient yet)
     assert gp.gradients == 0
@@ -152,7 +153,9 @@ def test_pipeline_activation_memory_follows_schedule():
 
 ENGINE_LAYOUTS = {"one device": [], "dp2": ["parallel.dp=2"], "tp2": ["parallel.tp=2"],
                   "pp2 m4": ["parallel.pp=2", "parallel.microbatches=4"], "dp2 zero1": ["parallel.dp=2", "parallel.zero=1"],
+                  "dp2 zero2": ["parallel.dp=2", "parallel.zero=2"],
                   "dp2 tp2 pp2": ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2"],
+                  "dp2 pp2 m4 zero1": ["parallel.dp=2", "parallel.pp=2", "parallel.microbatches=4", "parallel.zero=1"],
                   "pp2 gpipe recompute": ["parallel.pp=2", "parallel.microbatches=4", "parallel.schedule=gpipe",
                                           "parallel.recompute=full"]}
 
@@ -260,10 +263,11 @@ def test_search_reports_when_nothing_fits():
 
 def test_one_trillion_on_3072_a100(capsys):
     """The planner used to propose dp=6 tp=8 pp=64 m=512 interleaved at 55.7 GiB per device. It
-    left out that the engine keeps one float32 gradient set per backward until the step's sum
-    (plan/engine_memory.py, measured with --calibrate): with m=512 micro-batches a device holds
-    hundreds of gradient sets of its ~2B parameters. So no layout the engine runs fits; only
-    ZeRO-3 ones (plan only), whose sets are sharded over dp, are listed."""
+    left out what the engine holds per micro-batch in flight (plan/engine_memory.py, measured
+    with --calibrate): under mixed_bfloat16 each in-flight micro-batch keeps its own bfloat16
+    cast of the stage's weights, ~4 GiB of a ~2B-parameter rank each. (The weight gradients no
+    longer add to that: every backward adds into one float32 sum.) So no layout the engine runs
+    fits; only ZeRO-3 ones (plan only), whose weights are sharded over dp, are listed."""
     argv = ["model.layers=128", "model.d_model=25600", "model.heads=160", "model.vocab=51200", "model.seq_len=2048",
             "model.ffn=0", "precision.policy=mixed_bfloat16", "--devices", "3072", "--hardware", "a100-80gb",
             "--tokens", "450e9", "--search", "--top", "3", "--json"]
@@ -276,12 +280,13 @@ def test_one_trillion_on_3072_a100(capsys):
         assert c["memory_per_device_bytes"]["total"] <= 80 * GiB
         lay = c["layout"]
         assert lay["dp"] * lay["tp"] * lay["pp"] == 3072 and lay["tp"] <= 8 and lay["zero"] == 3
-    # the old proposal, by hand: 2 x m backwards on rank 0 (v=2 chunks), less the sets in flight,
-    # each a float32 gradient of at least this device's share of the parameters
+    # the old proposal, by hand: one float32 gradient sum of rank 0's parameters, and a bfloat16
+    # cast of them (2 bytes each) per micro-batch in flight (191 of its 2 x 512 on rank 0)
     m = ModelSpec(layers=128, d_model=25600, heads=160, vocab=51200, seq_len=2048)
     old = estimate(m, Layout(dp=6, tp=8, pp=64, microbatches=512, micro_batch=1, schedule="interleaved",
-                             virtual_stages=2, recompute="full"), get_hardware("a100-80gb"))
-    assert old.memory.gradients >= (2 * 512 - old.memory.in_flight) * 4 * param_count(m) / (8 * 64 * 2)
+                             virtual_stages=2, recompute="full", policy="mixed_bfloat16"), get_hardware("a100-80gb"))
+    assert old.memory.gradients == pytest.approx(4 * old.memory.params)
+    assert old.memory.temporaries >= old.memory.in_flight * 2 * old.memory.params
     assert not old.fits
 
 

@@ -105,7 +105,9 @@ class PipelinedEngine:
 
     def _replica_grads(self, batch, scale):
         """Per shard key, each replica's gradient of ``sum of micro-batch losses x scale /
-        micro-batch count`` (summed over that replica's copies); and the list of losses."""
+        micro-batch count`` (summed over that replica's copies); and the list of losses.
+        Every micro-batch's gradient is added into one running sum per stage as its backward
+        ends (:func:`~phalanx.parallel.pipeline.run_schedule`, across accumulation steps too)."""
         micro_total = self.dp * self.accum * self.microbatches
         weight = scale / float(micro_total)
         grads: dict[ShardKey, list] = {key: [None] * self.dp for key in self.params.shards}
@@ -113,17 +115,20 @@ class PipelinedEngine:
         for d in range(self.dp):
             micro = self.micro_batches(batch, d, self.accum * self.microbatches)
             variables = [self.stage_variables(d, s) for s in range(self.chunks)]
+            stage_grads = None
             for a in range(self.accum):
                 group = micro[a * self.microbatches:(a + 1) * self.microbatches]
+                # Accumulation steps continue the same running sums: one gradient set per stage.
                 stage_grads, loss_sum = run_schedule(
                     self.schedule, lambda s, i, x, _d=d, _g=group: self.forward(_d, s, x, _g[i]),
-                    variables, weight, trace=self.traces[d] if a == 0 else None, prefix=f"dp{d}_acc{a}")
+                    variables, weight, trace=self.traces[d] if a == 0 else None, prefix=f"dp{d}_acc{a}",
+                    initial=stage_grads)
                 losses.append(loss_sum)
-                for s in range(self.chunks):
-                    for (key, _), g in zip(self.stage_keys[s], stage_grads[s]):
-                        with tf.device(self.params.shards[key].device(d)):
-                            prev = grads[key][d]
-                            grads[key][d] = g if prev is None else prev + g
+            for s in range(self.chunks):  # the copies of a tied weight, summed on its primary device
+                for (key, _), g in zip(self.stage_keys[s], stage_grads[s]):
+                    with tf.device(self.params.shards[key].device(d)):
+                        prev = grads[key][d]
+                        grads[key][d] = g if prev is None else prev + g
         return grads, losses
 
     def _train_step(self, batch):

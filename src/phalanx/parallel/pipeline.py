@@ -84,7 +84,7 @@ def accumulate_gradient(total, grad, keep_sparse: bool = False):
 
 def run_schedule(schedule: Schedule, forward: StageForward, params: Sequence[Sequence[tf.Variable]],
                  loss_weight: tf.Tensor, trace: PipelineTrace | None = None, prefix: str = "pipe",
-                 keep_sparse: bool = False):
+                 keep_sparse: bool = False, initial: Sequence[Sequence[tf.Tensor | None]] | None = None):
     """Run one pipeline step; return ``(grads, loss_sum)``.
 
     ``params[s]``: the variables stage ``s`` reads. ``grads[s][j]`` is the gradient of
@@ -92,14 +92,21 @@ def run_schedule(schedule: Schedule, forward: StageForward, params: Sequence[Seq
     ``loss_sum`` is the sum of the (unweighted) micro-batch losses. Activations handed
     between stages may be single tensors or lists; only their floating-point members
     are differentiated. ``keep_sparse``: see :func:`accumulate_gradient`; a weight that
-    received no gradient is then ``None`` instead of zeros.
+    received no gradient is then ``None`` instead of zeros. ``initial`` (shaped like
+    ``grads``, e.g. the previous accumulation step's): sums the micro-batches' gradients
+    start from, so gradient accumulation keeps one running sum per weight.
+
+    Each backward adds its weight gradients into the running sums at once (the rank's next
+    action waits for the additions), so a rank holds one gradient set, not one per
+    micro-batch; the sums are taken in micro-batch order of the rank's table.
     """
     if schedule.split_backward:
         raise ValueError(f"schedule {schedule.name!r} splits the backward into B and W; the executor runs "
                          f"gpipe, 1f1b and interleaved")
     last_stage = schedule.num_stages - 1
     outputs, saved, grad_out = {}, {}, {}
-    acc: list[list[tf.Tensor | None]] = [[None] * len(p) for p in params]
+    acc: list[list[tf.Tensor | None]] = ([list(row) for row in initial] if initial is not None
+                                         else [[None] * len(p) for p in params])
     losses = []
     previous: dict[int, list[tf.Tensor]] = {}
     if trace is not None:
@@ -151,12 +158,19 @@ def run_schedule(schedule: Schedule, forward: StageForward, params: Sequence[Seq
                 if watched:
                     grad_out[(stage - 1, mb)] = [tf.zeros_like(x) if g is None else g
                                                  for x, g in zip(watched, grads[n:])]
+                summed = []
                 for j, (var, g) in enumerate(zip(params[stage], grads[:n])):
                     if g is None:  # a weight this stage lists but does not use (e.g. a tied copy)
                         continue
                     with tf.device(var.device):
                         acc[stage][j] = accumulate_gradient(acc[stage][j], g, keep_sparse)
-                marker = [g for g in grads if g is not None] or targets or _flat(upstream)
+                    summed.append(acc[stage][j])
+                # The running sums are part of the marker: the rank's next action waits for them,
+                # so each micro-batch's gradient is added (and freed) before the next action
+                # starts. An addition that drives a control edge is also one Grappler's
+                # arithmetic optimizer leaves alone; without the edge it rewrote the chain into
+                # one AddN at the end of the step, which kept every micro-batch's gradient alive.
+                marker = summed + [g for g in grads[n:] if g is not None] or targets or _flat(upstream)
         previous[rank] = marker
         if trace is not None:
             trace.order[rank].append(str(action))

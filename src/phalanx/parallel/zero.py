@@ -12,6 +12,12 @@ data-parallel replicas, stage 2 also the gradients. Here, for every parameter sh
 * ``zero=2``: as 1, but the gradient is reduce-scattered: replica ``d`` sums only
   piece ``d`` of every replica's gradient, on its own device.
 
+Under ZeRO every flat buffer of the update is a piece: each replica's gradient is cut
+straight into the ``dp`` pieces (no whole flat copy), replica ``d`` reads only piece ``d``
+of its parameters, and the gathered pieces are written into each shard from the parts
+that cover it (no whole flat group either), so the optimizer step's temporaries beyond the
+gradient are ``1/dp`` of the parameters.
+
 The step order, clipping and skip-on-non-finite match
 :class:`phalanx.engines.strategy.StrategyEngine` exactly.
 
@@ -120,6 +126,25 @@ class ShardedAdamW:
     def piece_size(self, size: int) -> int:
         return -(-size // self.dp)
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the moments (and the update) are cut into ZeRO pieces."""
+        return self.zero > 0 and self.dp > 1
+
+    def _piece(self, g: Group, flats: list[tf.Tensor], r: int) -> tf.Tensor:
+        """Piece ``r`` (``[r n, (r + 1) n)``, zero-padded past the end) of group ``g``'s flat
+        buffer, cut from its shards' flat tensors ``flats``: only that piece is copied."""
+        n = self.piece_size(g.total)
+        lo, hi = r * n, (r + 1) * n
+        parts = []
+        for flat, off, size in zip(flats, g.offsets, g.sizes):
+            a, b = max(lo, off), min(hi, off + size)
+            if a < b:
+                parts.append(flat if (a, b) == (off, off + size) else flat[a - off:b - off])
+        if hi > g.total:
+            parts.append(tf.zeros([hi - max(lo, g.total)], flats[0].dtype))
+        return tf.concat(parts, 0) if len(parts) > 1 else tf.identity(parts[0])
+
     # -- the update -------------------------------------------------------------
 
     def apply(self, grads: dict[ShardKey, list[tf.Tensor]], scale: tf.Tensor):
@@ -132,7 +157,11 @@ class ShardedAdamW:
             per_replica = []
             for d in range(self.dp):
                 with tf.device(g.devices[d]):
-                    per_replica.append(tf.concat([tf.reshape(grads[k][d], [-1]) for k in g.keys], 0))
+                    flats = [tf.reshape(grads[k][d], [-1]) for k in g.keys]
+                    if self.sharded:  # replica d's gradient cut into the ZeRO pieces (no whole flat copy)
+                        per_replica.append([self._piece(g, flats, r) for r in range(self.dp)])
+                    else:
+                        per_replica.append(tf.concat(flats, 0))
             reduced.append(self._reduce(g, per_replica))
         squares = []
         for g, parts in zip(self.groups, reduced):
@@ -156,66 +185,65 @@ class ShardedAdamW:
         self.step.assign_add(tf.cast(finite, tf.int64))
         return norm, finite, lr
 
-    def _reduce(self, g: Group, per_replica: list[tf.Tensor]) -> list[tf.Tensor]:
+    def _reduce(self, g: Group, per_replica: list) -> list[tf.Tensor]:
         """zero 0: ``[sum]`` (all-reduce; counted once in the norm); zero 1: the pieces of
-        that sum; zero 2: ``[piece_0, ..., piece_{dp-1}]``, piece d summed on replica d
-        (reduce-scatter)."""
+        that sum, summed on replica 0; zero 2: ``[piece_0, ..., piece_{dp-1}]``, piece d summed
+        on replica d (reduce-scatter). ``per_replica[r]``: replica r's flat gradient (zero 0)
+        or its pieces (zero >= 1); the sums are elementwise, so a piece of the sum is the sum
+        of the pieces."""
         if self.dp == 1:
             return [per_replica[0]]
-        if self.zero < 2:
+        if self.zero == 0:
             with tf.device(g.devices[0]):
-                total = tf.add_n(per_replica)
-            return [total] if self.zero == 0 else self._pieces(total, g.total, g.devices[0])
-        by_replica = [self._pieces(x, g.total, g.devices[d]) for d, x in enumerate(per_replica)]
+                return [tf.add_n(per_replica)]
         out = []
         for d in range(self.dp):
-            with tf.device(g.devices[d]):
-                out.append(tf.add_n([by_replica[r][d] for r in range(self.dp)]))
+            with tf.device(g.devices[0 if self.zero == 1 else d]):
+                out.append(tf.add_n([per_replica[r][d] for r in range(self.dp)]))
         return out
 
-    def _pieces(self, flat: tf.Tensor, size: int, device: str) -> list[tf.Tensor]:
-        n = self.piece_size(size)
-        with tf.device(device):
-            flat = tf.pad(flat, [[0, n * self.dp - size]])
-            return [flat[d * n:(d + 1) * n] for d in range(self.dp)]
-
     def _flat_params(self, g: Group, d: int, after: list) -> tf.Tensor:
-        """Replica ``d``'s parameters of group ``g`` as one flat float32 tensor, read once every
-        op in ``after`` has run (the same values: nothing writes them before the update)."""
+        """Replica ``d``'s parameters of group ``g`` as one flat float32 tensor (under ZeRO,
+        only replica ``d``'s piece of it: the update's temporaries are ``1/dp`` of the group),
+        read once every op in ``after`` has run (the same values: nothing writes them before
+        the update)."""
         with tf.control_dependencies(after):
-            return tf.concat([tf.reshape(self.params.shards[k].copies[d][0].read_value(), [-1]) for k in g.keys], 0)
+            flats = [tf.reshape(self.params.shards[k].copies[d][0].read_value(), [-1]) for k in g.keys]
+            return self._piece(g, flats, d) if self.sharded else tf.concat(flats, 0)
 
     def _update(self, i, parts, factor, t, lr, finite, after: dict[str, list]):
         """Update group ``i`` on every replica; its reads wait for ``factor`` and for
         ``after[device]``, which is then set to this group's last ops on that device."""
         g = self.groups[i]
         waits = [after.get(g.devices[d], []) + [factor] for d in range(self.dp)]
-        if self.zero == 0 or self.dp == 1:
+        if not self.sharded:
             for d in range(self.dp):
                 with tf.device(g.devices[d]):
                     new, done = self._adam(i, d, self._flat_params(g, d, waits[d]), parts[0], factor, t, lr, finite)
-                    after[g.devices[d]] = done + self._assign(g, d, new, done)
+                    after[g.devices[d]] = done + self._assign(g, d, [new], g.total, done)
             return
-        n = self.piece_size(g.total)
         new_pieces, dones = [], []
         for d in range(self.dp):
             with tf.device(g.devices[d]):
-                flat = tf.pad(self._flat_params(g, d, waits[d]), [[0, n * self.dp - g.total]])
-                new, done = self._adam(i, d, flat[d * n:(d + 1) * n], parts[d], factor, t, lr, finite)
+                new, done = self._adam(i, d, self._flat_params(g, d, waits[d]), parts[d], factor, t, lr, finite)
                 new_pieces.append(new)
                 dones.append(done)
         for d in range(self.dp):  # all-gather the updated pieces into every replica's copies
             with tf.device(g.devices[d]):
-                after[g.devices[d]] = dones[d] + self._assign(g, d, tf.concat(new_pieces, 0)[: g.total], dones[d])
+                after[g.devices[d]] = dones[d] + self._assign(g, d, new_pieces, self.piece_size(g.total), dones[d])
 
-    def _assign(self, g: Group, d: int, flat: tf.Tensor, after: list) -> list:
-        """Write ``flat`` into replica ``d``'s copies of group ``g``'s shards once ``after`` ran;
-        returns the assignments (graph mode; nothing when eager)."""
+    def _assign(self, g: Group, d: int, pieces: list[tf.Tensor], n: int, after: list) -> list:
+        """Write the flat group, held as ``pieces`` of ``n`` elements each, into replica ``d``'s
+        copies of group ``g``'s shards once ``after`` ran; each shard is joined from the parts
+        of the pieces it spans (no whole flat group is built). Returns the assignments (graph
+        mode; nothing when eager)."""
         ops = []
         with tf.control_dependencies(after):
-            for k, piece in zip(g.keys, tf.split(flat, list(g.sizes))):
+            for k, off, size in zip(g.keys, g.offsets, g.sizes):
+                parts = [pieces[r][max(off, r * n) - r * n: min(off + size, (r + 1) * n) - r * n]
+                         for r in range(off // n, (off + size - 1) // n + 1)]
                 shard = self.params.shards[k]
-                value = tf.reshape(piece, shard.shape)
+                value = tf.reshape(tf.concat(parts, 0) if len(parts) > 1 else parts[0], shard.shape)
                 for copy in shard.copies[d]:
                     ops.append(copy.assign(value, read_value=False))
         return [op for op in ops if op is not None]

@@ -15,7 +15,8 @@ follows the engines' placement and step (read from ``engines/mesh.py``,
   under ZeRO >= 1;
 * the mesh engine's optimizer reads every parameter group into one flat float32 buffer
   (``ShardedAdamW._flat_params``), 4 bytes per parameter, in the optimizer step only (the
-  read waits for the gradients' norm);
+  read waits for the gradients' norm); under ZeRO >= 1 only the replica's piece of it
+  (``1/dp``);
 * under a mixed policy every layer casts its kernel to the compute dtype in each forward
   and the backward reads the cast copy: ``e`` bytes per parameter per activation set held;
 * activations: each stage's blocks on its devices (the tensor-parallel split of
@@ -25,16 +26,18 @@ follows the engines' placement and step (read from ``engines/mesh.py``,
   with the head's logits and float32 softmax on the last stage;
 * the backward's working set when it starts (the first block's gradients of activations
   and of the fused kernels): :data:`BACKWARD_SETS` of one block's activations on that device;
-* gradients: every backward leaves a float32 gradient per weight, and all of them stay alive
-  until the optimizer step (Grappler turns the chain of additions into one ``AddN``), so a
-  rank holds one gradient set per backward already run (:func:`rank_peak` walks the rank's
-  schedule); in the optimizer step the flat gradient and AdamW's flat temporaries
-  (:data:`OPT_BUFFERS` per parameter) join the state beside the flat parameters, and the
-  peak is the larger of the phases. Under ``zero=0`` the flat gradients are summed on
+* gradients: every backward adds its float32 weight gradients into one running sum per
+  weight before the rank's next action starts (``parallel/pipeline.run_schedule``; across
+  ``train.grad_accum`` steps too), so a rank holds one gradient set once its first backward
+  has run, whatever the number of micro-batches (:func:`rank_peak` walks the rank's
+  schedule); in the optimizer step without ZeRO the flat gradient and AdamW's flat
+  temporaries (:data:`OPT_BUFFERS` per parameter) join the state beside the flat parameters,
+  and the peak is the larger of the phases. Under ``zero=0`` the flat gradients are summed on
   replica 0's devices and the sum sent to the other replicas: logical CPUs of one process
   share it (TensorFlow passes a tensor between them without a copy), so there a replica
-  other than 0 holds one buffer fewer. (``train.grad_accum > 1`` adds one more sum per
-  accumulation step: not counted.)
+  other than 0 holds one buffer fewer. Under ZeRO >= 1 each replica cuts its gradient
+  straight into the ``dp`` pieces, and the flat parameters, the reduced gradient and AdamW's
+  temporary are the replica's piece: :data:`ZERO_GRAD_SETS` and :data:`ZERO_PIECE_SETS`.
 
 The StrategyEngine (``dp`` on tf.distribute, no ``tp``/``pp``/ZeRO) has no flat buffers:
 Keras's optimizer updates each variable; its optimizer phase holds every gradient.
@@ -65,6 +68,13 @@ from phalanx.plan.memory import ACTIVATION_BYTES, layer_activation_bytes, schedu
 # updates one group after another on each device, each once the norm exists, so the same
 # buffers are alive at the peak in every run.
 OPT_BUFFERS = 2.0
+# Under ZeRO >= 1 (dp > 1) the optimizer step's float32 buffers per parameter of the device:
+# the gradient sums of the backward (one set, each shard's freed once its pieces are cut) beside
+# the pieces being cut from them, then per replica piece (1/dp): the reduced gradient, the flat
+# parameters and AdamW's temporary. Measured with --calibrate on a weight-heavy GPT (2 layers,
+# d_model 128, ffn 512, seq 8) at dp4 zero 1 and 2 and dp2 x tp2 x pp2 zero 2.
+ZERO_GRAD_SETS = 1.0
+ZERO_PIECE_SETS = 2.0
 # One block's activations, counted at 4 bytes an element, is the working set the backward holds
 # when it starts: the same bytes under float32 and mixed_bfloat16 (under a mixed policy the
 # gradients are cast to float32 beside their compute-dtype values). Measured with --calibrate
@@ -101,15 +111,15 @@ def _block_params(d: int, f: int, tp: int, t: int) -> float:
 def rank_peak(schedule, rank: int, set_bytes: float, grad_bytes: float, backward_bytes: float) -> float:
     """Most bytes rank ``rank`` holds while it runs its actions of ``schedule`` (a
     :class:`~phalanx.parallel.schedules.Schedule`): activation sets in flight (``set_bytes``
-    each) plus one float32 weight gradient per backward already run (``grad_bytes`` each:
-    Grappler rewrites the executor's chain of gradient additions into one ``AddN`` at the
-    end, so every micro-batch's gradient stays alive until then), plus the backward's
-    working set while a backward starts; at the end, all gradients and their sum.
+    each) plus, once a backward has run, the one float32 running sum of the weight gradients
+    (``grad_bytes``: each backward adds its gradients into it before the rank's next action,
+    :func:`phalanx.parallel.pipeline.run_schedule`), plus the backward's working set while a
+    backward starts.
 
     >>> from phalanx.parallel.schedules import build_schedule
     >>> sched = build_schedule("1f1b", 2, 4, 1)     # rank 0: F0 F1 B0 F2 B1 F3 B2 B3
-    >>> rank_peak(sched, 0, set_bytes=10, grad_bytes=1, backward_bytes=0)   # F2, F3 held after B0, B1
-    22
+    >>> rank_peak(sched, 0, set_bytes=10, grad_bytes=1, backward_bytes=0)   # F2 and F3 beside the sum
+    21
     """
     return rank_peak_parts(schedule, rank, set_bytes, grad_bytes, backward_bytes)[0]
 
@@ -117,25 +127,26 @@ def rank_peak(schedule, rank: int, set_bytes: float, grad_bytes: float, backward
 def rank_peak_parts(schedule, rank: int, set_bytes: float, grad_bytes: float,
                     backward_bytes: float) -> tuple[float, int, int, bool]:
     """:func:`rank_peak` and what is alive at that peak: ``(peak, activation sets held,
-    gradient sets held, whether a backward's working set is)`` (the planner's breakdown).
+    gradient sets held (0 or 1), whether a backward's working set is)`` (the planner's breakdown).
 
     >>> from phalanx.parallel.schedules import build_schedule
     >>> rank_peak_parts(build_schedule("1f1b", 2, 4, 1), 0, 10, 1, 0)
-    (22, 2, 2, False)
+    (21, 2, 1, False)
     """
     held = done = 0
     best = (0.0, 0, 0, False)
     for a in schedule.per_stage[rank]:
+        grads = min(done, 1)
         if a.kind == "F":
             held += 1
-            if held * set_bytes + done * grad_bytes > best[0]:
-                best = (held * set_bytes + done * grad_bytes, held, done, False)
+            if held * set_bytes + grads * grad_bytes > best[0]:
+                best = (held * set_bytes + grads * grad_bytes, held, grads, False)
         else:
-            if held * set_bytes + done * grad_bytes + backward_bytes > best[0]:
-                best = (held * set_bytes + done * grad_bytes + backward_bytes, held, done, True)
+            if held * set_bytes + grads * grad_bytes + backward_bytes > best[0]:
+                best = (held * set_bytes + grads * grad_bytes + backward_bytes, held, grads, True)
             held -= 1
             done += 1
-    end = done + (1 if done > 1 else 0)  # all gradients and their sum
+    end = min(done, 1)  # the sum, handed to the optimizer
     return best if end * grad_bytes <= best[0] else (end * grad_bytes, 0, end, False)
 
 
@@ -190,11 +201,14 @@ def engine_memory_per_device(cfg: Config) -> dict[int, DeviceMemory]:
                 backward = BACKWARD_SETS * (split4 if tr == 0 else split4 - unsplit4)
                 if mesh:
                     step = rank_peak(sched, r, set_bytes, grad, backward) + head
-                    flat = 4.0 * params  # the optimizer's flat parameter copy, optimizer step only
-                    buffers = OPT_BUFFERS
-                    if p.zero == 0 and rep > 0 and kind == "cpu":  # the gradient sum is replica 0's buffer
-                        buffers -= 1
-                    opt = flat + buffers * 4.0 * params
+                    if p.zero >= 1 and dp > 1:  # ZeRO: flat buffers of the replica's piece only
+                        opt = 4.0 * params * (ZERO_GRAD_SETS + ZERO_PIECE_SETS / dp)
+                    else:
+                        flat = 4.0 * params  # the optimizer's flat parameter copy, optimizer step only
+                        buffers = OPT_BUFFERS
+                        if p.zero == 0 and rep > 0 and kind == "cpu":  # the gradient sum is replica 0's buffer
+                            buffers -= 1
+                        opt = flat + buffers * 4.0 * params
                 else:  # StrategyEngine: one micro-batch, Keras updates each variable
                     step = set_bytes + backward + head
                     opt = grad

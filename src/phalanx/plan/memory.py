@@ -9,17 +9,18 @@ and float32 AdamW ``m`` and ``v`` (8): the 16 bytes per parameter of Rajbhandari
 
 The step, as the engine runs it, is :mod:`phalanx.plan.engine_memory`'s (one definition;
 :func:`memory_per_device` takes its constants and its walk of the schedule, and a test
-holds the two equal on the engine's layouts): one float32 gradient set per backward
-already run (summed only at the end of the step), compute-dtype weight casts per
-activation set in flight, the backward's working set, and the optimizer step's flat
-buffers, whichever phase is larger. What only the planner models (ZeRO-3, experts split
+holds the two equal on the engine's layouts): one float32 gradient set (the running sum
+each backward adds its micro-batch's gradients into) once a backward has run, compute-dtype
+weight casts per activation set in flight, the backward's working set, and the optimizer
+step's flat buffers (under ZeRO, of the replica's piece), whichever phase is larger. What only the planner models (ZeRO-3, experts split
 by ``ep``, sequence parallelism, unfused activations, the overhead line) is added on top.
 ZeRO over the ``dp`` replicas, as the engine does it:
 
-* stage 1 keeps ``m`` and ``v`` of ``1/dp`` of every flat parameter group (padded);
+* stage 1 keeps ``m`` and ``v`` of ``1/dp`` of every flat parameter group (padded), and
+  reads, updates and gathers only its piece of the flat parameters;
 * stage 2 reduce-scatters the gradient *sum*, but each replica still builds its whole
-  local float32 gradient (the per-stage accumulators and the flat buffer it is cut
-  from), so its gradient memory is not divided by ``dp``: as stage 1;
+  local float32 gradient (the running sums, cut straight into the pieces), so its
+  gradient memory is not divided by ``dp``: as stage 1;
 * stage 3 (weights sharded too) is plan only: the paper's ``16/dp`` bytes per parameter.
 
 With ``pp > 1`` and tied embeddings the last stage holds a second copy of the token
@@ -213,20 +214,22 @@ def step_peak_estimate(held: int, backwards: int, set_bytes: float, grad_bytes: 
     """:func:`~phalanx.plan.engine_memory.rank_peak_parts` in closed form (the search's
     pre-filter), for a rank that holds at most ``held`` activation sets and runs ``backwards``
     backward actions: the peak is at the first backward after the last forward (``held`` sets,
-    ``backwards - held`` gradients), at the last backward (one set, ``backwards - 1``
-    gradients) or at the final sum. Exact for gpipe and 1f1b (tested against the walk).
+    the gradient sum if a backward ran before), at the next backward (``held - 1`` sets and the
+    sum), at the last backward (one set and the sum) or at the end (the sum). Exact for gpipe
+    and 1f1b (tested against the walk).
 
     >>> from phalanx.plan.engine_memory import rank_peak_parts
     >>> step_peak_estimate(2, 4, 10, 1, 5)     # 1f1b, pp=2, m=4, rank 0: B2 with F2, F3 held
-    (27, 2, 2, True)
+    (26, 2, 1, True)
     >>> rank_peak_parts(build_schedule("1f1b", 2, 4, 1), 0, 10, 1, 5)
-    (27, 2, 2, True)
+    (26, 2, 1, True)
     """
     n, w = backwards, min(held, backwards)
-    cands = [(w * set_bytes + (n - w) * grad_bytes + backward_bytes, w, n - w, True),
-             (set_bytes + (n - 1) * grad_bytes + backward_bytes, 1, n - 1, True)]
-    end = n + (1 if n > 1 else 0)
-    cands.append((end * grad_bytes, 0, end, False))
+    cands = [(w * set_bytes + min(n - w, 1) * grad_bytes + backward_bytes, w, min(n - w, 1), True)]
+    if w >= 2:
+        cands.append(((w - 1) * set_bytes + grad_bytes + backward_bytes, w - 1, 1, True))
+    cands.append((set_bytes + min(n - 1, 1) * grad_bytes + backward_bytes, 1, min(n - 1, 1), True))
+    cands.append((min(n, 1) * grad_bytes, 0, min(n, 1), False))
     return max(cands, key=lambda c: c[0])
 
 
@@ -245,9 +248,10 @@ def memory_per_device(m: ModelSpec, lay: Layout, overhead_bytes: float = 0.0,
 
     The step's terms are the engine's, from :mod:`phalanx.plan.engine_memory` (its
     constants and its walk of the schedule): the compute-dtype weight casts per activation
-    set in flight, one float32 gradient set per backward already run, the backward's working
-    set, and the optimizer phase (flat parameter copy, flat gradient and AdamW temporary)
-    when it is larger than the backward phase. On top, what only
+    set in flight, the float32 gradient sum once a backward has run, the backward's working
+    set, and the optimizer phase (flat parameter copy, flat gradient and AdamW temporary; under
+    ZeRO 1/2 the gradient cut into pieces and those buffers of the replica's piece) when it is
+    larger than the backward phase. On top, what only
     the planner models: ZeRO-3 (every per-parameter term divided by ``dp``), experts split
     by ``ep``, sequence parallelism, unfused activations, and the overhead line.
 
@@ -264,7 +268,8 @@ def memory_per_device(m: ModelSpec, lay: Layout, overhead_bytes: float = 0.0,
     True
     """
     # engine_memory builds on this module's activation terms; this function on its step terms
-    from phalanx.plan.engine_memory import BACKWARD_SETS, OPT_BUFFERS, rank_peak_parts
+    from phalanx.plan.engine_memory import (BACKWARD_SETS, OPT_BUFFERS, ZERO_GRAD_SETS, ZERO_PIECE_SETS,
+                                            rank_peak_parts)
 
     w_b, g_b, o_b = ENGINE_STATE_BYTES
     e = ACTIVATION_BYTES[lay.policy]
@@ -341,8 +346,10 @@ def memory_per_device(m: ModelSpec, lay: Layout, overhead_bytes: float = 0.0,
                 step, n_sets, n_grads, in_bwd = step_peak_estimate(
                     peaks[r], lay.microbatches * v, set_bytes, grad_set, backward)
             own = held - copy / (dp if lay.zero >= 3 else 1)      # the tied copy is in no optimizer group
-            # optimizer step: the flat parameter copy, the flat gradient and AdamW's temporary
-            opt_phase = w_b * own + OPT_BUFFERS * g_b * own
+            if lay.zero in (1, 2) and dp > 1:  # the gradient cut into pieces; the replica's piece's buffers
+                opt_phase = g_b * own * (ZERO_GRAD_SETS + ZERO_PIECE_SETS / dp)
+            else:  # optimizer step: the flat parameter copy, the flat gradient and AdamW's temporary
+                opt_phase = w_b * own + OPT_BUFFERS * g_b * own
         else:  # tf.distribute: one micro-batch, Keras updates each variable with its gradient
             step, n_sets, n_grads, in_bwd = set_bytes + backward, 1, 0, True
             opt_phase = grad_set
