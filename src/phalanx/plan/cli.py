@@ -19,6 +19,8 @@ Examples:
     phalanx plan model.layers=128 model.d_model=25600 model.heads=160 model.vocab=51200 \\
         model.seq_len=2048 --devices 3072 --hardware a100-80gb --tokens 450e9 --search --top 5
     phalanx plan my.yaml parallel.tp=2 parallel.devices=cpu:2 --calibrate
+    phalanx plan model.layers=4 parallel.tp=2 parallel.pp=2 parallel.microbatches=2 parallel.devices=cpu:4 \\
+        --keras --calibrate      # the GPT as a Keras model, trained as phalanx.fit trains it
     phalanx plan configs/demo.yaml model.experts=8 model.top_k=2 parallel.dp=4 parallel.ep=2 --hardware a100-80gb
 
     >>> main(["model.layers=2", "--hardware", "a100-40gb", "--json"])  # doctest: +ELLIPSIS
@@ -39,11 +41,12 @@ from phalanx.core.costs import ModelSpec, active_param_count, flops_per_token, p
 from phalanx.plan.engine_rules import engine_schedules, engine_zero_stages
 from phalanx.plan.estimate import estimate
 from phalanx.plan.hardware import HARDWARE_NAMES, get_hardware
+from phalanx.plan.keras_memory import keras_memory_per_device
 from phalanx.plan.layout import Layout, expert_parallel_error
 from phalanx.plan.memory import DEFAULT_OVERHEAD_FRACTION
 from phalanx.plan.search import search
 from phalanx.plan.timing import DEFAULT_UTILIZATION
-from phalanx.train.calibrate import calibrate, prepare_devices
+from phalanx.train.calibrate import calibrate, calibrate_keras, prepare_devices
 
 GiB = 2**30
 # Values of config keys that the planner models but the engine does not run (plan only).
@@ -72,6 +75,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="run real training steps here (parallel.devices=cpu:N for N logical CPUs): "
                         "predicted vs measured peak memory per device, and step time")
     p.add_argument("--calibrate-steps", type=int, default=3)
+    p.add_argument("--keras", action="store_true",
+                   help="the model as phalanx.fit trains it: the GPT of the model.* keys as a Keras model "
+                        "(phalanx.models.transformer.gpt) on the Keras-model engine with Keras's AdamW from train.*; "
+                        "prints each device's predicted peak (phalanx.plan.keras_memory), and with --calibrate "
+                        "measures it. For your own Keras model: phalanx.train.calibrate.calibrate_keras")
     g = p.add_argument_group("hardware and efficiency overrides")
     g.add_argument("--utilization", type=float, default=None,
                    help="achieved fraction of peak FLOP/s in compute (default 0.5)")
@@ -172,6 +180,13 @@ def _run(args: argparse.Namespace) -> int:
     notes: list[str] = []
     devices, (dp, pp, tp) = _devices(args, cfg, explicit, notes)
     model = ModelSpec.from_config(cfg.model)
+    keras_mem = None
+    if args.keras:
+        if args.search:
+            raise ConfigError("--keras", "plans one layout on the Keras-model engine; --search proposes layouts "
+                                         "for the mesh engine: drop one of them")
+        # refuses, naming the key, what the Keras-engine memory model was not measured for
+        keras_mem = keras_memory_per_device(cfg.replace(parallel={"dp": dp, "pp": pp, "tp": tp}))
     if args.calibrate and not args.search:
 
         prepare_devices(cfg)  # before the hardware probe runs a TensorFlow op
@@ -240,10 +255,15 @@ def _run(args: argparse.Namespace) -> int:
         if plan.plan_only:
             raise ConfigError("--calibrate", f"the engine cannot run this layout ({'; '.join(plan.plan_only)})")
 
-        calibration = calibrate(cfg, plan, steps=args.calibrate_steps)
+        if args.keras:
+            calibration = calibrate_keras(cfg, steps=args.calibrate_steps, plan=plan)
+        else:
+            calibration = calibrate(cfg, plan, steps=args.calibrate_steps)
     if args.json:
         doc = plan.to_dict()
         doc["notes"] = notes
+        if keras_mem is not None:
+            doc["keras_memory_per_device_bytes"] = [keras_mem[i].to_dict() for i in sorted(keras_mem)]
         if calibration is not None:
             doc["calibration"] = calibration
         print(json.dumps(doc, indent=1))
@@ -253,6 +273,8 @@ def _run(args: argparse.Namespace) -> int:
         for n in notes:
             print(f"note: {n}")
         print(_plan_text(plan))
+        if keras_mem is not None:
+            print(_keras_text(keras_mem, tp))
         if calibration is not None:
             print(_calibration_text(calibration))
     return 0
@@ -348,6 +370,18 @@ def _search_table(res, hw) -> str:
             lines.append(f"{row}  {'; '.join(res.plan_only_reasons(c))}")
     lines.append("rejected:")
     lines += ["  " + ln for ln in res.rejections.lines()]
+    return "\n".join(lines)
+
+
+def _keras_text(mem: dict, tp: int) -> str:
+    MiB = 2**20
+    lines = ["memory per device on the Keras-model engine (phalanx.fit of phalanx.models.transformer.gpt, "
+             "Keras AdamW; phalanx.plan.keras_memory):"]
+    for i in sorted(mem):
+        m = mem[i]
+        lines.append(f"  device {i} (pipe {i // tp}, tensor {i % tp}): {m.total / MiB:9.1f} MiB = weights "
+                     f"{m.weights / MiB:.1f} + optimizer {m.optimizer / MiB:.1f} + gradients {m.gradients / MiB:.1f}"
+                     f" + activations {m.activations / MiB:.1f} + temporaries {m.temporaries / MiB:.1f}")
     return "\n".join(lines)
 
 

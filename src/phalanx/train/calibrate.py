@@ -6,6 +6,12 @@ step to trace and allocate (the warm-up), then profiles ``steps`` more steps and
 per device, the predicted and the measured peak bytes (the median over the profiled
 steps, with their spread), and the median step time of ``steps`` steps.
 
+``phalanx plan --keras --calibrate`` (:func:`calibrate_keras`) does the same for the engine
+behind ``phalanx.fit`` (:class:`~phalanx.engines.keras_model.KerasModelEngine`): phalanx's GPT
+as a Keras model, compiled as ``phalanx.fit`` compiles it, against
+:func:`phalanx.plan.keras_memory.keras_memory_per_device`; or a user's own compiled Keras
+model on one of its batches, measured per device.
+
 How memory is measured per device. Logical CPU devices share one BFC allocator
 (measured on TF 2.21: ``get_memory_info('CPU:k')`` returns the same process-wide
 figure for every ``k``), so the per-device peak is reconstructed from that allocator's
@@ -81,10 +87,7 @@ def calibrate(cfg, plan=None, steps: int = 3, predicted_per_device: dict | None 
     :func:`phalanx.plan.engine_memory.engine_memory_per_device` when ``plan`` is given.
     Errors are ``(predicted - measured) / measured``.
     """
-    if steps < 1:
-        raise ValueError(f"--calibrate-steps must be >= 1, got {steps}")
-    if "tensorflow" not in sys.modules:
-        os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")  # CPU memory stats need the BFC allocator
+    _check_steps(steps)
     import numpy as np
     import tensorflow as tf
 
@@ -95,10 +98,28 @@ def calibrate(cfg, plan=None, steps: int = 3, predicted_per_device: dict | None 
     rng = np.random.default_rng(cfg.train.seed)
     batch = tf.constant(rng.integers(0, cfg.model.vocab, (cfg.train.global_batch, cfg.model.seq_len + 1)),
                         dtype=tf.int32)
+    if predicted_per_device is None and plan is not None:
+        predicted_per_device = {d: m.total for d, m in engine_memory_per_device(cfg).items()}
+    return _calibrate_engine(engine, batch, steps, predicted_per_device, plan)
+
+
+def _check_steps(steps: int) -> None:
+    if steps < 1:
+        raise ValueError(f"--calibrate-steps must be >= 1, got {steps}")
+    if "tensorflow" not in sys.modules:
+        os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")  # CPU memory stats need the BFC allocator
+
+
+def _calibrate_engine(engine, batch, steps: int, predicted_per_device: dict | None, plan=None,
+                      variables: list | None = None) -> dict:
+    """Warm up, profile ``steps`` steps and time ``steps`` more of ``engine`` on ``batch``;
+    ``variables``: the ``tf.Variable`` s alive between steps (default: found on the engine)."""
+    import numpy as np
+
     device_of_op = _trace_placement(engine, batch)  # the first step: traces, places, allocates
     # Each profiled step gives every device's peak; the median over ``steps`` of them is the
     # figure (the executor orders independent ops differently from step to step).
-    runs = [_measure_step(engine, batch, device_of_op) for _ in range(steps)]
+    runs = [_measure_step(engine, batch, device_of_op, variables) for _ in range(steps)]
     total = float(np.median([r.total for r in runs]))
     times = []
     for _ in range(steps):
@@ -106,9 +127,6 @@ def calibrate(cfg, plan=None, steps: int = 3, predicted_per_device: dict | None 
         float(engine.train_step(batch)["loss"])  # .numpy() waits for the step to finish
         times.append(time.perf_counter() - start)
     measured_t = float(np.median(times))
-    if predicted_per_device is None and plan is not None:
-
-        predicted_per_device = {d: m.total for d, m in engine_memory_per_device(cfg).items()}
     predicted_per_device = predicted_per_device or {}
     devices = []
     for index, name in enumerate(_mesh_devices(engine)):
@@ -131,6 +149,114 @@ def calibrate(cfg, plan=None, steps: int = 3, predicted_per_device: dict | None 
     worst = max((d for d in devices if d["error"] is not None), key=lambda d: abs(d["error"]), default=None)
     out["memory_error"] = worst["error"] if worst else None
     return out
+
+
+def keras_gpt(cfg, tp: int):
+    """phalanx's GPT for ``cfg.model`` as a Keras model (:func:`phalanx.models.transformer.gpt`,
+    cut for ``tp`` tensor ranks, from ``train.seed``), compiled as :func:`phalanx.fit` compiles
+    a model given no optimizer: Keras's AdamW from ``train.*``
+    (:func:`phalanx.train.keras_api.default_optimizer`, over ``train.steps``) and the token
+    cross-entropy on the logits; under ``precision.policy`` as ``phalanx.fit`` runs it."""
+    import keras
+
+    from phalanx.engines.keras_model import apply_precision
+    from phalanx.models.transformer import gpt
+    from phalanx.train.keras_api import default_optimizer
+
+    model = gpt(cfg.model, tp=tp, seed=cfg.train.seed)
+    model.compile(optimizer=default_optimizer(cfg, cfg.train.steps),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    apply_precision(model, cfg)
+    return model
+
+
+def calibrate_keras(cfg, model=None, x=None, y=None, steps: int = 3, predicted_per_device: dict | None = None,
+                    plan=None) -> dict:
+    """Per-device peak memory of ``phalanx.fit``'s steps (the Keras-model engine) on this
+    machine's devices, against the planner.
+
+    Without ``model``: phalanx's GPT for ``cfg.model`` as a Keras model (:func:`keras_gpt`) on
+    random tokens of ``train.global_batch`` x ``model.seq_len``, predicted by
+    :func:`phalanx.plan.keras_memory.keras_memory_per_device` (with the stages the engine
+    really cut). With ``model`` (a compiled Keras model, split by its keras-hub preset
+    at ``parallel.tp > 1`` as ``phalanx.fit`` does) and one global batch ``x``, ``y``: the
+    measured figures, against ``predicted_per_device`` (device index -> bytes) if given.
+    ``cfg``'s devices must exist already (:func:`prepare_devices`). Same report as
+    :func:`calibrate`; the step time is compared only when a ``plan`` is given.
+
+    Example (needs TensorFlow and a fresh process; runs real steps):
+        >>> from phalanx.config import load_config                                 # doctest: +SKIP
+        >>> cfg = load_config(None, ["model.layers=2", "parallel.tp=2", "parallel.devices=cpu:2"])  # doctest: +SKIP
+        >>> prepare_devices(cfg)                                                   # doctest: +SKIP
+        >>> cal = calibrate_keras(cfg)                                             # doctest: +SKIP
+        >>> [d["device"] for d in cal["devices"]], abs(cal["memory_error"]) < 0.1  # doctest: +SKIP
+        (['CPU:0', 'CPU:1'], True)
+    """
+    _check_steps(steps)
+    import numpy as np
+    import tensorflow as tf
+
+    from phalanx.engines.keras_model import KerasModelEngine, apply_precision
+    from phalanx.plan.keras_memory import check_calibrated, keras_memory_per_device
+    from phalanx.train.keras_api import split_for_tensor_parallel
+
+    mesh = build_mesh(cfg)
+    builtin = model is None
+    if builtin:
+        if x is not None or y is not None:
+            raise ValueError("x / y: the built-in GPT is calibrated on random tokens; pass them only with model=")
+        check_calibrated(cfg, mesh.dp)  # before building anything
+        model = keras_gpt(cfg, mesh.tp)
+        tokens = np.random.default_rng(cfg.train.seed).integers(
+            0, cfg.model.vocab, (cfg.train.global_batch, cfg.model.seq_len + 1)).astype("int32")
+        x, y = tokens[:, :-1], tokens[:, 1:]
+    else:
+        if x is None or y is None:
+            raise ValueError("x / y: calibrating your own model needs one global batch: calibrate_keras(cfg, model, "
+                             "x, y)")
+        split_for_tensor_parallel(model, cfg, mesh, verbose=0)
+        apply_precision(model, cfg)
+    batch = (tf.nest.map_structure(tf.constant, x), tf.nest.map_structure(tf.constant, y), None)
+    engine = KerasModelEngine(model, cfg, mesh, batch)
+    if builtin and predicted_per_device is None:
+        predicted_per_device = {d: m.total for d, m in
+                                keras_memory_per_device(cfg, engine_blocks_per_stage(engine)).items()}
+    return _calibrate_engine(engine, batch, steps, predicted_per_device, plan, keras_engine_variables(engine))
+
+
+def engine_blocks_per_stage(engine) -> list[int]:
+    """Transformer blocks per pipeline rank as a Keras-model engine cut the model (by the FLOPs
+    of its ops, embedding, head and loss included: for a small model not always the mesh
+    engine's cut, :func:`phalanx.plan.engine_rules.stage_bounds`)."""
+    from phalanx.layers import TransformerBlock
+
+    blocks = [0] * engine.pp
+    for layer in engine.model.layers:
+        if isinstance(layer, TransformerBlock):  # the stage that holds the block's weights
+            blocks[engine.home[id(layer.trainable_variables[0])] % engine.pp] += 1
+    return blocks
+
+
+def keras_engine_variables(engine) -> list:
+    """Every ``tf.Variable`` a Keras-model engine keeps between steps: the model's weights and
+    state, the optimizer's slots and counters, the compiled metrics' and loss tracker's
+    totals, and the engine's weight copies (other replicas', a mirrored tied embedding)."""
+    import tensorflow as tf
+
+    model = engine.model
+    keras_vars = list(model.variables) + list(getattr(engine.optimizer, "variables", []))
+    for metric in model.metrics:
+        keras_vars += list(metric.variables)
+    found: dict[int, tf.Variable] = {}
+    for v in keras_vars:
+        tv = v.value if isinstance(getattr(v, "value", None), tf.Variable) else v
+        if isinstance(tv, tf.Variable):
+            found[id(tv)] = tv
+    for copies in engine.copies.values():
+        for c in copies:
+            if c is not None:
+                found[id(c)] = c
+    return list(found.values())
 
 
 def _short(device: str) -> str:
@@ -300,11 +426,12 @@ def _replay(events, base: dict[str, float], first: str, field: int) -> dict[str,
     return peak
 
 
-def _measure_step(engine, batch, device_of_op) -> StepMemory:
+def _measure_step(engine, batch, device_of_op, variables: list | None = None) -> StepMemory:
     import tensorflow as tf
 
-    variables: list = []
-    _variables(engine, set(), variables)
+    if variables is None:
+        variables = []
+        _variables(engine, set(), variables)
     base: dict[str, float] = {}
     for v in variables:
         # (a variable of unknown shape, e.g. ZeRO's AdamW scratch, is empty between steps)
