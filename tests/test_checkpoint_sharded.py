@@ -40,7 +40,7 @@ from phalanx.models import gpt
 from phalanx.engines.mesh import MeshEngine
 from phalanx.parallel.params import ShardedParams, restrict, shard_shape, split_regions
 from phalanx.layers.sharding import Split
-from phalanx.models.transformer import gpt_splits
+from phalanx.models.transformer import gpt_splits, gpt_weights
 from phalanx.engines.task import GPTTask
 
 from helpers import peak_numpy_bytes, tiny_overrides, write_corpus
@@ -128,9 +128,10 @@ def test_initial_weights_are_made_per_shard_and_equal_in_every_layout(devices):
         for name, w in weights.items():
             np.testing.assert_array_equal(w, whole[name], err_msg=f"{layout} {name}")
     # the one-device model (StrategyEngine's GPTTask.build) starts from the same values
-    model = GPTTask(cfg.model).build()
-    for name, var in model.named_variables().items():
-        np.testing.assert_array_equal(var.numpy(), whole[name], err_msg=name)
+    built = gpt_weights(GPTTask(cfg.model).build())
+    assert list(built) == list(whole)
+    for name, value in built.items():
+        np.testing.assert_array_equal(value, whole[name], err_msg=name)
     # the tiled draw keeps the GPT-2 scheme: N(0, 0.02), residual projections scaled down
     assert abs(whole["embed/tokens"].std() - 0.02) < 0.001 and abs(whole["embed/tokens"].mean()) < 0.001
     assert abs(whole["block_0/attn/out/kernel"].std() - 0.02 / math.sqrt(2 * MODEL["layers"])) < 0.001

@@ -91,15 +91,15 @@ def test_the_keras_rebuild_computes_the_training_models_logits():
 
     from phalanx.config import ModelConfig
     from phalanx.export import gpt_keras
-    from phalanx.models import gpt
+    from phalanx.models import gpt, transformer
     rng = np.random.default_rng(0)
     x = rng.integers(0, 64, [2, 8]).astype(np.int32)
     for tie in (True, False):
         cfg = ModelConfig(layers=2, d_model=16, heads=2, ffn=32, vocab=64, seq_len=8, tie_embeddings=tie)
         w = {k: v + 0.05 * rng.standard_normal(v.shape).astype(np.float32)
              for k, v in gpt.initial_weights(cfg, 1).items()}
-        ref = gpt.GPT(cfg)
-        ref.assign_weights(w)
+        ref = transformer.gpt(cfg, seed=None)
+        transformer.load_gpt_weights(ref, w)
         model = gpt_keras.build(cfg, w)
         np.testing.assert_allclose(model(x).numpy(), ref(x).numpy(), atol=1e-4)
         bounded = gpt_keras.build(cfg, w, mask_value=gpt_keras.INT8_MASK_VALUE)

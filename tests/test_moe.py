@@ -162,14 +162,14 @@ MOE_GPT = ["model.layers=4", "model.d_model=32", "model.heads=2", "model.ffn=48"
 
 def test_plan_counts_the_parameters_train_builds():
     from phalanx.config import load_config
-    from phalanx.models import gpt
+    from phalanx.models import gpt, transformer
     from phalanx.core.costs import ModelSpec, param_count
 
     cfg = load_config(None, MOE_GPT)
-    model = gpt.GPT(cfg.model)
+    model = transformer.gpt(cfg.model, seed=None)
     built = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     assert built == gpt.num_params(cfg.model) == param_count(ModelSpec.from_config(cfg.model))
-    blocks = [b.moe is not None for b in model.blocks]
+    blocks = [b.moe is not None for b in transformer.blocks(model)]
     assert blocks == [False, True, False, True]  # every moe_every-th block holds the experts
     # and `phalanx plan` prints that count for the same keys
     import subprocess

@@ -150,6 +150,9 @@ CALIBRATE_LAYOUTS = {
     "tp2": ["parallel.tp=2", "parallel.devices=cpu:2"],
     "pp2": ["parallel.pp=2", "parallel.devices=cpu:2"],
     "dp2xtp2xpp2": ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.devices=cpu:8"],
+    # 4 micro-batches added into one gradient sum per rank, ZeRO-1 reading its piece only
+    "dp2xtp2xpp2-m4-zero1": ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.microbatches=4",
+                             "parallel.zero=1", "parallel.devices=cpu:8"],
 }
 
 
@@ -178,7 +181,7 @@ def test_calibrate_within_10_percent_on_every_device(tmp_path, layout, policy):
     assert proc.returncode == 0, proc.stderr[-2000:]
     cal = json.loads(proc.stdout)["calibration"]
     devices = cal["devices"]
-    n = 8 if layout == "dp2xtp2xpp2" else 2
+    n = 8 if layout.startswith("dp2xtp2xpp2") else 2
     assert [d["device"] for d in devices] == [f"CPU:{i}" for i in range(n)]
     assert cal["unplaced_bytes"] == 0                      # every allocation found its device
     assert all(d["measured_bytes"] > 0 and d["predicted_bytes"] > 0 for d in devices)
@@ -264,12 +267,14 @@ def test_ep_that_does_not_divide_dp_or_experts_is_refused(capsys):
 def test_ep_layouts_of_the_builtin_gpt_run_as_dp_x_ep_within_a_node(monkeypatch):
     m, hw = _moe(), get_hardware("a100-80gb")
     assert plan_only_reasons(m, Layout(dp=4)) == [] == plan_only_reasons(m, Layout(dp=4, ep=2))  # dp, dp x ep
-    for knobs in ({"pp": 2}, {"tp": 2}, {"zero": 1}, {"recompute": "full"}):  # the ep engine refuses them
-        assert any("parallel.ep=2 with tp/pp/ZeRO/recompute" in r
+    for knobs in ({"pp": 2}, {"tp": 2}, {"tp": 2, "pp": 2}):  # the ep engine runs them
+        assert plan_only_reasons(m, Layout(dp=2, ep=2, **knobs)) == [], knobs
+    for knobs in ({"zero": 1}, {"recompute": "full"}):  # the ep engine refuses them
+        assert any("parallel.ep=2 with ZeRO/recompute" in r
                    for r in plan_only_reasons(m, Layout(dp=2, ep=2, **knobs))), knobs
-    assert any("mesh engine" in r for r in plan_only_reasons(m, Layout(dp=2, pp=2)))
+    assert any("mesh engine" in r for r in plan_only_reasons(m, Layout(dp=2, pp=2)))  # ep=1: the mesh engine
     res = search(m, hw, devices=8, global_batch=32, top=50)
-    assert res.candidates and all(c.layout.tp == c.layout.pp == 1 for c in res.candidates)
+    assert res.candidates and all(c.layout.ep > 1 or c.layout.tp == c.layout.pp == 1 for c in res.candidates)
     assert any(c.layout.ep > 1 for c in res.candidates)
     dp_only = {"dp": 8, "tp": 1, "pp": 1}
     res = search(m, hw, devices=8, global_batch=32, top=50, fixed=dp_only)
@@ -319,12 +324,13 @@ def test_moe_flags_match_the_engines_refusals(devices):
 
     assert refused("parallel.ep", dp_x_ep) == (not engine_rules.GPT_EXPERT_PARALLEL)
     assert all(isinstance(e, KerasGPTEngine) for e in built)  # dp x ep runs on the expert-parallel engine
-    for key, knob in (("parallel.tp", ["parallel.devices=cpu:4", "parallel.tp=2"]), ("parallel.pp", [
-            "parallel.devices=cpu:4", "parallel.pp=2"]), ("parallel.zero", ["parallel.zero=1"]),
-            ("parallel.recompute", ["parallel.recompute=full"])):
+    for key, knob, flag in (
+            ("parallel.tp", ["parallel.devices=cpu:4", "parallel.tp=2"], engine_rules.GPT_EP_WITH_TP_PP),
+            ("parallel.pp", ["parallel.devices=cpu:4", "parallel.pp=2"], engine_rules.GPT_EP_WITH_TP_PP),
+            ("parallel.zero", ["parallel.zero=1"], engine_rules.GPT_EP_WITH_MESH_KNOBS),
+            ("parallel.recompute", ["parallel.recompute=full"], engine_rules.GPT_EP_WITH_MESH_KNOBS)):
         cfg = load_config(None, tiny + ["parallel.devices=cpu:2", "parallel.dp=2", "parallel.ep=2"] + knob)
-        assert refused(key, lambda: build_engine(cfg, GPTTask(cfg.model))) == (
-            not engine_rules.GPT_EP_WITH_MESH_KNOBS), key
+        assert refused(key, lambda: build_engine(cfg, GPTTask(cfg.model))) == (not flag), key
     cfg = load_config(None, tiny + ["parallel.pp=2"])
     mesh = Mesh.from_devices(devices[:2], 1, 2, 1)
     assert refused("model.experts", lambda: MeshEngine(cfg, mesh, GPTTask(cfg.model))) == (

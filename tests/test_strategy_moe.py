@@ -20,7 +20,7 @@ from phalanx.config import Config
 from phalanx.engines.strategy import StrategyEngine
 from phalanx.engines.task import GPTTask
 from phalanx.layers.moe import MoE
-from phalanx.models import gpt
+from phalanx.models import gpt, transformer
 from phalanx.train.moe_stats import MoEStats
 
 MODEL = {"layers": 2, "d_model": 32, "heads": 2, "ffn": 32, "vocab": 256, "seq_len": 8, "experts": 4,
@@ -57,14 +57,14 @@ def engine(cfg: Config, devices: list[str], weights: dict[str, np.ndarray]) -> S
 
 
 def moe_layers(model) -> list[MoE]:
-    return [b.moe for b in model.blocks if b.moe is not None]
+    return [b.moe for b in transformer.blocks(model) if b.moe is not None]
 
 
 def reference_loss(cfg: Config, weights, rows: np.ndarray) -> float:
     """Cross-entropy + aux_loss_coef x sum over MoE layers of the ``balance`` of one call on
     ``rows`` (a one-device model, eager)."""
     model = GPTTask(cfg.model).build()
-    model.assign_weights(weights)
+    transformer.load_gpt_weights(model, weights)
     logits = model(rows[:, :-1], training=True)
     balances = [float(m.balance.numpy()) for m in moe_layers(model)]
     return float(gpt.lm_loss(logits, rows[:, 1:])) + cfg.model.aux_loss_coef * sum(balances)
@@ -144,3 +144,29 @@ def test_phalanx_train_dp2_rows_equal_one_device_with_grad_accum_2(tmp_path):
         assert want["moe_dropped"] > 0 and want["moe_aux_loss"] > 0
         for key in ("loss", "grad_norm", "moe_aux_loss", "moe_balance", "moe_dropped", "moe_load_min", "moe_load_max"):
             np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
+
+
+def test_gradients_start_the_moe_totals_at_zero_as_a_step(devices):
+    """``gradients()`` counts only its own batch in the MoE statistics totals (zeroed first,
+    the replicas' copies summed after), as a train step does, and moves no weight: twice in a
+    row, each call's totals are one batch's: 2 calls (one per replica) and 8 rows x 8 tokens x
+    top_k 2 assignments per MoE layer; then a step on the same weights and batch has the same."""
+    cfg, batch = config(), skewed_batches(1)[0]
+    weights = random_weights(cfg)
+    two = engine(cfg, devices[:2], weights)
+
+    def totals():
+        return [[np.asarray(v.numpy()).copy() for v in m.statistics_totals()] for m in moe_layers(two.model)]
+
+    seen = []
+    for _ in range(2):
+        two.gradients(batch)
+        seen.append(totals())
+        for calls, _, assignments, _ in seen[-1]:
+            assert (float(calls), float(assignments)) == (2.0, 8 * 8 * 2)
+    for name, value in two.weights().items():
+        np.testing.assert_array_equal(value, weights[name], err_msg=name)
+    two.train_step(batch)
+    for got, want in zip(totals(), seen[0]):
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-6)

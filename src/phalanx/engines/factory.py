@@ -10,8 +10,8 @@ The model code is written for one device; this step decides how it runs on the m
   mesh engine when tensor/pipeline parallelism, ZeRO or recomputation is asked for;
 * :func:`make_engine` applies a given mesh to a model from outside:
 
-  - the built-in GPT (a :class:`~phalanx.engines.task.GPTTask`, a ``gpt.GPT`` model or a
-    ``ModelConfig``) -> :class:`~phalanx.engines.mesh.MeshEngine`: tensor
+  - the built-in GPT (a :class:`~phalanx.engines.task.GPTTask` or a ``ModelConfig``) ->
+    :class:`~phalanx.engines.mesh.MeshEngine`: tensor
     parallelism over ``tensor``, pipeline over ``pipe``, replicas over ``data``, ZeRO
     and recomputation from ``cfg.parallel``;
   - a user's compiled ``keras.Model`` (with ``sample_batch``) ->
@@ -42,7 +42,6 @@ from phalanx.engines.keras_gpt import refuse_unhonoured as keras_gpt_refusals
 from phalanx.engines.strategy import StrategyEngine
 from phalanx.engines.task import GPTTask, KerasTask
 from phalanx.mesh import Mesh, build_mesh
-from phalanx.models import gpt
 from phalanx.engines.mesh import MeshEngine
 
 
@@ -56,10 +55,13 @@ def build_engine(cfg: Config, task, cluster=None):
     """The engine ``phalanx train`` runs for ``cfg``: tf.distribute (dp only), parameter
     servers, or the mesh engine. ``cluster``: what ``setup_cluster`` returned (None on one
     process)."""
-    if cfg.parallel.sequence_parallel:
-        raise ConfigError("parallel.sequence_parallel", "true: the built-in GPT's engines do not run sequence "
-                                                        "parallelism yet; it runs for a Keras model built from "
-                                                        "phalanx.layers.TransformerBlock through phalanx.fit (tp > 1)")
+    if cfg.parallel.sequence_parallel and (wants_keras_gpt(cfg) or cfg.model.experts):
+        raise ConfigError("parallel.sequence_parallel", "true: the mesh engine runs sequence parallelism for the "
+                                                        "dense GPT; the mixture-of-experts GPT (model.experts, "
+                                                        "parallel.ep) does not run it yet")
+    if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:
+        raise ConfigError("parallel.sequence_parallel", "true needs tensor parallelism: parallel.tp > 1 (its "
+                                                        "sequence chunks are the tensor ranks'); got parallel.tp=1")
     if wants_keras_gpt(cfg):  # expert parallelism: the GPT of parallel Keras layers on the Keras-model engine
         if cluster is not None or not isinstance(task, GPTTask):
             raise ConfigError("parallel.ep", f"{cfg.parallel.ep}: phalanx train runs expert parallelism for the "
@@ -77,6 +79,9 @@ def build_engine(cfg: Config, task, cluster=None):
         return StrategyEngine(cfg, task, cluster.strategy)
     refuse_unhonoured(cfg, cfg.parallel.strategy)  # e.g. an explicit "mirrored" with parallel.zero=1
     mesh = build_mesh(cfg)
+    if cfg.parallel.sequence_parallel and mesh.tp < 2:
+        raise ConfigError("parallel.sequence_parallel", f"true needs tensor parallelism: parallel.tp > 1 (the "
+                                                        f"layout has tp={mesh.tp})")
     if mesh.tp > 1 or mesh.pp > 1 or needs_mesh_engine(cfg):  # (mesh: -1 degrees resolved)
         return make_mesh_engine(cfg, mesh, task)
     if cfg.parallel.microbatches != 1:
@@ -102,24 +107,16 @@ def make_mesh_engine(cfg: Config, mesh: Mesh, task):
 def make_engine(model_or_task, mesh: Mesh, cfg: Config, sample_batch=None):
     """An Engine that trains ``model_or_task`` on ``mesh`` as ``cfg.parallel`` says.
 
-    Accepts a GPTTask, ``ModelConfig``, ``gpt.GPT`` (its current weights are the starting
-    point) or a compiled ``keras.Model`` with ``sample_batch`` = one ``(x, y,
-    sample_weight)`` batch (its compiled optimizer, loss and metrics are used).
+    Accepts a GPTTask, ``ModelConfig`` (the built-in GPT) or a compiled ``keras.Model`` with
+    ``sample_batch`` = one ``(x, y, sample_weight)`` batch (its compiled optimizer, loss and
+    metrics are used).
     """
     task = model_or_task
-    start = None
     if isinstance(model_or_task, ModelConfig):
         task = GPTTask(model_or_task, cfg.precision.policy, cfg.train.seed)
-    elif isinstance(model_or_task, gpt.GPT):
-        task = GPTTask(model_or_task.cfg, cfg.precision.policy, cfg.train.seed)
-        start = {n: v.numpy() for n, v in model_or_task.named_variables().items()}
     elif isinstance(model_or_task, keras.Model):
         if sample_batch is None:
             raise ValueError("sample_batch: a Keras model needs one (x, y, sample_weight) batch to build its "
                              "compiled loss, metrics and optimizer; or train it with phalanx.fit")
         return KerasModelEngine(model_or_task, cfg, mesh, sample_batch)
-    engine = make_mesh_engine(cfg, mesh, task)
-    if start is not None:
-        for name, value in start.items():
-            engine.params.assign_logical(name, value)
-    return engine
+    return make_mesh_engine(cfg, mesh, task)

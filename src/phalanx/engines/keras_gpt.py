@@ -3,12 +3,15 @@ what ``phalanx train`` runs for expert parallelism (``model.experts`` with ``par
 
 The model is :func:`phalanx.models.transformer.gpt` — the built-in GPT written from
 phalanx's parallel Keras layers, equal logits — with its experts cut into ``parallel.ep``
-shards, started from the same :func:`phalanx.models.gpt.initial_weights`. The Keras engine
-places it (expert shard ``j`` of each group of ``ep`` data replicas lives on that group's
-``j``-th replica; tokens travel to their experts and back), and runs the step: every replica's
-rows, ``train.grad_accum`` micro-batches, the loss ``mean token cross-entropy + the MoE
-balancing losses`` as the built-in task's. What makes it the trainer's run and not a Keras
-``fit``:
+shards and its attention, MLPs and vocabulary into ``parallel.tp`` tensor shards, started from
+the same :func:`phalanx.models.gpt.initial_weights`. The Keras engine places it (expert shard
+``j`` of each group of ``ep`` data replicas lives on that group's ``j``-th replica; tokens
+travel to their experts and back; tensor shard ``r`` on the replica's tensor rank ``r``),
+cuts it into ``parallel.pp`` pipeline stages as it does for :func:`phalanx.fit`, and runs the
+step: every replica's rows, ``train.grad_accum x parallel.microbatches`` micro-batches on the
+``parallel.schedule``, the loss ``mean token cross-entropy + the MoE balancing losses`` as the
+built-in task's (each micro-batch balances its own tokens). What makes it the trainer's run
+and not a Keras ``fit``:
 
 * **the optimizer** is phalanx's: :class:`PhalanxAdamW`, a Keras optimizer whose ``apply`` is
   the one AdamW apply (:func:`phalanx.core.optim.apply_adamw`) with the built-in decay mask
@@ -22,7 +25,9 @@ balancing losses`` as the built-in task's. What makes it the trainer's run and n
   ``skipped``; the MoE layers' step totals (all replicas and micro-batches) are on
   ``model`` for :mod:`phalanx.train.moe_stats`.
 
-What it cannot honour is refused before anything is built (:func:`refuse_unhonoured`).
+What it cannot honour is refused before anything is built (:func:`refuse_unhonoured`):
+ZeRO (the Keras-model engine keeps each weight's optimizer state whole next to it) and
+recomputation among them.
 
 Example:
     >>> from phalanx.config import Config
@@ -84,13 +89,8 @@ def refuse_unhonoured(cfg: Config, mesh: Mesh | None = None) -> None:
     if p.strategy not in ("auto", "mesh"):
         raise ConfigError("parallel.strategy", f"{p.strategy!r}: {why}, which places the model on the devices "
                                                f"itself (one process); use parallel.strategy=auto")
-    if p.tp > 1 or (mesh is not None and mesh.tp > 1):
-        raise ConfigError("parallel.tp", f"{p.tp}: {why}, and tensor x expert parallelism of phalanx train is not "
-                                         f"tested yet; use parallel.tp=1 with parallel.ep={p.ep}")
-    if p.pp > 1 or (mesh is not None and mesh.pp > 1):
-        raise ConfigError("parallel.pp", f"{p.pp}: {why}, and pipeline x expert parallelism of phalanx train is "
-                                         f"not tested yet; use parallel.pp=1 with parallel.ep={p.ep}")
-    if p.microbatches != 1:
+    pp = mesh.pp if mesh is not None else p.pp
+    if p.microbatches != 1 and pp == 1:
         raise ConfigError("parallel.microbatches", f"{p.microbatches} splits a pipeline's batch, but parallel.pp=1; "
                                                    f"use train.grad_accum={p.microbatches} to split each step's batch")
     if prune.enabled(cfg):
@@ -167,8 +167,8 @@ class _Converter:
     model of the same layout and :func:`~phalanx.models.transformer.gpt_weights` /
     :func:`~phalanx.models.transformer.load_gpt_weights` (the one definition of the mapping)."""
 
-    def __init__(self, cfg: Config, model, ep: int):
-        self.model = transformer.gpt(cfg.model, tp=1, ep=ep, seed=None, name="converter")
+    def __init__(self, cfg: Config, model, tp: int, ep: int):
+        self.model = transformer.gpt(cfg.model, tp=tp, ep=ep, seed=None, name="converter")
         self.variables = list(self.model.trainable_variables)
         ours = list(model.trainable_variables)
         if [tuple(v.shape) for v in ours] != [tuple(v.shape) for v in self.variables]:
@@ -185,8 +185,9 @@ class _Converter:
 
 
 class KerasGPTEngine:
-    """The built-in GPT (``cfg.model``) with experts sharded over ``parallel.ep``, trained by
-    :class:`KerasModelEngine` on ``mesh`` with phalanx's AdamW (module docstring)."""
+    """The built-in GPT (``cfg.model``) with experts sharded over ``parallel.ep`` (and tensor
+    shards over ``mesh.tp``, stages over ``mesh.pp``), trained by :class:`KerasModelEngine` on
+    ``mesh`` with phalanx's AdamW (module docstring)."""
 
     def __init__(self, cfg: Config, task: GPTTask, mesh: Mesh):
         if not isinstance(task, GPTTask):
@@ -196,11 +197,14 @@ class KerasGPTEngine:
                                        "cfg.model")
         refuse_unhonoured(cfg, mesh)
         self.cfg, self.task, self.mesh = cfg, task, mesh
-        self.dp, self.ep = mesh.dp, cfg.parallel.ep
+        self.dp, self.tp, self.pp, self.ep = mesh.dp, mesh.tp, mesh.pp, cfg.parallel.ep
         self.n_devices = len(mesh.devices)
         self.names = list(builtin.weight_shapes(cfg.model))
-        self.model = transformer.gpt(cfg.model, tp=1, ep=self.ep, seed=task.seed, dtype_policy=task.dtype_policy)
-        self._convert = _Converter(cfg, self.model, self.ep)
+        # Cut for the mesh's tensor ranks; the Keras engine cuts it into pipeline stages itself
+        # (split_keras_model, as for phalanx.fit) and places each tensor shard on its rank.
+        self.model = transformer.gpt(cfg.model, tp=self.tp, ep=self.ep, seed=task.seed,
+                                     dtype_policy=task.dtype_policy)
+        self._convert = _Converter(cfg, self.model, self.tp, self.ep)
         flags = self._convert.from_logical({n: np.full(s, float(builtin.decays(n)), np.float32)
                                             for n, s in builtin.weight_shapes(cfg.model).items()})
         decays = {}

@@ -16,6 +16,14 @@ step as :class:`phalanx.engines.strategy.StrategyEngine`, in the same order:
    a non-finite norm skips the step (``tf.where``) and only moves the loss scale;
 4. AdamW on every shard (optimizer states sharded over ``data`` with ZeRO >= 1).
 
+With ``parallel.sequence_parallel`` (``tp > 1`` dividing ``model.seq_len``) the blocks run
+their LayerNorm / dropout / residual regions on sequence chunks, chunk ``r`` on tensor rank
+``r`` (all-gather / reduce-scatter in place of the all-reduce,
+:mod:`phalanx.layers.transformer`). ``model.dropout`` draws the positional masks of
+:mod:`phalanx.layers.dropout`, keyed by (seed, optimizer step, layer, site) and each
+element's row in the whole batch and position: every layout (micro-batches, replicas,
+sequence chunks, recomputation) draws the masks of the one-device run; eval has none.
+
 Weights start from :func:`phalanx.models.gpt.initializer`, each shard made alone from
 its boxes (equal to :func:`~phalanx.models.gpt.initial_weights` cut into shards, in every
 layout); ``checkpoint_slots()`` describes every device's state by logical name and box
@@ -41,6 +49,7 @@ import tensorflow as tf
 from phalanx.config import Config, ConfigError
 from phalanx.core.costs import layer_costs
 from phalanx.engines.pipelined import PipelinedEngine
+from phalanx.layers import dropout as dropout_lib
 from phalanx.mesh import Mesh
 from phalanx.models import gpt
 from phalanx.models.transformer import ShardedGPT, gpt_splits
@@ -59,11 +68,14 @@ class MeshEngine(PipelinedEngine):
                                                f"(tf.distribute: one device, dp, multi_worker) so far; tensor, "
                                                f"pipeline and expert parallelism, ZeRO and recomputation of its "
                                                f"experts are not built yet")
-        if m.dropout > 0:
-            raise ConfigError("model.dropout", f"{m.dropout}: the mesh engine does not implement dropout; "
-                                               f"set model.dropout=0 or use a tf.distribute strategy")
+        if p.sequence_parallel and mesh.tp < 2:
+            raise ConfigError("parallel.sequence_parallel", f"true needs tensor parallelism: parallel.tp > 1 "
+                                                            f"(the mesh has tp={mesh.tp})")
+        if p.sequence_parallel and m.seq_len % mesh.tp:
+            raise ConfigError("parallel.sequence_parallel", f"true cuts the sequence into parallel.tp={mesh.tp} "
+                                                            f"chunks: model.seq_len={m.seq_len} is not divisible")
         try:
-            self.model = ShardedGPT(m, mesh.tp, cfg.precision.policy)
+            self.model = ShardedGPT(m, mesh.tp, cfg.precision.policy, sequence_parallel=p.sequence_parallel)
         except ValueError as err:
             raise ConfigError("parallel.tp", str(err)) from None
         recompute.check_mode(p.recompute)
@@ -75,6 +87,7 @@ class MeshEngine(PipelinedEngine):
             raise ConfigError("parallel.pp", str(err)) from None
         self.stage_of_block = {i: s for s, (a, b) in enumerate(self.bounds) for i in range(a, b)}
         seed = getattr(task, "seed", cfg.train.seed)
+        self.dropout_seed = seed
         # Each shard is made alone from its boxes of the per-tensor tiled initialiser: no whole
         # weight exists on the host, and the values equal gpt.initial_weights in every layout.
         params = ShardedParams(gpt.weight_shapes(m), gpt_splits(m), self.tp, self.dp, self._place,
@@ -109,9 +122,28 @@ class MeshEngine(PipelinedEngine):
 
     # -- the model on the mesh ----------------------------------------------------
 
-    def forward(self, replica: int, stage: int, x, tokens, training: bool = True):
-        """Stage ``stage`` of replica ``replica``: activations, or the mean loss on the last stage."""
+    def micro_batches(self, batch, replica: int, parts: int) -> list:
+        """As :meth:`PipelinedEngine.micro_batches`, each piece paired with its first row in
+        ``batch`` (the dropout masks are keyed by rows of the whole batch)."""
+        rows = batch.shape[0] // self.dp
+        return [(piece, replica * rows + i * (rows // parts))
+                for i, piece in enumerate(super().micro_batches(batch, replica, parts))]
+
+    def _dropout(self, device: str, row_offset: int, training: bool):
+        """``(key, row_offset)`` of this micro-batch's dropout masks, or None (no dropout): the
+        key folds the seed and the optimizer step, so every step draws new masks, the same in
+        every layout (:mod:`phalanx.layers.dropout`), and a resumed run draws the same again."""
+        if not (training and self.cfg.model.dropout > 0):
+            return None
+        with tf.device(device):
+            return dropout_lib.fold(self.dropout_seed, self.optimizer.step.read_value()), row_offset
+
+    def forward(self, replica: int, stage: int, x, micro, training: bool = True):
+        """Stage ``stage`` of replica ``replica`` on ``micro`` = (tokens, first row in the
+        batch): activations, or the mean loss on the last stage."""
+        tokens, row_offset = micro
         devices = self.stage_devices(replica, stage)
+        dropout = self._dropout(devices[0], row_offset, training)
         lookup = {key: self.params.shards[key].copies[replica][c] for key, c in self.stage_keys[stage]}
 
         def w(name, t):
@@ -120,7 +152,12 @@ class MeshEngine(PipelinedEngine):
         if stage == 0:
             with tf.device(devices[0]):
                 inputs = tokens[:, :-1]
-            x = self.model.embed(inputs, w, devices)
+            x = self.model.embed(inputs, w, devices, dropout)
+        elif self.model.sequence_parallel:
+            # The schedule differentiates with respect to x: a sequence-parallel block reading
+            # the chunks behind x (the previous stage's concat) would bypass it.
+            with tf.device(devices[0]):
+                x = tf.identity(x)
         wrap_core = recompute.core_wrapper(self.cfg.parallel.recompute)
         start, end = self.bounds[stage]
         for i in range(start, end):
@@ -129,7 +166,7 @@ class MeshEngine(PipelinedEngine):
 
             def run_block(h, *values, _keys=keys, _i=i):
                 local = dict(zip(_keys, values))
-                return self.model.block(h, lambda n, t: local[(n, t)], _i, devices, wrap_core)
+                return self.model.block(h, lambda n, t: local[(n, t)], _i, devices, wrap_core, dropout)
 
             fn = recompute.wrap_block(run_block, self.cfg.parallel.recompute)
             x = fn(x, *[lookup[k] if self.cfg.parallel.recompute != "full" else lookup[k].read_value()

@@ -34,6 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from phalanx import checkpoint, prune
+from phalanx.checkpoint import boxes
 from phalanx.cluster.strategies import local_strategy
 from phalanx.config import Config
 from phalanx.core import optim
@@ -56,6 +57,71 @@ class Engine(Protocol):
     def num_params(self) -> int: ...
 
 
+class JoinedVariable:
+    """A logical tensor held by several variables, each holding a box of it
+    (:mod:`phalanx.checkpoint.boxes`) in its own shape of that size: e.g. the built-in GPT's
+    ``attn/qkv/kernel`` ``[d, 3d]`` is the attention's query, key and value ``[d, heads,
+    head_dim]`` side by side (:func:`phalanx.models.transformer.weight_parts`). What the state,
+    the checkpoints and pruning use of a variable: ``shape``, ``dtype``, ``read_value()``
+    (joined on the device), ``numpy()`` and ``assign(array)`` (cut into the variables).
+
+    Example:
+        >>> q, k = tf.Variable(tf.ones([2, 1, 2])), tf.Variable(tf.zeros([2, 2]))
+        >>> qk = JoinedVariable([(q, ((0, 2), (0, 2))), (k, ((0, 2), (2, 4)))])
+        >>> qk.numpy().tolist()
+        [[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0]]
+        >>> qk.assign(np.arange(8, dtype="float32").reshape(2, 4)); q.numpy()[:, 0].tolist()
+        [[0.0, 1.0], [4.0, 5.0]]
+    """
+
+    def __init__(self, parts: list):
+        self.parts = [(v, tuple(tuple(int(i) for i in ab) for ab in box)) for v, box in parts]
+        shape = tuple(max(box[a][1] for _, box in self.parts) for a in range(len(self.parts[0][1])))
+        cut = [a for a in range(len(shape)) if any(box[a] != (0, shape[a]) for _, box in self.parts)]
+        if len(cut) > 1:
+            raise ValueError(f"the parts {[box for _, box in self.parts]} of a {shape} tensor are side by side along "
+                             f"more than one axis")
+        self.axis = cut[0] if cut else None
+        # the parts in box order along that axis (what read_value concatenates)
+        self._order = sorted(range(len(self.parts)), key=lambda i: self.parts[i][1][self.axis or 0][0])
+        self.shape, self.dtype = tf.TensorShape(shape), self.parts[0][0].dtype
+
+    def read_value(self):
+        pieces = [tf.reshape(self.parts[i][0].read_value(), boxes.shape_of(self.parts[i][1])) for i in self._order]
+        return pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=self.axis)
+
+    def numpy(self) -> np.ndarray:
+        return np.asarray(self.read_value().numpy())
+
+    def join(self, values: list) -> np.ndarray:
+        """The logical array from arrays shaped as the variables (one per part, in order)."""
+        whole = np.empty(tuple(self.shape), np.asarray(values[0]).dtype)
+        for (_, box), value in zip(self.parts, values):
+            whole[boxes.index(box)] = np.reshape(value, boxes.shape_of(box))
+        return whole
+
+    def assign(self, value) -> None:
+        value = np.asarray(value)
+        for v, box in self.parts:
+            v.assign(np.reshape(value[boxes.index(box)], tuple(v.shape)))
+
+
+def _logical(names: list, var_names: list, variables: list, boxes_of: list) -> dict:
+    """Logical name -> its variable (a whole one as it is) or :class:`JoinedVariable`."""
+    out = {}
+    for name in names:
+        held = [(v, box) for n, v, box in zip(var_names, variables, boxes_of) if n == name]
+        whole = len(held) == 1 and (held[0][1] is None or
+                                    tuple(b - a for a, b in held[0][1]) == tuple(held[0][0].shape))
+        out[name] = held[0][0] if whole else JoinedVariable(held)
+    return out
+
+
+def _join(variable, values: list) -> np.ndarray:
+    """The logical array of ``variable`` (as :func:`_logical` made it) from arrays shaped as its variables."""
+    return variable.join(values) if isinstance(variable, JoinedVariable) else values[0]
+
+
 class StrategyEngine:
     """Data-parallel training step through a ``tf.distribute`` strategy."""
 
@@ -67,21 +133,34 @@ class StrategyEngine:
         self.accum = cfg.train.grad_accum
         with self.strategy.scope():
             self.model = task.build()
-            self.variables = task.named_variables(self.model)
-            self.names = list(self.variables)
+            # Logical name -> the model variables holding it, each with its box of the tensor (None:
+            # the whole of it). The step updates the model's own variables (and moments and masks
+            # of their shapes); the state, the checkpoints and pruning see the logical tensors.
+            parts_of = getattr(task, "variable_parts", None)
+            parts = parts_of(self.model) if parts_of is not None else \
+                {n: [(v, None)] for n, v in task.named_variables(self.model).items()}
+            self.names = list(parts)
+            self._vars = [v for n in self.names for v, _ in parts[n]]
+            self._var_names = [n for n in self.names for _ in parts[n]]  # each variable's logical name
             # what the task's loss adds to on each replica's own copy (GPTTask: MoE statistics)
             self.step_totals = list(getattr(task, "step_totals", lambda model: [])(self.model))
-            self.m = {n: tf.Variable(tf.zeros_like(v), trainable=False, name=f"m/{n}")
-                      for n, v in self.variables.items()}
-            self.v = {n: tf.Variable(tf.zeros_like(v), trainable=False, name=f"v/{n}")
-                      for n, v in self.variables.items()}
+            self._m = [tf.Variable(tf.zeros_like(v), trainable=False, name=f"m/{n}")
+                       for n, v in zip(self._var_names, self._vars)]
+            self._v = [tf.Variable(tf.zeros_like(v), trainable=False, name=f"v/{n}")
+                       for n, v in zip(self._var_names, self._vars)]
             self.step = tf.Variable(0, trainable=False, dtype=tf.int64, name="optimizer_step")
             self.loss_scale = LossScale(cfg)
             # pruning masks (phalanx.prune), all ones until apply_masks; multiplied into every update
-            self.masks = {}
+            self._masks = [None] * len(self._vars)
             if cfg.train.prune.target > 0:
-                self.masks = {n: tf.Variable(tf.ones_like(v), trainable=False, name=f"mask/{n}")
-                              for n, v in self.variables.items() if prune.prunable(n)}
+                self._masks = [tf.Variable(tf.ones_like(v), trainable=False, name=f"mask/{n}") if prune.prunable(n)
+                               else None for n, v in zip(self._var_names, self._vars)]
+        boxes_of = [box for n in self.names for _, box in parts[n]]
+        self.variables = _logical(self.names, self._var_names, self._vars, boxes_of)
+        self.m = _logical(self.names, self._var_names, self._m, boxes_of)
+        self.v = _logical(self.names, self._var_names, self._v, boxes_of)
+        self.masks = _logical([n for n in self.names if prune.prunable(n)], self._var_names, self._masks, boxes_of) \
+            if cfg.train.prune.target > 0 else {}
         self._train_fn = tf.function(self._train_step)
         self._eval_fn = tf.function(self._eval_step)
 
@@ -101,7 +180,7 @@ class StrategyEngine:
         return rows(batch, local_id * per_replica, per_replica)
 
     def _replica_grads(self, batch):
-        variables = [self.variables[n] for n in self.names]
+        variables = self._vars
         micro = split_batch(self._local_rows(batch), self.accum)
         scale = self.loss_scale.scale.read_value()
         norm = float(self.dp * self.accum)
@@ -127,18 +206,20 @@ class StrategyEngine:
     def _reduced_grads(self, batch):
         """Gradients of the mean loss (still multiplied by the loss scale), summed over replicas."""
         grads, loss = self.strategy.run(self._replica_grads, args=(batch,))
-        variables = [self.variables[n] for n in self.names]
+        variables = self._vars
         grads = self.strategy.extended.batch_reduce_to(
             tf.distribute.ReduceOp.SUM, list(zip(grads, variables)))
         return grads, self.strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None)
 
     def gradients(self, batch) -> dict[str, np.ndarray]:
-        """The (unscaled) gradients of the mean loss over ``batch``, by name; changes nothing."""
+        """The (unscaled) gradients of the mean loss over ``batch``, by name. Changes no weight
+        or optimizer state; the MoE statistics totals then hold this batch's, as after a step."""
         if not hasattr(self, "_grad_fn"):
-            self._grad_fn = tf.function(lambda b: self._reduced_grads(b)[0])
+            self._grad_fn = tf.function(lambda b: self._step_gradients(b)[0])
         grads = self._grad_fn(batch)
         scale = float(self.loss_scale.scale.numpy())
-        return {n: np.asarray(tf.convert_to_tensor(g)) / scale for n, g in zip(self.names, grads)}
+        grads = [np.asarray(tf.convert_to_tensor(g)) / scale for g in grads]
+        return {n: _join(self.variables[n], [g for g, m in zip(grads, self._var_names) if m == n]) for n in self.names}
 
     def _sum_step_totals(self) -> None:
         """After a step's replicas each added their calls to their own copy of the step totals
@@ -149,22 +230,27 @@ class StrategyEngine:
         for var, copy in zip(self.step_totals, copies):
             var.assign(self.strategy.reduce(tf.distribute.ReduceOp.SUM, copy, axis=None))
 
-    def _train_step(self, batch):
-        variables = [self.variables[n] for n in self.names]
+    def _step_gradients(self, batch):
+        """:meth:`_reduced_grads` of a step: the step totals start at zero and end as the sum
+        over the replicas (every step and :meth:`gradients` call sees only its own batch)."""
         for var in self.step_totals:
             var.assign(tf.zeros(var.shape, var.dtype))
         grads, loss = self._reduced_grads(batch)
         self._sum_step_totals()
+        return grads, loss
+
+    def _train_step(self, batch):
+        grads, loss = self._step_gradients(batch)
         scale = self.loss_scale.scale.read_value()
         norm = optim.global_norm(grads) / scale
         finite = tf.math.is_finite(norm)
         factor = optim.clip_factor(norm, self.cfg.train.clip_norm) / scale
         lr = optim.learning_rate(self.step, self.cfg.train)
         t = self.step + 1
-        for name, var, grad in zip(self.names, variables, grads):
-            args = (grad, self.m[name], self.v[name], factor, t, lr, finite, self.task.decays(name))
-            if name in self.masks:
-                args += (self.masks[name],)
+        for name, var, grad, m, v, mask in zip(self._var_names, self._vars, grads, self._m, self._v, self._masks):
+            args = (grad, m, v, factor, t, lr, finite, self.task.decays(name))
+            if mask is not None:
+                args += (mask,)
             self._update_variable(var, args)
         self.step.assign_add(tf.cast(finite, tf.int64))
         self.loss_scale.update(finite)
@@ -231,7 +317,7 @@ class StrategyEngine:
             var.assign(value.astype(var.dtype.as_numpy_dtype))
 
     def num_params(self) -> int:
-        return int(sum(np.prod(v.shape) for v in self.variables.values()))
+        return int(sum(np.prod(v.shape) for v in self._vars))
 
     def apply_masks(self, masks: dict[str, np.ndarray]) -> None:
         """Install (or replace) pruning masks (0/1, whole logical shapes, by weight name):

@@ -19,9 +19,10 @@ from typing import Any, Callable, Protocol
 
 import tensorflow as tf
 
+from phalanx.checkpoint import boxes
 from phalanx.config import ModelConfig
 from phalanx.core import costs
-from phalanx.models import gpt
+from phalanx.models import gpt, transformer
 
 
 class Task(Protocol):
@@ -78,6 +79,11 @@ def call_with_losses(model, inputs, training: bool = False):
     return outputs, tf.add_n(losses) if losses else tf.zeros([], tf.float32)
 
 
+def _tf_variable(v) -> tf.Variable:
+    """The ``tf.Variable`` behind a Keras 3 variable (Keras wraps it in ``.value``)."""
+    return v.value if hasattr(v, "value") and isinstance(v.value, tf.Variable) else v
+
+
 def _assign_here(variable, value) -> None:
     """Assign a (Keras) variable's copy on this replica only. An aggregated write (MoE's
     statistics are ``only_first_replica``) is a cross-replica synchronisation, which
@@ -92,22 +98,35 @@ def _assign_here(variable, value) -> None:
 
 
 class GPTTask:
-    """The built-in GPT on int32 batches ``[b, seq_len + 1]``."""
+    """The built-in GPT (:func:`phalanx.models.transformer.gpt` at ``tp=1``) on int32 batches
+    ``[b, seq_len + 1]``; its weights are named as :func:`phalanx.models.gpt.weight_shapes`
+    names them (:meth:`variable_parts`)."""
 
     def __init__(self, cfg: ModelConfig, dtype_policy: str = "float32", seed: int = 0):
         self.cfg, self.dtype_policy, self.seed = cfg, dtype_policy, seed
 
     def build(self):
-        model = gpt.GPT(self.cfg, self.dtype_policy)
+        model = transformer.gpt(self.cfg, seed=None, dtype_policy=self.dtype_policy)
         # one tensor at a time (the values of gpt.initial_weights, drawn in seeded tiles): the
         # host never holds the whole initial model
         init = gpt.initializer(self.cfg, self.seed)
-        for name, var in model.named_variables().items():
-            var.assign(init(name))
+        for name, parts in self.variable_parts(model).items():
+            value = init(name)
+            for var, box in parts:
+                var.assign(value[boxes.index(box)].reshape(tuple(var.shape)))
         return model
 
-    def named_variables(self, model) -> dict[str, tf.Variable]:
-        return model.named_variables()
+    def variable_parts(self, model) -> dict[str, list]:
+        """Logical name -> ``[(tf.Variable, box of the logical tensor it holds)]``
+        (:func:`phalanx.models.transformer.weight_parts`), in :func:`~phalanx.models.gpt.weight_shapes`
+        order; the engines keep their state under these names."""
+        parts = transformer.weight_parts(model)
+        shapes = gpt.weight_shapes(self.cfg)
+        got = {n: transformer.built_in_shape(p) for n, p in parts.items()}
+        if list(got) != list(shapes) or any(got[n] != shapes[n] for n in shapes):
+            raise ValueError(f"model {model.name!r} does not hold the weights of model config {self.cfg}: "
+                             f"{sorted(set(got.items()) ^ set(shapes.items()))[:4]} differ")
+        return {n: [(_tf_variable(p.variable), p.box) for p in parts[n]] for n in shapes}
 
     def loss(self, model, batch, training: bool = False) -> tf.Tensor:
         """Mean token cross-entropy, plus for an MoE GPT the balancing losses of this call
@@ -125,7 +144,8 @@ class GPTTask:
         statistics totals (:meth:`phalanx.layers.MoE.statistics_totals`). The engine starts
         them at zero every step and sums the copies after it, so that they hold the whole
         batch's (what :mod:`phalanx.train.moe_stats` reads); empty for a dense GPT."""
-        return [v for block in model.blocks if block.moe is not None for v in block.moe.statistics_totals()]
+        return [v for block in transformer.blocks(model) if block.moe is not None
+                for v in block.moe.statistics_totals()]
 
     def flops_per_example(self) -> float:
         return costs.gpt_training_flops_per_token(self.cfg) * self.cfg.seq_len
@@ -157,8 +177,28 @@ class KerasTask:
         return names
 
     def loss(self, model, batch, training: bool = False) -> tf.Tensor:
+        """``loss_fn(y, model(x))`` plus, as Keras's ``compute_loss`` adds ``model.losses``,
+        the losses the model's layers added in this call (``add_loss``: this replica's own,
+        :func:`call_with_losses`) and its weights' regularisation losses, each summed."""
         x, y = batch
-        return tf.cast(self.loss_fn(y, model(x, training=training)), tf.float32)
+        y_pred, added = call_with_losses(model, x, training)
+        parts = [tf.cast(self.loss_fn(y, y_pred), tf.float32) * self._keras_replica_scale(), added]
+        # Read outside the call's scope: a regulariser reads the (replica's) variable itself.
+        parts += [tf.cast(tf.reduce_sum(v.regularizer(v)), tf.float32)
+                  for v in model.trainable_weights if getattr(v, "regularizer", None) is not None]
+        return tf.add_n(parts)
+
+    def _keras_replica_scale(self) -> float:
+        """What undoes Keras's share of a replica: a ``keras.losses.Loss`` with a mean reduction
+        divides its value by the strategy's replicas under tf.distribute (for Keras's own
+        step to sum them: ``keras/src/losses/loss.py``, ``scale_loss_for_distribution``); the
+        engines take the mean over replicas themselves, so the loss here is the rows' own mean."""
+        import keras  # loaded with the model; TensorFlow is already loaded
+
+        if isinstance(self.loss_fn, keras.losses.Loss) and \
+                getattr(self.loss_fn, "reduction", None) in ("sum_over_batch_size", "mean", "mean_with_sample_weight"):
+            return float(tf.distribute.get_strategy().num_replicas_in_sync)
+        return 1.0
 
     def decays(self, name: str) -> bool:
         return name.endswith("kernel") or name.endswith("embeddings")

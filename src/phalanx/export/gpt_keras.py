@@ -1,19 +1,20 @@
 """The built-in GPT rebuilt from stock Keras layers, for export.
 
-:class:`phalanx.models.gpt.GPT` keeps its weights as raw variables under logical names
-(what the parallel engines need); Keras's ``model.quantize`` only acts on ``Dense`` /
-``EinsumDense`` / ``Embedding`` layers and ``keras.saving.load_model`` needs a
-serialisable model. :func:`build` makes a Functional model that computes the same
-logits from the same logical weights (tested to ~1e-5) out of
+:func:`phalanx.models.transformer.gpt` is made of phalanx's parallel layers (weights cut
+for tensor parallelism, fused kernels); Keras's ``model.quantize`` only acts on ``Dense`` /
+``EinsumDense`` / ``Embedding`` layers, and LiteRT and other runtimes want plain ops.
+:func:`build` makes a Functional model that computes the same logits from the same logical
+weights (:func:`phalanx.models.gpt.weight_shapes` names; tested to ~1e-5) out of
 
 - ``keras.layers.ReversibleEmbedding`` for the tied token embedding and output head,
 - ``keras.layers.Dense`` for the QKV, attention-out, MLP-in and MLP-out projections,
 - ``keras.layers.LayerNormalization`` (epsilon 1e-5),
 
-plus three small registered layers with no quantizable weights: :class:`PositionEmbedding`,
-:class:`CausalSelfAttention` (the attention core between the Dense projections) and
-:class:`TanhGelu`. Loading a saved ``.keras`` file needs them registered: ``import
-phalanx.export`` first (``phalanx.export.load_artifact`` does).
+plus small registered layers with no quantizable weights: phalanx's
+:class:`~phalanx.layers.transformer.PositionEmbedding`, :class:`CausalSelfAttention` (the
+attention core between the Dense projections) and :class:`TanhGelu`. Loading a saved
+``.keras`` file needs them registered: ``import phalanx.export`` first
+(``phalanx.export.load_artifact`` does).
 
 Inputs are int32 tokens ``[batch, seq_len]`` (a fixed length: the position table has
 ``seq_len`` rows, and :func:`phalanx.models.generate.generate` pads to it); outputs are
@@ -39,6 +40,8 @@ import numpy as np
 from keras import ops
 
 from phalanx.config import ConfigError, ModelConfig
+from phalanx.layers.transformer import PositionEmbedding
+from phalanx.models.gpt import weight_shapes
 
 PACKAGE = "phalanx"
 LN_EPS = 1e-5
@@ -50,25 +53,6 @@ LN_EPS = 1e-5
 #: exp(-64 - row max) of the row's, and the float model's loss with this fill equals the
 #: -1e9 one's to 1e-9 on the demo run (measured with fills of 30, 60 and 120).
 INT8_MASK_VALUE = 64.0
-
-
-@keras.saving.register_keras_serializable(package=PACKAGE)
-class PositionEmbedding(keras.layers.Layer):
-    """Adds a learned ``[seq_len, d_model]`` table to ``[batch, seq_len, d_model]`` inputs."""
-
-    def __init__(self, seq_len: int, d_model: int, **kwargs):
-        super().__init__(**kwargs)
-        self.seq_len, self.d_model = int(seq_len), int(d_model)
-
-    def build(self, input_shape):
-        self.positions = self.add_weight(name="positions", shape=(self.seq_len, self.d_model),
-                                         initializer="zeros")
-
-    def call(self, x):
-        return x + ops.cast(self.positions, x.dtype)[None, : ops.shape(x)[1]]
-
-    def get_config(self):
-        return {**super().get_config(), "seq_len": self.seq_len, "d_model": self.d_model}
 
 
 @keras.saving.register_keras_serializable(package=PACKAGE)
@@ -130,7 +114,7 @@ def build(cfg: ModelConfig, weights: dict[str, np.ndarray] | None = None, dtype:
     embed = keras.layers.ReversibleEmbedding(cfg.vocab, d, tie_weights=cfg.tie_embeddings,
                                              name="embed", dtype=dtype)
     x = embed(tokens)
-    x = PositionEmbedding(cfg.seq_len, d, name="positions", dtype=dtype)(x)
+    x = PositionEmbedding(cfg.seq_len, initializer="zeros", name="positions", dtype=dtype)(x)
     for i in range(cfg.layers):
         p = f"block_{i}_"
         h = keras.layers.LayerNormalization(epsilon=LN_EPS, name=p + "ln1", dtype=dtype)(x)
@@ -153,20 +137,27 @@ def build(cfg: ModelConfig, weights: dict[str, np.ndarray] | None = None, dtype:
 
 
 def layer_weights(cfg: ModelConfig) -> list[tuple[str, list[str]]]:
-    """(Keras layer name, [logical weight names in the layer's weight order])."""
-    out = [("embed", ["embed/tokens"] + ([] if cfg.tie_embeddings else ["head/kernel"])),
-           ("positions", ["embed/positions"])]
-    for i in range(cfg.layers):
-        b = f"block_{i}/"
-        p = f"block_{i}_"
-        out += [(p + "ln1", [b + "ln1/gamma", b + "ln1/beta"]),
-                (p + "qkv", [b + "attn/qkv/kernel", b + "attn/qkv/bias"]),
-                (p + "out", [b + "attn/out/kernel", b + "attn/out/bias"]),
-                (p + "ln2", [b + "ln2/gamma", b + "ln2/beta"]),
-                (p + "fc", [b + "mlp/fc/kernel", b + "mlp/fc/bias"]),
-                (p + "proj", [b + "mlp/proj/kernel", b + "mlp/proj/bias"])]
-    out.append(("final_ln", ["final_ln/gamma", "final_ln/beta"]))
-    return out
+    """(Keras layer name, [logical weight names in the layer's weight order]), from
+    :func:`phalanx.models.gpt.weight_shapes`: a block's ``block_i/<...>/<sub>/<weight>`` is layer
+    ``block_i_<sub>`` (kernel before bias, gamma before beta, as Dense and LayerNormalization
+    hold them); the token table and an untied head are the ReversibleEmbedding ``embed``'s two.
+
+    Example:
+        >>> layer_weights(ModelConfig(layers=1, d_model=8, heads=2, ffn=16, vocab=16, seq_len=4))[2:4]
+        [('block_0_ln1', ['block_0/ln1/gamma', 'block_0/ln1/beta']), ('block_0_qkv', ['block_0/attn/qkv/kernel', \
+'block_0/attn/qkv/bias'])]
+    """
+    out: dict[str, list[str]] = {}
+    for name in weight_shapes(cfg):
+        if name in ("embed/tokens", "head/kernel"):
+            layer = "embed"
+        elif name == "embed/positions":
+            layer = "positions"
+        else:
+            block, _, sub = name.rsplit("/", 1)[0].partition("/")
+            layer = f"{block}_{sub.rsplit('/', 1)[-1]}" if sub else block
+        out.setdefault(layer, []).append(name)
+    return list(out.items())
 
 
 def assign(model: keras.Model, cfg: ModelConfig, weights: dict[str, np.ndarray]) -> None:

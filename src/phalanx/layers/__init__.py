@@ -12,6 +12,8 @@
   (MLP or MoE), with Megatron sequence parallelism; :class:`LayerNorm`,
   :class:`PositionEmbedding`, :func:`gelu_approximate` for the GPT built from them
   (:mod:`phalanx.models.transformer`).
+* :mod:`~phalanx.layers.dropout` — dropout masks as a function of each element's place in the
+  whole tensor, so every layout (micro-batches, replicas, sequence chunks) draws the same.
 """
 
 from phalanx.layers.attention import ParallelSelfAttention

@@ -31,10 +31,10 @@ compute is spread over the ``tp`` devices. What leaves the block is an ordinary 
 the concat of the chunks; a following block fed (in a graph) directly by that concat takes
 the chunks from the concat's inputs (:func:`sequence_chunks`), so nothing is gathered
 between blocks and the unused concat is pruned. The numbers equal ``sequence_parallel=False``
-(the same sums in the same order, up to the order gradients are accumulated in), except
-**dropout**: under sequence parallelism each chunk draws its own mask from the block's
-seed generator, so the masks differ from those of the same block without it (same
-distribution, different draws). A mixture-of-experts block gathers the normalised chunks
+(the same sums in the same order, up to the order gradients are accumulated in), dropout
+included: the masks are a function of each element's place in the whole tensor
+(:mod:`phalanx.layers.dropout`), so chunk ``r`` draws exactly its positions of the mask the
+block draws without sequence parallelism. A mixture-of-experts block gathers the normalised chunks
 once (its routing capacity and balancing loss are defined over the whole call) and cuts
 its output again. Sequence parallelism needs the sequence length known when the graph is
 traced and divisible by ``tp``; otherwise the block runs without it (same numbers).
@@ -58,6 +58,7 @@ import keras
 import tensorflow as tf
 from keras.src.backend.common.variables import AutocastScope  # read float32 LN weights un-cast
 
+from phalanx.layers import dropout as dropout_lib
 from phalanx.layers import kernels as kernels_lib
 from phalanx.layers.attention import ParallelSelfAttention
 from phalanx.layers.kernels import gelu_approximate
@@ -329,13 +330,23 @@ class TransformerBlock(ShardedLayer):
 
     # -- the computation ---------------------------------------------------------------------
 
-    def _drop(self, x, seed):
-        return x if seed is None else tf.nn.experimental.stateless_dropout(x, rate=self.dropout, seed=seed)
+    def _drop(self, x, key, row_offset=0, position_offset=0):
+        """Dropout of ``x`` (rows / positions from the given offsets of the block's input) by
+        the positional masks of :mod:`phalanx.layers.dropout`; ``x`` when ``key`` is None."""
+        if key is None:
+            return x
+        return dropout_lib.dropout(x, self.dropout, key, row_offset, position_offset)
 
-    def _seeds(self, training, n: int) -> list:
+    def _site_keys(self, training, dropout_key) -> list:
+        """The keys of the block's two dropout sites (attention, MLP) for this call: folded from
+        ``dropout_key`` (an engine's, e.g. from the seed, the step and the layer) or from the
+        block's seed generator (one draw per call); None when nothing is dropped."""
         if not (training and self.dropout):
-            return [None] * n
-        return [self.seed_generator.next() for _ in range(n)]
+            return [None, None]
+        if dropout_key is None:
+            seed = self.seed_generator.next()
+            dropout_key = dropout_lib.fold(seed[0], seed[1])
+        return [dropout_lib.fold(dropout_key, site) for site in (0, 1)]
 
     def own_weights(self) -> dict:
         """The block's weights as tensors on their devices, the ``weights`` of :meth:`forward`:
@@ -356,14 +367,17 @@ class TransformerBlock(ShardedLayer):
         return self.forward(inputs, self.own_weights(), padding_mask, attention_mask, training)
 
     def forward(self, x, weights: dict, padding_mask=None, attention_mask=None, training=None, devices=None,
-                kernels=None, wrap_core=None):
+                kernels=None, wrap_core=None, dropout_key=None, row_offset=0):
         """The block on ``x [B, T, D]`` with ``weights`` (as :meth:`own_weights` gives them, or
         an engine's own tensors of those shapes: the attention's may have the fused ``qkv``,
         see :meth:`~phalanx.layers.attention.ParallelSelfAttention.partials`). ``devices``:
         the device of each tensor rank (the mesh engine), else the weights' devices;
         ``kernels`` (default the block's) and ``wrap_core`` as for the attention's ``partials``.
         The residual stream, the LayerNorms and the output sums run on rank 0's device, or
-        with sequence parallelism on the ranks' sequence chunks."""
+        with sequence parallelism on the ranks' sequence chunks. ``dropout_key`` (a uint32
+        scalar, :func:`phalanx.layers.dropout.fold`) and ``row_offset`` (the first row of ``x``
+        in the whole batch) key the dropout masks (training only); without a key each call
+        draws one from the block's seed generator."""
         x = tf.cast(x, self.compute_dtype)
         kernels = self.kernels if kernels is None else kernels
         anchors = [w["output"] for w in weights["attention"]]
@@ -374,14 +388,14 @@ class TransformerBlock(ShardedLayer):
         t = x.shape[1]
         if self.sequence_parallel and self.tp > 1 and t is not None and t % self.tp == 0:
             return self._forward_sequence_parallel(x, weights, padding_mask, attention_mask, training, devices,
-                                                   kernels, wrap_core, scope)
-        seeds = self._seeds(training, 2)
+                                                   kernels, wrap_core, scope, dropout_key, row_offset)
+        keys = self._site_keys(training, dropout_key)
         with scope(0):
             h = self.ln1.normalize(x, *weights["ln1"], kernels=kernels)
         parts = self.attention.partials([h] * self.tp, weights["attention"], attention_mask, padding_mask, training,
                                         devices, kernels, wrap_core)
         with scope(0):
-            x = x + self._drop(_sum(parts, weights["attention_bias"]), seeds[0])
+            x = x + self._drop(_sum(parts, weights["attention_bias"]), keys[0], row_offset)
             h = self.ln2.normalize(x, *weights["ln2"], kernels=kernels)
         if self.moe is None:
             parts = self.mlp.partials([h] * self.tp, weights["mlp"], devices, kernels)
@@ -390,13 +404,13 @@ class TransformerBlock(ShardedLayer):
         else:
             m = self.moe(h, training=training)
         with scope(0):
-            return x + self._drop(m, seeds[1])
+            return x + self._drop(m, keys[1], row_offset)
 
     def _forward_sequence_parallel(self, x, weights, padding_mask, attention_mask, training, devices, kernels,
-                                   wrap_core, scope):
+                                   wrap_core, scope, dropout_key=None, row_offset=0):
         n = self.tp
         chunks = sequence_chunks(x, n)
-        attn_seeds, ffn_seeds = self._seeds(training, n), self._seeds(training, n)
+        keys, span = self._site_keys(training, dropout_key), x.shape[1] // n  # chunk r: positions [r*span, ...)
 
         def on_chunks(fn, *lists):
             out = []
@@ -412,7 +426,7 @@ class TransformerBlock(ShardedLayer):
         parts = self.attention.partials(all_gather(h), weights["attention"], attention_mask, padding_mask, training,
                                         devices, kernels, wrap_core)
         a = _reduce_scatter(parts, scope, weights["attention_bias"])
-        x = on_chunks(lambda r, c, y: c + self._drop(y, attn_seeds[r]), chunks, a)
+        x = on_chunks(lambda r, c, y: c + self._drop(y, keys[0], row_offset, r * span), chunks, a)
         h = on_chunks(lambda r, c: self.ln2.normalize(c, *weights["ln2"], kernels=kernels), x)
         if self.moe is None:
             parts = self.mlp.partials(all_gather(h), weights["mlp"], devices, kernels)
@@ -423,7 +437,7 @@ class TransformerBlock(ShardedLayer):
             y = self.moe(whole, training=training)
             with on_device_of(y):
                 m = tf.split(y, n, axis=1)
-        x = on_chunks(lambda r, c, y: c + self._drop(y, ffn_seeds[r]), x, m)
+        x = on_chunks(lambda r, c, y: c + self._drop(y, keys[1], row_offset, r * span), x, m)
         with scope(0):
             y = tf.concat(x, axis=1)
         if not tf.executing_eagerly():

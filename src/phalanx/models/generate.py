@@ -6,8 +6,8 @@ graph is traced once), reading the logits at the last real position.
 
 Example:
     >>> from phalanx.config import ModelConfig
-    >>> from phalanx.models.gpt import GPT
-    >>> model = GPT(ModelConfig(layers=1, d_model=16, heads=2, ffn=32, vocab=256, seq_len=8))
+    >>> from phalanx.models.transformer import gpt
+    >>> model = gpt(ModelConfig(layers=1, d_model=16, heads=2, ffn=32, vocab=256, seq_len=8))
     >>> len(generate(model, [65, 66], 5, seq_len=8, temperature=0))
     5
 """

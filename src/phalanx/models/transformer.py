@@ -9,27 +9,19 @@ definition runs at ``tp=1`` (plain Keras layers, Keras's own ``fit``) and, throu
 :func:`phalanx.fit`, on any ``dp x tp x pp`` layout (``ep`` for the experts), with
 ``sequence_parallel`` for the blocks.
 
-Weights convert both ways to the built-in GPT's logical names
-(:func:`phalanx.models.gpt.weight_shapes`) with :func:`load_gpt_weights` /
-:func:`gpt_weights`:
+It is the built-in GPT of every engine: at ``tp=1`` the tf.distribute engines train it
+(:class:`phalanx.engines.task.GPTTask`), the mesh engine computes the same blocks on its own
+shard variables (:class:`ShardedGPT`), and the Keras engines run it as it is.
 
-==================================  ===========================================================
-built-in GPT                        this model (layer / logical weight)
-==================================  ===========================================================
-``embed/tokens`` [v, d]             ``embed`` / ``embeddings``
-``embed/positions`` [t, d]          ``positions`` / ``embeddings``
-``block_i/ln1/{gamma,beta}``        ``block_i`` / ``ln1/{gamma,beta}`` (and ``ln2``)
-``block_i/attn/qkv/kernel`` [d,3d]  ``block_i`` / ``attention/{query,key,value}`` [d, H, hd]:
-                                    columns ``[0,d)``, ``[d,2d)``, ``[2d,3d)`` reshaped
-``block_i/attn/qkv/bias`` [3d]      ``attention/{query,key,value}_bias`` [H, hd], the same cut
-``block_i/attn/out/kernel`` [d, d]  ``attention/output`` [H, hd, d]
-``block_i/attn/out/bias`` [d]       ``attention/output_bias``
-``block_i/mlp/fc/{kernel,bias}``    ``mlp/up``, ``mlp/up_bias``
-``block_i/mlp/proj/{kernel,bias}``  ``mlp/down``, ``mlp/down_bias``
-``block_i/moe/{router,w_in,...}``   ``moe/{router,w_in,b_in,w_out,b_out}``
-``final_ln/{gamma,beta}``           ``final_ln`` / ``gamma``, ``beta``
-``head/kernel`` [d, v] (untied)     ``head`` / ``kernel``
-==================================  ===========================================================
+Its weights are also known by the built-in GPT's logical names
+(:func:`phalanx.models.gpt.weight_shapes`, which checkpoints, the mesh engine and the export
+use): :func:`weight_parts` says which variables hold each name, :func:`gpt_weights` /
+:func:`load_gpt_weights` convert. A name is the layer's own (``block_i/ln1/gamma``,
+``block_i/moe/w_in``, ``final_ln/beta``, ``head/kernel``) but for ``embed/tokens`` /
+``embed/positions`` (the ``embed`` and ``positions`` layers' ``embeddings``) and a block's
+``attn/qkv``, ``attn/out``, ``mlp/fc`` and ``mlp/proj`` kernels ``[in, out]`` and biases: the
+attention's query, key and value ``[d, heads, head_dim]`` side by side, its output
+``[heads, head_dim, d]``, and the MLP's ``up`` and ``down`` (:data:`_FUSED`).
 
 Example:
     >>> import numpy as np
@@ -45,13 +37,17 @@ Example:
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+from phalanx.checkpoint import boxes
 from phalanx.config import ModelConfig
+from phalanx.layers import dropout as dropout_lib
 from phalanx.layers.attention import ParallelSelfAttention
 from phalanx.layers.kernels import Kernels
 from phalanx.layers.sharding import Split
@@ -136,13 +132,14 @@ def _block(cfg: ModelConfig, i: int, tp: int, ep: int = 1, sequence_parallel: bo
                             name=f"block_{i}", dtype=dtype_policy)
 
 
-def _blocks(model) -> list[TransformerBlock]:
-    blocks = sorted((layer for layer in model.layers if isinstance(layer, TransformerBlock)),
-                    key=lambda layer: int(layer.name.rsplit("_", 1)[-1]))
-    if [b.name for b in blocks] != [f"block_{i}" for i in range(len(blocks))]:
+def blocks(model) -> list[TransformerBlock]:
+    """The blocks ``block_0``, ``block_1``, ... of a :func:`gpt` model, in order."""
+    found = sorted((layer for layer in model.layers if isinstance(layer, TransformerBlock)),
+                   key=lambda layer: int(layer.name.rsplit("_", 1)[-1]))
+    if [b.name for b in found] != [f"block_{i}" for i in range(len(found))]:
         raise ValueError(f"model {model.name!r} is not a phalanx.models.transformer.gpt model: its blocks are "
-                         f"{[b.name for b in blocks]}")
-    return blocks
+                         f"{[b.name for b in found]}")
+    return found
 
 
 def _head(model):
@@ -152,76 +149,157 @@ def _head(model):
         return None
 
 
+# -- the built-in GPT's weight names on this model's variables ----------------------------------
+
+#: The built-in names (:func:`~phalanx.models.gpt.weight_shapes`) that differ from the layers'
+#: own (``layer/logical weight``): whole names, and in a block the weights that the built-in GPT
+#: keeps as one ``[in, out]`` kernel (and bias) made of sub-layer weights side by side along
+#: the last axis, each with how many leading axes of that weight are the kernel's ``in`` side
+#: (the attention's ``[D, heads, head_dim]`` / ``[heads, head_dim, D]`` as ParallelSelfAttention
+#: multiplies them). Every other name is the layer's own.
+_RENAMED = {"embed/tokens": "embed/embeddings", "embed/positions": "positions/embeddings"}
+_FUSED = {"attn/qkv": (("attention/query", "attention/key", "attention/value"), 1),
+          "attn/out": (("attention/output",), 2), "mlp/fc": (("mlp/up",), 1), "mlp/proj": (("mlp/down",), 1)}
+_FUSED_OF = {source: (short, i, in_axes) for short, (sources, in_axes) in _FUSED.items()
+             for i, source in enumerate(sources)}
+_NAME_OF = {layer_path: name for name, layer_path in _RENAMED.items()}
+
+
+@dataclass(frozen=True)
+class Part:
+    """One variable behind a built-in GPT weight: ``variable`` (a layer's whole weight or one
+    of its shards; a Keras variable) holds box ``box`` (:mod:`phalanx.checkpoint.boxes`) of the
+    built-in tensor, in another shape of the same size (``shape``, a reshape away)."""
+
+    variable: Any
+    box: tuple
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in self.box)
+
+
+def _builtin_name(layer: str, weight: str) -> tuple[str, int, int | None]:
+    """The built-in name of ``layer``'s logical weight ``weight``, the weight's place among the
+    parts side by side, and (a fused kernel's) its ``in`` axes (bias: 0; unfused: None)."""
+    path = f"{layer}/{weight}"
+    if path in _NAME_OF:
+        return _NAME_OF[path], 0, None
+    base = weight[:-len("_bias")] if weight.endswith("_bias") else weight
+    if layer.startswith("block_") and base in _FUSED_OF:
+        short, i, in_axes = _FUSED_OF[base]
+        return (f"{layer}/{short}/bias", i, 0) if base != weight else (f"{layer}/{short}/kernel", i, in_axes)
+    return path, 0, None
+
+
+def _gpt_layers(model) -> list:
+    head = _head(model)
+    return [model.get_layer("embed"), model.get_layer("positions"), *blocks(model), model.get_layer("final_ln")] + \
+        ([head] if head is not None else [])
+
+
+def _logical_entries(layer):
+    """``(weight, variables, split_axis)`` of ``layer``'s trainable logical weights, in order
+    (a block's named ``sublayer/weight``)."""
+    children = layer._children() if isinstance(layer, TransformerBlock) else {"": layer}
+    for prefix, child in children.items():
+        for weight, (variables, split_axis, _) in child._logical.items():
+            if variables[0].trainable:
+                yield (f"{prefix}/{weight}" if prefix else weight), variables, split_axis
+
+
+def _merged(shape: tuple, in_axes: int | None) -> list[list[int]]:
+    """The axes of ``shape`` that each axis of the built-in shape merges: all of them for a bias
+    (``in_axes`` 0), ``[in | out]`` for a kernel, one each for an unfused weight (None)."""
+    axes = list(range(len(shape)))
+    if in_axes is None:
+        return [[a] for a in axes]
+    return [axes] if in_axes == 0 else [axes[:in_axes], axes[in_axes:]]
+
+
+def weight_parts(model) -> dict[str, list[Part]]:
+    """The built-in GPT's weights (:func:`~phalanx.models.gpt.weight_shapes` names and order)
+    on ``model``'s variables (a :func:`gpt` model, any ``tp`` / ``ep``): for each name the
+    :class:`Part` s that hold it. The one mapping between the two namings:
+    :func:`gpt_weights`, :func:`load_gpt_weights` and the tf.distribute engines' logical
+    state (:class:`phalanx.engines.task.GPTTask`) read it.
+
+    Example:
+        >>> cfg = ModelConfig(layers=1, d_model=8, heads=2, ffn=16, vocab=16, seq_len=4)
+        >>> parts = weight_parts(gpt(cfg, seed=None))
+        >>> for p in parts["block_0/attn/qkv/kernel"]:
+        ...     print(p.variable.path, tuple(p.variable.shape), p.box)
+        block_0/attention/query (8, 2, 4) ((0, 8), (0, 8))
+        block_0/attention/key (8, 2, 4) ((0, 8), (8, 16))
+        block_0/attention/value (8, 2, 4) ((0, 8), (16, 24))
+    """
+    found: dict[str, list] = {}
+    for layer in _gpt_layers(model):
+        for weight, variables, split_axis in _logical_entries(layer):
+            name, place, in_axes = _builtin_name(layer.name, weight)
+            found.setdefault(name, []).append((place, variables, split_axis, in_axes))
+    out: dict[str, list[Part]] = {}
+    for name, sources in found.items():
+        parts, offset = [], 0
+        for _, variables, split_axis, in_axes in sorted(sources, key=lambda s: s[0]):
+            whole = [int(n) for n in variables[0].shape]
+            if split_axis is not None:
+                whole[split_axis] *= len(variables)
+            groups = _merged(tuple(whole), in_axes)
+            merged = [math.prod(whole[a] for a in g) for g in groups]
+            for r, var in enumerate(variables):
+                box = []
+                for g, size in zip(groups, merged):
+                    if split_axis in g:
+                        lead = g[:g.index(split_axis)]
+                        if math.prod(whole[a] for a in lead) != 1:  # never for the head/expert cuts
+                            raise ValueError(f"{name}: shard {r} of {var.path} is not one box of the built-in shape")
+                        stride = math.prod(whole[a] for a in g[g.index(split_axis) + 1:])
+                        n = whole[split_axis] // len(variables)
+                        box.append((r * n * stride, (r + 1) * n * stride))
+                    else:
+                        box.append((0, size))
+                box[-1] = (box[-1][0] + offset, box[-1][1] + offset)  # side by side along the last axis
+                parts.append(Part(var, tuple(box)))
+            offset += merged[-1]
+        out[name] = parts
+    return out
+
+
+def built_in_shape(parts: list[Part]) -> tuple[int, ...]:
+    """The whole shape of a built-in weight held by ``parts``."""
+    return tuple(max(p.box[a][1] for p in parts) for a in range(len(parts[0].box)))
+
+
 def gpt_weights(model) -> dict[str, np.ndarray]:
     """The model's weights under the built-in GPT's logical names
     (:func:`phalanx.models.gpt.weight_shapes` order), whole whatever ``tp`` and ``ep`` are."""
-    out = {"embed/tokens": model.get_layer("embed").logical_weights()["embeddings"],
-           "embed/positions": model.get_layer("positions").logical_weights()["embeddings"]}
-    for i, block in enumerate(_blocks(model)):
-        w, p = block.logical_weights(), f"block_{i}/"
-        d = w["ln1/gamma"].shape[0]
-        out[p + "ln1/gamma"], out[p + "ln1/beta"] = w["ln1/gamma"], w["ln1/beta"]
-        out[p + "attn/qkv/kernel"] = np.concatenate([w[f"attention/{n}"].reshape(d, -1)
-                                                     for n in ("query", "key", "value")], axis=1)
-        out[p + "attn/qkv/bias"] = np.concatenate([w[f"attention/{n}_bias"].reshape(-1)
-                                                   for n in ("query", "key", "value")])
-        out[p + "attn/out/kernel"] = w["attention/output"].reshape(-1, d)
-        out[p + "attn/out/bias"] = w["attention/output_bias"]
-        out[p + "ln2/gamma"], out[p + "ln2/beta"] = w["ln2/gamma"], w["ln2/beta"]
-        if block.moe is not None:
-            for short in ("router", "w_in", "b_in", "w_out", "b_out"):
-                out[p + "moe/" + short] = w["moe/" + short]
-        else:
-            out[p + "mlp/fc/kernel"], out[p + "mlp/fc/bias"] = w["mlp/up"], w["mlp/up_bias"]
-            out[p + "mlp/proj/kernel"], out[p + "mlp/proj/bias"] = w["mlp/down"], w["mlp/down_bias"]
-    final = model.get_layer("final_ln").logical_weights()
-    out["final_ln/gamma"], out["final_ln/beta"] = final["gamma"], final["beta"]
-    head = _head(model)
-    if head is not None:
-        out["head/kernel"] = head.logical_weights()["kernel"]
+    out = {}
+    for name, parts in weight_parts(model).items():
+        whole = np.empty(built_in_shape(parts), np.float32)
+        for p in parts:
+            whole[boxes.index(p.box)] = np.asarray(keras.ops.convert_to_numpy(p.variable.value)).reshape(p.shape)
+        out[name] = whole
     return out
 
 
 def load_gpt_weights(model, weights: dict) -> None:
-    """Assign weights named as the built-in GPT's (``gpt_weights`` of another layout,
-    :func:`~phalanx.models.gpt.initial_weights`, or ``GPT.named_variables()`` values) to
-    ``model``, cut into its shards. Missing or extra names, and wrong shapes, are errors."""
-    expected = gpt_weights(model)
+    """Assign weights named as the built-in GPT's (``gpt_weights`` of another layout, or
+    :func:`~phalanx.models.gpt.initial_weights`) to ``model``, cut into its shards. Missing or
+    extra names, and wrong shapes, are errors."""
+    expected = weight_parts(model)
     missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
     if missing or extra:
         raise ValueError(f"load_gpt_weights: model {model.name!r} needs the weights {missing[:4]} (missing) and "
                          f"not {extra[:4]} (unexpected)")
     for key, value in weights.items():
-        if tuple(np.shape(value)) != tuple(expected[key].shape):
+        if tuple(np.shape(value)) != built_in_shape(expected[key]):
             raise ValueError(f"load_gpt_weights: {key!r} has shape {tuple(np.shape(value))}, the model's is "
-                             f"{tuple(expected[key].shape)}")
-    model.get_layer("embed").set_logical_weights({"embeddings": weights["embed/tokens"]})
-    model.get_layer("positions").set_logical_weights({"embeddings": weights["embed/positions"]})
-    for i, block in enumerate(_blocks(model)):
-        p, attn = f"block_{i}/", block.attention
-        d, h, hd = weights[p + "ln1/gamma"].shape[0], attn.num_heads, attn.head_dim
-        kv = attn.num_kv_heads
-        qkv, qkv_b = np.asarray(weights[p + "attn/qkv/kernel"]), np.asarray(weights[p + "attn/qkv/bias"])
-        cuts = np.cumsum([h * hd, kv * hd])
-        new = {"ln1/gamma": weights[p + "ln1/gamma"], "ln1/beta": weights[p + "ln1/beta"],
-               "ln2/gamma": weights[p + "ln2/gamma"], "ln2/beta": weights[p + "ln2/beta"],
-               "attention/output": np.asarray(weights[p + "attn/out/kernel"]).reshape(h, hd, d),
-               "attention/output_bias": weights[p + "attn/out/bias"]}
-        for name, heads, kernel, bias in zip(("query", "key", "value"), (h, kv, kv), np.split(qkv, cuts, axis=1),
-                                             np.split(qkv_b, cuts)):
-            new[f"attention/{name}"] = kernel.reshape(d, heads, hd)
-            new[f"attention/{name}_bias"] = bias.reshape(heads, hd)
-        if block.moe is not None:
-            new.update({"moe/" + s: weights[p + "moe/" + s] for s in ("router", "w_in", "b_in", "w_out", "b_out")})
-        else:
-            new.update({"mlp/up": weights[p + "mlp/fc/kernel"], "mlp/up_bias": weights[p + "mlp/fc/bias"],
-                        "mlp/down": weights[p + "mlp/proj/kernel"], "mlp/down_bias": weights[p + "mlp/proj/bias"]})
-        block.set_logical_weights(new)
-    model.get_layer("final_ln").set_logical_weights({"gamma": weights["final_ln/gamma"],
-                                                     "beta": weights["final_ln/beta"]})
-    head = _head(model)
-    if head is not None:
-        head.set_logical_weights({"kernel": weights["head/kernel"]})
+                             f"{built_in_shape(expected[key])}")
+    for key, parts in expected.items():
+        value = np.asarray(weights[key])
+        for p in parts:
+            p.variable.assign(value[boxes.index(p.box)].reshape(p.variable.shape))
 
 
 # -- the GPT on weights held outside Keras (the mesh engine's shard variables) ---------------
@@ -296,30 +374,45 @@ class ShardedGPT:
         >>> tokens = tf.zeros([2, 9], tf.int32)
         >>> x = net.block(net.embed(tokens[:, :-1], w, devices), w, 0, devices)
         >>> loss = float(net.loss(x, tokens[:, 1:], w, devices))
-        >>> from phalanx.models.gpt import GPT, lm_loss
-        >>> one = GPT(cfg)
-        >>> one.assign_weights(weights)
+        >>> from phalanx.models.gpt import lm_loss
+        >>> one = gpt(cfg, seed=None)
+        >>> load_gpt_weights(one, weights)
         >>> abs(loss - float(lm_loss(one(tokens[:, :-1]), tokens[:, 1:]))) < 1e-5
         True
     """
 
-    def __init__(self, cfg: ModelConfig, tp: int = 1, dtype_policy: str = "float32"):
+    #: the layer word of the embedding's dropout key (the blocks use their index)
+    EMBED_LAYER = -1
+
+    def __init__(self, cfg: ModelConfig, tp: int = 1, dtype_policy: str = "float32",
+                 sequence_parallel: bool = False):
         if cfg.experts:
             raise ValueError("ShardedGPT: a mixture-of-experts GPT runs as a Keras model (phalanx.fit)")
         check_tp(cfg, tp)
-        self.cfg, self.tp = cfg, tp
-        self.template = _block(cfg, 0, tp, dtype_policy=dtype_policy)
+        if sequence_parallel and (tp < 2 or cfg.seq_len % tp):
+            raise ValueError(f"sequence parallelism needs tp > 1 dividing model.seq_len={cfg.seq_len}, got tp={tp}")
+        self.cfg, self.tp, self.sequence_parallel = cfg, tp, bool(sequence_parallel)
+        self.template = _block(cfg, 0, tp, sequence_parallel=self.sequence_parallel, dtype_policy=dtype_policy)
         self.positions = PositionEmbedding(cfg.seq_len, name="positions", dtype=dtype_policy)
         self.final_ln = LayerNorm(LAYER_NORM_EPS, kernels=FUSED, name="final_ln", dtype=dtype_policy)
 
     def _shards(self, w: Weights, name: str) -> list:
         return [w(name, t) for t in range(self.tp)]
 
-    def embed(self, tokens, w: Weights, devices: Sequence[str]):
-        """Token (vocabulary-parallel) + position embeddings of ``tokens [B, T]``, on ``devices[0]``."""
+    def embed(self, tokens, w: Weights, devices: Sequence[str], dropout=None):
+        """Token (vocabulary-parallel) + position embeddings of ``tokens [B, T]``, on ``devices[0]``.
+
+        ``dropout``: ``(key, row_offset)`` to train with ``cfg.dropout``: ``key`` (uint32, e.g.
+        :func:`phalanx.layers.dropout.fold` of the seed and the step) is folded with the layer
+        (:attr:`EMBED_LAYER`, a block's index), ``row_offset`` is the first row of ``tokens`` in
+        the whole batch, so every layout draws the same masks; None: no dropout."""
         x = embedding_lookup(tokens, self._shards(w, "embed/tokens"), devices)
         with tf.device(devices[0]):
-            return self.positions.add_positions(x, w("embed/positions", 0))
+            x = self.positions.add_positions(x, w("embed/positions", 0))
+            if dropout is not None and self.cfg.dropout:
+                key, rows = dropout
+                x = dropout_lib.dropout(x, self.cfg.dropout, dropout_lib.fold(key, self.EMBED_LAYER), rows)
+            return x
 
     def block_weights(self, w: Weights, i: int) -> dict:
         """Block ``i``'s weights in the form :meth:`TransformerBlock.forward` takes."""
@@ -336,10 +429,15 @@ class ShardedGPT:
                 out[entry][key] = w(name, 0)
         return out
 
-    def block(self, x, w: Weights, i: int, devices: Sequence[str], wrap_core=None):
-        """Block ``i`` on the residual stream ``x`` (on ``devices[0]``)."""
-        return self.template.forward(x, self.block_weights(w, i), devices=devices, kernels=FUSED,
-                                     wrap_core=wrap_core)
+    def block(self, x, w: Weights, i: int, devices: Sequence[str], wrap_core=None, dropout=None):
+        """Block ``i`` on the residual stream ``x`` (on ``devices[0]``; with sequence parallelism
+        the chunks of ``x`` on the tensor ranks' devices); ``dropout`` as for :meth:`embed`."""
+        key, rows = (None, 0) if dropout is None else dropout
+        with tf.name_scope(f"block_{i}"):
+            return self.template.forward(x, self.block_weights(w, i), training=dropout is not None, devices=devices,
+                                         kernels=FUSED, wrap_core=wrap_core,
+                                         dropout_key=None if key is None else dropout_lib.fold(key, i),
+                                         row_offset=rows)
 
     def loss(self, x, targets, w: Weights, devices: Sequence[str]):
         """Final LayerNorm, vocabulary-parallel logits and the mean token cross-entropy (float32);
@@ -351,5 +449,5 @@ class ShardedGPT:
         return vocab_parallel_cross_entropy(h, shards, targets, transposed=not tied, devices=devices, kernels=FUSED)
 
 
-__all__ = ["gpt", "gpt_weights", "load_gpt_weights", "gpt_splits", "check_tp", "ShardedGPT", "FusedKernels",
-           "FUSED"]
+__all__ = ["gpt", "blocks", "weight_parts", "Part", "gpt_weights", "load_gpt_weights", "gpt_splits", "check_tp",
+           "ShardedGPT", "FusedKernels", "FUSED"]

@@ -1,7 +1,8 @@
 """What phalanx's engines run, as the planner needs to know it.
 
 The planner can model more than the engines run (ZeRO-3, the ``zb`` schedule,
-sequence parallelism, and for the mixture-of-experts GPT tp/pp/ZeRO/recompute, and expert
+sequence parallelism for the mixture-of-experts GPT or without ``tp > 1`` dividing the
+sequence, and for the mixture-of-experts GPT tp/pp/ZeRO/recompute, and expert
 parallelism with them or across nodes). Such a layout is *plan only*: shown in its own
 labelled list, never proposed as the best. What is runnable is read from the engine's own rules where they can be probed:
 
@@ -15,9 +16,9 @@ labelled list, never proposed as the best. What is runnable is read from the eng
   every replica reads the sum back (reduce-to-one + broadcast); ZeRO-2 reduce-scatters
   directly (replica ``d`` sums piece ``d``); only ``parallel.strategy=multi_worker``
   uses ``MultiWorkerMirroredStrategy``'s collective RING all-reduce;
-* the mixture-of-experts GPT: three flags, :data:`GPT_EXPERT_PARALLEL`,
-  :data:`GPT_EP_WITH_MESH_KNOBS` and :data:`GPT_MOE_ON_MESH`, stated here because the refusals sit inside the engines'
-  constructors; ``tests/test_plan_engine.py`` checks each against the engine's refusal,
+* the mixture-of-experts GPT: four flags, :data:`GPT_EXPERT_PARALLEL`, :data:`GPT_EP_WITH_TP_PP`,
+  :data:`GPT_EP_WITH_MESH_KNOBS` and :data:`GPT_MOE_ON_MESH`, stated here because the refusals sit
+  inside the engines' constructors; ``tests/test_plan_engine.py`` checks each against the engine's refusal,
   so when an engine learns one the test says which flag to flip.
 
 Example:
@@ -51,7 +52,9 @@ from phalanx.parallel.partition import partition
 # True: `phalanx train` runs dp x ep for the MoE GPT (engines/factory.py build_engine routes
 # parallel.ep > 1 to engines/keras_gpt.py KerasGPTEngine), in one process (its devices: one node).
 GPT_EXPERT_PARALLEL = True
-# False while that engine refuses ep with tp, pp, ZeRO or recompute (keras_gpt.refuse_unhonoured).
+# True: that engine runs ep with tp and pp too (it cuts the GPT into tensor shards and stages).
+GPT_EP_WITH_TP_PP = True
+# False while that engine refuses ep with ZeRO or recompute (keras_gpt.refuse_unhonoured).
 GPT_EP_WITH_MESH_KNOBS = False
 # False while the mesh engine (tp, pp, ZeRO, recompute) refuses model.experts
 # (engines/mesh.py MeshEngine): the MoE GPT trains on tf.distribute (one device, dp, multi_worker) or dp x ep.
@@ -88,25 +91,30 @@ def plan_only_reasons(m, lay, hw=None) -> list[str]:
         reasons.append(f"ZeRO-{lay.zero} (the engine runs parallel.zero {', '.join(map(str, engine_zero_stages()))})")
     if lay.pp > 1 and lay.schedule not in engine_schedules():
         reasons.append(f"the {lay.schedule} schedule (the executor runs {', '.join(engine_schedules())})")
-    if lay.sequence_parallel:
-        reasons.append("sequence parallelism (not in the mesh engine)")
+    if lay.sequence_parallel and (lay.tp < 2 or m.seq_len % lay.tp or m.experts):
+        reasons.append("sequence parallelism without tp > 1 dividing the sequence, or with experts (the mesh "
+                       "engine runs it for the dense GPT)")
     mesh_engine = lay.tp > 1 or lay.pp > 1 or lay.zero > 0 or lay.recompute != "none"
     if m.experts and lay.ep > 1:
         if not GPT_EXPERT_PARALLEL:
             reasons.append(f"expert parallelism parallel.ep={lay.ep} for the built-in GPT (phalanx train refuses "
                            f"parallel.ep > 1: its experts train data parallel; ep runs for Keras models with "
                            f"phalanx.layers.MoE(ep=...) through phalanx.fit)")
-        elif mesh_engine and not GPT_EP_WITH_MESH_KNOBS:
-            reasons.append(f"expert parallelism parallel.ep={lay.ep} with tp/pp/ZeRO/recompute (phalanx train runs "
-                           f"ep as dp x ep only)")
+        elif (lay.tp > 1 or lay.pp > 1) and not GPT_EP_WITH_TP_PP:
+            reasons.append(f"expert parallelism parallel.ep={lay.ep} with tp/pp (phalanx train runs ep as dp x ep "
+                           f"only)")
+        elif (lay.zero > 0 or lay.recompute != "none") and not GPT_EP_WITH_MESH_KNOBS:
+            reasons.append(f"expert parallelism parallel.ep={lay.ep} with ZeRO/recompute (phalanx train runs ep "
+                           f"with dp, tp and pp only)")
         elif hw is not None and lay.dp * lay.tp * lay.pp > hw.devices_per_node:
             reasons.append(f"expert parallelism parallel.ep={lay.ep} across nodes (phalanx train runs ep in one "
                            f"process: at most {hw.devices_per_node} devices)")
-    if m.experts and mesh_engine and not GPT_MOE_ON_MESH:
+    # ep > 1 with tp/pp runs on the expert-parallel engine, not the mesh engine
+    on_ep_engine = lay.ep > 1 and GPT_EXPERT_PARALLEL and GPT_EP_WITH_TP_PP and lay.zero == 0 and \
+        lay.recompute == "none"
+    if m.experts and mesh_engine and not on_ep_engine and not GPT_MOE_ON_MESH:
         reasons.append("mixture of experts with tp/pp/ZeRO/recompute (the mesh engine refuses model.experts; "
-                       "the MoE GPT trains dp or dp x ep)")
-    if m.dropout > 0 and mesh_engine:
-        reasons.append("dropout with tp/pp/ZeRO/recompute (the mesh engine refuses model.dropout > 0)")
+                       "the MoE GPT trains dp, or ep > 1 with dp, tp and pp)")
     return reasons
 
 
