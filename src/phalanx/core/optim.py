@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import tensorflow as tf
 
@@ -100,3 +101,40 @@ def clip_factor(norm: tf.Tensor, clip_norm: float) -> tf.Tensor:
     if clip_norm <= 0:
         return tf.constant(1.0, tf.float32)
     return tf.minimum(1.0, clip_norm / tf.maximum(norm, 1e-12))
+
+
+class StepScalars(NamedTuple):
+    """What one optimizer step needs besides the gradients: see :func:`step_scalars`."""
+
+    norm: tf.Tensor  # global gradient norm, unscaled (logged as grad_norm)
+    finite: tf.Tensor  # whether it is finite (False: a float16 overflow, the step changes nothing)
+    factor: tf.Tensor  # clip factor over the loss scale: multiplies the scaled gradients
+    lr: tf.Tensor  # learning rate of this update
+    count: tf.Tensor  # 1-based update count (AdamW's bias correction)
+    scale: tf.Tensor  # the loss scale the gradients carry
+
+
+def step_scalars(scaled_norm: tf.Tensor, scale: tf.Tensor, step: tf.Variable, cfg: TrainConfig) -> StepScalars:
+    """The step's prologue, the same in every engine: from the global norm of the loss-scaled
+    gradients (however an engine sums it over its shards), the unscaled norm, whether it is
+    finite, the clip factor, the learning rate and the update count.
+
+    Example:
+        >>> from phalanx.config import TrainConfig
+        >>> s = step_scalars(tf.constant(8.0), tf.constant(4.0), tf.Variable(0, dtype=tf.int64),
+        ...                  TrainConfig(clip_norm=1.0, lr=1e-3, warmup=0, steps=10))
+        >>> float(s.norm), float(s.factor), int(s.count)
+        (2.0, 0.125, 1)
+    """
+    norm = scaled_norm / scale
+    return StepScalars(norm=norm, finite=tf.math.is_finite(norm), factor=clip_factor(norm, cfg.clip_norm) / scale,
+                       lr=learning_rate(step, cfg), count=step + 1, scale=scale)
+
+
+def finish_step(s: StepScalars, step: tf.Variable, loss_scale) -> dict[str, tf.Tensor]:
+    """The step's epilogue, after every update: count the update if it was applied, adjust the
+    loss scale (:class:`~phalanx.core.loss_scale.LossScale`), and return the logged figures
+    ``grad_norm``, ``skipped``, ``loss_scale`` and ``lr``."""
+    step.assign_add(tf.cast(s.finite, tf.int64))
+    loss_scale.update(s.finite)
+    return {"grad_norm": s.norm, "skipped": 1.0 - tf.cast(s.finite, tf.float32), "loss_scale": s.scale, "lr": s.lr}

@@ -144,20 +144,12 @@ class PhalanxAdamW(keras.optimizers.Optimizer):
                 dense.append(tf.zeros(var.shape, tf.float32) if grad is None
                              else tf.cast(tf.convert_to_tensor(grad), tf.float32))
         t = self.cfg.train
-        scale = self.loss_scale.scale.read_value()
-        norm = optim.global_norm(dense) / scale
-        finite = tf.math.is_finite(norm)
-        factor = optim.clip_factor(norm, t.clip_norm) / scale
-        lr = optim.learning_rate(self.step, t)
-        count = self.step + 1
+        s = optim.step_scalars(optim.global_norm(dense), self.loss_scale.scale.read_value(), self.step, t)
         for var, grad, m, v in zip(variables, dense, self.m, self.v):
             with tf.device(var.value.device):
-                optim.apply_adamw(var.value, m, v, grad, step=count, lr=lr, factor=factor, finite=finite, cfg=t,
-                                  decay=self._decays[id(var)])
-        self.step.assign_add(tf.cast(finite, tf.int64))
-        self.loss_scale.update(finite)
-        for key, value in (("grad_norm", norm), ("lr", lr), ("loss_scale", scale),
-                           ("skipped", 1.0 - tf.cast(finite, tf.float32))):
+                optim.apply_adamw(var.value, m, v, grad, step=s.count, lr=s.lr, factor=s.factor, finite=s.finite,
+                                  cfg=t, decay=self._decays[id(var)])
+        for key, value in optim.finish_step(s, self.step, self.loss_scale).items():
             self.last[key].assign(tf.cast(value, tf.float32))
 
 

@@ -18,6 +18,7 @@ import tensorflow as tf
 from phalanx import checkpoint
 from phalanx.checkpoint import ShardSet, Slot
 from phalanx.config import Config, ConfigError
+from phalanx.core import optim
 from phalanx.core.loss_scale import LossScale
 from phalanx.mesh import Mesh
 from phalanx.parallel.params import ShardedParams, ShardKey
@@ -141,10 +142,8 @@ class PipelinedEngine:
         grads, losses = self._replica_grads(batch, scale)
         with tf.device(self.mesh.device(0, 0, 0)):
             loss = tf.add_n(losses) / float(micro_total)
-        norm, finite, lr = self.optimizer.apply(grads, scale)
-        self.loss_scale.update(finite)
-        return {"loss": loss, "grad_norm": norm, "skipped": 1.0 - tf.cast(finite, tf.float32),
-                "loss_scale": scale, "lr": lr}
+        s = self.optimizer.apply(grads, scale)
+        return {"loss": loss, **optim.finish_step(s, self.optimizer.step, self.loss_scale)}
 
     def _eval_step(self, batch):
         rows = tf.nest.flatten(batch)[0].shape[0] // self.dp

@@ -241,21 +241,14 @@ class StrategyEngine:
 
     def _train_step(self, batch):
         grads, loss = self._step_gradients(batch)
-        scale = self.loss_scale.scale.read_value()
-        norm = optim.global_norm(grads) / scale
-        finite = tf.math.is_finite(norm)
-        factor = optim.clip_factor(norm, self.cfg.train.clip_norm) / scale
-        lr = optim.learning_rate(self.step, self.cfg.train)
-        t = self.step + 1
+        s = optim.step_scalars(optim.global_norm(grads), self.loss_scale.scale.read_value(), self.step,
+                               self.cfg.train)
         for name, var, grad, m, v, mask in zip(self._var_names, self._vars, grads, self._m, self._v, self._masks):
-            args = (grad, m, v, factor, t, lr, finite, self.task.decays(name))
+            args = (grad, m, v, s.factor, s.count, s.lr, s.finite, self.task.decays(name))
             if mask is not None:
                 args += (mask,)
             self._update_variable(var, args)
-        self.step.assign_add(tf.cast(finite, tf.int64))
-        self.loss_scale.update(finite)
-        return {"loss": loss, "grad_norm": norm, "skipped": 1.0 - tf.cast(finite, tf.float32),
-                "loss_scale": scale, "lr": lr}
+        return {"loss": loss, **optim.finish_step(s, self.step, self.loss_scale)}
 
     def _update_variable(self, var, args) -> None:
         """Apply AdamW to every device copy of ``var`` (cross-replica context)."""

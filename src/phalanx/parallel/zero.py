@@ -150,7 +150,8 @@ class ShardedAdamW:
     def apply(self, grads: dict[ShardKey, list[tf.Tensor]], scale: tf.Tensor):
         """``grads[key][d]``: replica d's (loss-scaled) float32 gradient of shard ``key``.
 
-        Returns ``(grad_norm, finite, lr)`` like StrategyEngine; updates every copy.
+        Updates every copy; returns the step's :class:`~phalanx.core.optim.StepScalars` (the
+        engine ends the step with :func:`~phalanx.core.optim.finish_step`).
         """
         reduced = []
         for g in self.groups:
@@ -168,11 +169,7 @@ class ShardedAdamW:
             for d, part in enumerate(parts):
                 with tf.device(g.devices[d]):
                     squares.append(tf.nn.l2_loss(part))  # sum(part^2) / 2, one pass
-        norm = tf.sqrt(2.0 * tf.add_n(squares)) / scale
-        finite = tf.math.is_finite(norm)
-        factor = optim.clip_factor(norm, self.cfg.clip_norm) / scale
-        lr = optim.learning_rate(self.step, self.cfg)
-        t = self.step + 1
+        s = optim.step_scalars(tf.sqrt(2.0 * tf.add_n(squares)), scale, self.step, self.cfg)
         # The updates run one group after another on each device, and only once the norm (so
         # every gradient) exists: ``after[device]`` holds the ops of the group updated last there,
         # which the next group's parameter read waits for. Without that order the read of the
@@ -181,9 +178,8 @@ class ShardedAdamW:
         # updates could overlap or not from one run to the next (a third flat buffer, or not).
         after: dict[str, list] = {}
         for i, parts in enumerate(reduced):
-            self._update(i, parts, factor, t, lr, finite, after)
-        self.step.assign_add(tf.cast(finite, tf.int64))
-        return norm, finite, lr
+            self._update(i, parts, s.factor, s.count, s.lr, s.finite, after)
+        return s
 
     def _reduce(self, g: Group, per_replica: list) -> list[tf.Tensor]:
         """zero 0: ``[sum]`` (all-reduce; counted once in the norm); zero 1: the pieces of
