@@ -537,7 +537,15 @@ class KerasModelEngine:
                                                               [state[s][k] for s, k in changed], loss_sum)
             for (s, k), value in zip(changed, averaged):
                 state[s][k] = value
-        self.optimizer.apply(grads, variables)
+        # The whole update waits for every gradient of the step. Keras's AdamW decays each
+        # weight first and needs no gradient for it, so the executor would run the decay as
+        # soon as the forward read the weight, while that read is still held for the backward:
+        # the decayed weight went to a new buffer (every weight held twice), and with pp > 1
+        # the decay products of the first stage waited on the first device. Same values:
+        # nothing writes a weight between the forward and here.
+        with tf.control_dependencies([tf.group(*[t for g in grads if g is not None
+                                                 for t in tf.nest.flatten(g, expand_composites=True)])]):
+            self.optimizer.apply(grads, variables)
         # TensorFlow orders ops on one variable as written: the copies read updated weights.
         self._refresh_copies()
         for s, stage in enumerate(self.stages):
