@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(BIN)/phalanx train configs/demo.yaml
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --timeout=900
+	$(BIN)/python -m pytest -q --timeout=900 --durations=25
 
 # By hand, not in CI. keras-hub (installed with the test tools) is the peer of bench_gpt.py.
 bench: $(STAMP)

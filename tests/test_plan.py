@@ -14,7 +14,8 @@ from phalanx.core.costs import ModelSpec, active_param_count, flops_per_token, p
 from phalanx.plan.estimate import estimate
 from phalanx.plan.hardware import GiB, get_hardware
 from phalanx.plan.layout import Layout, stage_layers
-from phalanx.plan.memory import layer_activation_bytes, memory_per_device
+from phalanx.plan.activations import layer_activation_bytes, schedule_in_flight
+from phalanx.plan.memory import memory_per_device
 from phalanx.plan.search import search
 
 # Narayanan et al. 2021, Table 1: (billions of params, heads, hidden, layers); V=51200, s=2048
@@ -187,7 +188,7 @@ def test_search_closed_form_step_peak_is_the_schedule_walk(schedule, pp, m):
     from phalanx.parallel.schedules import build_schedule
 
     sched = build_schedule(schedule, pp, m, 1)
-    peaks, _ = memory.schedule_in_flight(schedule, pp, m, 1)
+    peaks, _ = schedule_in_flight(schedule, pp, m, 1)
     for r in range(pp):
         for set_b, grad_b, bwd in ((10.0, 1.0, 0.5), (1.0, 10.0, 0.5), (3.0, 3.0, 7.0)):
             walk = engine_memory.rank_peak_parts(sched, r, set_b, grad_b, bwd)[0]

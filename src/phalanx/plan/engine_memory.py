@@ -20,7 +20,7 @@ follows the engines' placement and step (read from ``engines/mesh.py``,
 * under a mixed policy every layer casts its kernel to the compute dtype in each forward
   and the backward reads the cast copy: ``e`` bytes per parameter per activation set held;
 * activations: each stage's blocks on its devices (the tensor-parallel split of
-  :func:`~phalanx.plan.memory.layer_activation_bytes`, fused kernels: the GPT's LayerNorm,
+  :func:`~phalanx.plan.activations.layer_activation_bytes`, fused kernels: the GPT's LayerNorm,
   softmax and GELU are XLA-compiled functions that keep only their inputs) times the
   micro-batches the schedule keeps in flight on that rank, read from the schedule table;
   with the head's logits and float32 softmax on the last stage;
@@ -59,7 +59,7 @@ from phalanx.config import Config, parse_devices, resolve_degrees
 from phalanx.core.costs import ModelSpec
 from phalanx.plan.engine_rules import stage_bounds
 from phalanx.parallel.schedules import build_schedule
-from phalanx.plan.memory import ACTIVATION_BYTES, layer_activation_bytes, schedule_in_flight
+from phalanx.plan.activations import ACTIVATION_BYTES, layer_activation_bytes, schedule_in_flight
 
 # Float32 buffers per parameter, beyond the flat parameter copy, alive at the peak of the mesh
 # engine's optimizer step: the flat gradient of every group (the global norm needs all of them

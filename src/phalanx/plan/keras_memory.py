@@ -60,7 +60,7 @@ from phalanx.core.costs import ModelSpec
 from phalanx.parallel.schedules import build_schedule
 from phalanx.plan.engine_memory import DeviceMemory, _block_params, rank_peak
 from phalanx.plan.engine_rules import stage_bounds
-from phalanx.plan.memory import ACTIVATION_BYTES, layer_activation_bytes, schedule_in_flight
+from phalanx.plan.activations import ACTIVATION_BYTES, layer_activation_bytes, schedule_in_flight
 
 # The backward's working set when it starts, in float32 copies of one block's MLP hidden
 # activation on a tensor rank (seq x micro-batch x ffn / tp): the GELU's gradient and the

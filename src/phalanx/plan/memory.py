@@ -34,23 +34,8 @@ over the ``dp`` replicas and the expert states over the ``dp/ep`` replicas that 
 same experts. Activations do not change with ``ep`` under balanced routing: a device runs
 its experts on ``top_k`` x its own token count, received from the group.
 
-Activations per transformer layer and micro-batch (Korthikanti et al. 2022, "Reducing
-Activation Recomputation in Large Transformer Models", section 4): with 16-bit
-activations and dropout, ``s b h (34 + 5 a s / h)`` bytes; with tensor parallelism
-``s b h (10 + 24/t + 5 a s/(h t))``; with sequence parallelism too
-``s b h (34/t + 5 a s/(h t))``; selective recomputation drops the ``5 a s/h``
-attention-core term; full recomputation keeps only each layer's input ``2 s b h``.
-Here the same terms are written for any element size and MLP width, and without the
-dropout masks when dropout is 0. The pipeline schedule decides how many micro-batches'
-activations a rank holds at once: the planner counts them from the very schedule table
-the executor runs.
-
-Example:
-    >>> from phalanx.core.costs import ModelSpec
-    >>> m = ModelSpec(layers=24, d_model=1024, heads=16, vocab=51200, seq_len=2048, dropout=0.1)
-    >>> s, b, h, a = 2048, 1, 1024, 16
-    >>> layer_activation_bytes(m, b, tp=1, recompute="none", elem_bytes=2) == s * b * h * (34 + 5 * a * s / h)
-    True
+Activations per block and the in-flight counts of a schedule are
+:mod:`phalanx.plan.activations`'s.
 """
 
 from __future__ import annotations
@@ -60,12 +45,14 @@ from functools import lru_cache
 from types import SimpleNamespace
 from phalanx.parallel.schedules import build_schedule
 from phalanx.core.costs import ModelSpec
+from phalanx.plan.activations import ACTIVATION_BYTES, in_flight_estimate, layer_activation_bytes, schedule_in_flight
+from phalanx.plan.engine_memory import (BACKWARD_SETS, OPT_BUFFERS, ZERO_GRAD_SETS, ZERO_PIECE_SETS,
+                                       rank_peak_parts)
 from phalanx.plan.engine_rules import stage_bounds
 from phalanx.plan.layout import Layout, check_expert_parallel
 
 # bytes per parameter the engine keeps, for every policy: (weights, gradients, optimizer states)
 ENGINE_STATE_BYTES = (4, 4, 8)
-ACTIVATION_BYTES = {"float32": 4, "mixed_bfloat16": 2, "mixed_float16": 2}
 DEFAULT_OVERHEAD_FRACTION = 0.05
 
 
@@ -94,51 +81,6 @@ class Memory:
                 "overhead": self.overhead}
 
 
-def layer_activation_bytes(m: ModelSpec, micro_batch: int, tp: int = 1, recompute: str = "none",
-                           sequence_parallel: bool = False, elem_bytes: int = 2, moe: bool = False,
-                           fused: bool = True) -> float:
-    """Activation bytes one transformer block keeps for its backward, for one micro-batch.
-
-    >>> m = ModelSpec(layers=1, d_model=64, heads=4, seq_len=32, vocab=100)
-    >>> layer_activation_bytes(m, 1, recompute="full", elem_bytes=4) == 32 * 64 * 4
-    True
-
-    ``fused=False`` counts what TensorFlow's autodiff keeps for phalanx's GPT ops
-    without kernel fusion (no XLA), as on ``this-cpu``: per token, each LayerNorm keeps
-    its input, ``x - mean``, the normalised value and its output (4h each); Q, K, V after
-    the head transpose (3h) and the merged heads (h); the MLP keeps the GELU input, the
-    tanh-approximation intermediates and the GELU output (about 6f); attention keeps the
-    scaled scores and the softmax output (2 a s). Checked against
-    ``get_memory_info`` with ``phalanx plan --calibrate``.
-    """
-    s, b, h, a, e = m.seq_len, micro_batch, m.d_model, m.heads, elem_bytes
-    sbh = s * b * h
-    mask = 1 if m.dropout > 0 else 0
-    t = tp
-    if recompute == "full":  # only the block's input survives the forward
-        return e * sbh / (t if sequence_parallel else 1)
-    mlp_width = m.ffn_dim / h * (m.top_k if moe else 1)
-    if not fused:
-        unsplit = 8 * e * sbh
-        split = (4 * e + 6 * e * mlp_width) * sbh
-        core = 0.0 if recompute == "selective" else 2 * e * a * s * s * b
-        if sequence_parallel:
-            return (unsplit + split + core) / t
-        return unsplit + (split + core) / t
-    # Not split by tp (unless sequence parallel): the two LayerNorm inputs, the inputs of
-    # the QKV and MLP-in matmuls, and the two post-block dropout masks.
-    unsplit = (4 * e + 2 * mask) * sbh
-    # Split by tp: Q, K, V, the attention-out input; the MLP's GELU input and proj input.
-    split = (4 * e + 2 * e * mlp_width) * sbh
-    # The attention core: softmax output (+ dropout mask and dropout output), a x s x s per sequence.
-    core = ((2 * e + mask) if mask else e) * a * s * s * b
-    if recompute == "selective":
-        core = 0.0
-    if sequence_parallel:
-        return (unsplit + split + core) / t
-    return unsplit + (split + core) / t
-
-
 def _layer_param_split(m: ModelSpec, tp: int, ep: int, moe: bool) -> tuple[float, float]:
     """(dense params, expert params) of one block on one device."""
     d, f = m.d_model, m.ffn_dim
@@ -148,43 +90,6 @@ def _layer_param_split(m: ModelSpec, tp: int, ep: int, moe: bool) -> tuple[float
         return attn + (2 * d * f + f) / tp + d + norms, 0.0
     experts = m.experts / ep * ((2 * d * f + f) / tp + d)
     return attn + norms + d * m.experts, experts
-
-
-@lru_cache(maxsize=4096)
-def schedule_in_flight(name: str, pp: int, microbatches: int, virtual_stages: int) -> tuple[tuple[int, ...], int]:
-    """(peak activation sets per rank, peak sets of the last model stage) from the schedule table."""
-    sched = build_schedule(name, pp, microbatches, virtual_stages)
-    release = "W" if sched.split_backward else "B"
-    peaks = []
-    for actions in sched.per_stage:
-        held = peak = 0
-        for a in actions:
-            held += 1 if a.kind == "F" else (-1 if a.kind == release else 0)
-            peak = max(peak, held)
-        peaks.append(peak)
-    held = last = 0
-    for a in sched.per_stage[-1]:
-        if a.chunk == virtual_stages - 1:
-            held += 1 if a.kind == "F" else (-1 if a.kind == release else 0)
-            last = max(last, held)
-    return tuple(peaks), last
-
-
-def in_flight_estimate(name: str, pp: int, microbatches: int, virtual_stages: int) -> tuple[tuple[int, ...], int]:
-    """Like :func:`schedule_in_flight`, in closed form for big tables (search pre-filter).
-
-    Exact for gpipe, 1f1b and interleaved (Megatron's warm-up count + 1); an upper bound for zb.
-    """
-    m, v = microbatches, virtual_stages
-    if pp * m * v <= 4096:
-        return schedule_in_flight(name, pp, m, v)
-    if name == "gpipe":
-        return tuple([m] * pp), m
-    if name == "1f1b" or (name == "interleaved" and v == 1):
-        return tuple(min(pp - r, m) for r in range(pp)), 1
-    if name == "interleaved":
-        return tuple(min(2 * (pp - r - 1) + (v - 1) * pp + 1, m * v) for r in range(pp)), 1
-    return tuple(min(2 * pp, m) for _ in range(pp)), min(2, m)
 
 
 @lru_cache(maxsize=1024)
@@ -267,10 +172,6 @@ def memory_per_device(m: ModelSpec, lay: Layout, overhead_bytes: float = 0.0,
     >>> z2.optimizer == z0.optimizer / 4   # the engine's ZeRO-2 shards AdamW's moments only
     True
     """
-    # engine_memory builds on this module's activation terms; this function on its step terms
-    from phalanx.plan.engine_memory import (BACKWARD_SETS, OPT_BUFFERS, ZERO_GRAD_SETS, ZERO_PIECE_SETS,
-                                            rank_peak_parts)
-
     w_b, g_b, o_b = ENGINE_STATE_BYTES
     e = ACTIVATION_BYTES[lay.policy]
     cast_b = e if e < w_b else 0            # bytes of a compute-dtype copy of a float32 weight

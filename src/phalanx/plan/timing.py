@@ -71,7 +71,8 @@ from phalanx.core.costs import (ModelSpec, layer_forward_flops_per_token, logits
                                      attention_core_flops_per_token)
 from phalanx.plan.hardware import Hardware
 from phalanx.plan.layout import Layout, check_expert_parallel
-from phalanx.plan.memory import ACTIVATION_BYTES, ENGINE_STATE_BYTES, memory_per_device, stage_kinds
+from phalanx.plan.activations import ACTIVATION_BYTES
+from phalanx.plan.memory import ENGINE_STATE_BYTES, memory_per_device, stage_kinds
 from phalanx.plan.simulator import simulate
 
 DEFAULT_UTILIZATION = 0.5

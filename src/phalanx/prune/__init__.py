@@ -43,7 +43,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from phalanx import checkpoint
 from phalanx.config import Config, PruneConfig, parse_prune_pattern
+from phalanx.prune.shards import distinct, shard_masks, weight_shards
 
 MASK_PREFIX = "prune/mask/"
 
@@ -126,15 +128,11 @@ class Pruner:
     engine checkpoints and restores the masks with its own state (``prune/mask/*`` slots)."""
 
     def __init__(self, cfg: Config, engine):
-        from phalanx.prune.shards import weight_shards
-
         self.pc, self.engine = cfg.train.prune, engine
         self.shards = weight_shards(engine, prunable)
 
     def before_step(self, step: int) -> bool:
         """Recompute and install the masks if ``step`` (completed steps) is an update point."""
-        from phalanx.prune.shards import shard_masks
-
         if not is_update_step(step, self.pc):
             return False
         sparsity = scheduled_sparsity(step, self.pc.target, self.pc.start, self.pc.end)
@@ -148,7 +146,6 @@ class Pruner:
     def whole_masks(self) -> dict[str, np.ndarray]:
         """The installed masks as whole logical tensors, read from the engine's checkpoint slots
         (joins them: for tests and tools)."""
-        from phalanx import checkpoint
         sets = checkpoint.state_of(self.engine)
         for s in sets:
             s.slots = [slot for slot in s.slots if slot.name.startswith(MASK_PREFIX)]
@@ -156,8 +153,6 @@ class Pruner:
 
     def sparsity(self) -> float:
         """Share of exact zeros over all pruned weights, counted shard by shard."""
-        from phalanx.prune.shards import distinct
-
         zeros = total = 0
         for shards in self.shards.values():
             for shard in distinct(shards):
