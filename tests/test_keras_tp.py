@@ -204,3 +204,34 @@ def test_sequence_parallel_key_runs_the_transformer_blocks_sequence_parallel(tmp
     cfg = load_config(None, ["parallel.sequence_parallel=true"])
     with pytest.raises(ConfigError, match="parallel.sequence_parallel"):
         build_engine(cfg, GPTTask(cfg.model))
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp2pp2", "dp2"])
+def test_adamw_weight_decay_equals_keras_fit(layout, tmp_path):
+    """Keras's AdamW decays every weight in its ``apply``, before the Adam update: on a layout
+    the apply must wait for all the gradients (decaying during the forward would take them at
+    decayed weights) and decay each shard as its part of the logical weight. Oracle: Keras's
+    one-device fit with the same AdamW."""
+    def adamw():
+        return keras.optimizers.AdamW(0.01, weight_decay=0.1)
+
+    x, y = data()
+    reference = build(1, adamw())
+    ref_steps = StepLosses()
+    reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[ref_steps])
+    # the decay is large enough to see at these tolerances: without it the weights differ
+    undecayed = build(1, keras.optimizers.AdamW(0.01, weight_decay=0.0))
+    undecayed.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    assert max(np.max(np.abs(a - b) / (np.abs(b) + 1e-6))
+               for a, b in zip(logical(undecayed), logical(reference))) > 1e-2
+
+    tp = 1 if layout == "dp2" else 2
+    model = build(tp, adamw())
+    copy_weights(build(1), model)
+    overrides = ["parallel.devices=cpu:2", "parallel.dp=2"] if layout == "dp2" else LAYOUTS[layout]
+    steps = StepLosses()
+    phalanx.fit(model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[steps],
+                overrides=overrides + [f"run.dir={tmp_path}"])
+    np.testing.assert_allclose(steps.losses, ref_steps.losses, rtol=1e-4)
+    for mine, want in zip(logical(model), logical(reference)):
+        np.testing.assert_allclose(mine, want, rtol=1e-4, atol=1e-6)

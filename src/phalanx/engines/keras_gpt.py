@@ -48,10 +48,12 @@ import numpy as np
 import tensorflow as tf
 
 from phalanx import prune
+from phalanx.checkpoint import boxes
 from phalanx.config import Config, ConfigError
 from phalanx.core import optim
 from phalanx.core.loss_scale import LossScale
 from phalanx.engines.keras_model import KerasModelEngine
+from phalanx.engines.strategy import JoinedVariable
 from phalanx.engines.task import GPTTask
 from phalanx.mesh import Mesh
 from phalanx.models import gpt as builtin
@@ -154,26 +156,55 @@ class PhalanxAdamW(keras.optimizers.Optimizer):
 
 
 class _Converter:
-    """Moves per-variable arrays of the Keras GPT (weights, or AdamW moments: element-wise, so
-    laid out as the weights) to and from the built-in GPT's logical names, through a second
-    model of the same layout and :func:`~phalanx.models.transformer.gpt_weights` /
-    :func:`~phalanx.models.transformer.load_gpt_weights` (the one definition of the mapping)."""
+    """Moves per-variable arrays of the Keras GPT ``model`` (weights, or AdamW moments:
+    element-wise, so laid out as the weights) to and from the built-in GPT's logical names, on
+    arrays alone: :func:`~phalanx.models.transformer.weight_parts` of the model (the one
+    definition of the mapping) says which box of which logical tensor each variable holds.
 
-    def __init__(self, cfg: Config, model, tp: int, ep: int):
-        self.model = transformer.gpt(cfg.model, tp=tp, ep=ep, seed=None, name="converter")
-        self.variables = list(self.model.trainable_variables)
-        ours = list(model.trainable_variables)
-        if [tuple(v.shape) for v in ours] != [tuple(v.shape) for v in self.variables]:
-            raise ValueError("keras_gpt: the converter model's variables do not line up with the model's")
+    Example:
+        >>> from phalanx.config import ModelConfig
+        >>> cfg = ModelConfig(layers=2, d_model=8, heads=2, ffn=16, vocab=16, seq_len=4, experts=2, moe_every=2)
+        >>> model = transformer.gpt(cfg, tp=2, ep=2, seed=0)
+        >>> convert = _Converter(model)
+        >>> arrays = [v.numpy() for v in model.trainable_variables]
+        >>> logical = convert.to_logical(arrays)
+        >>> sorted(logical) == sorted(builtin.weight_shapes(cfg))
+        True
+        >>> all(np.array_equal(a, b) for a, b in zip(convert.from_logical(logical), arrays))
+        True
+    """
+
+    def __init__(self, model):
+        variables = list(model.trainable_variables)
+        self.shapes = [tuple(int(n) for n in v.shape) for v in variables]
+        position = {id(v): i for i, v in enumerate(variables)}
+        # logical name -> the positions (in model.trainable_variables) of the variables holding it,
+        # and a JoinedVariable of its parts (its shape, and join: arrays of the parts -> the tensor)
+        self.parts: dict[str, tuple[list[int], JoinedVariable]] = {}
+        for name, parts in transformer.weight_parts(model).items():
+            stray = [p.variable.path for p in parts if id(p.variable) not in position]
+            if stray:
+                raise ValueError(f"keras_gpt: {name} is held by {stray[:3]}, not trainable variables of the model")
+            self.parts[name] = ([position[id(p.variable)] for p in parts],
+                                JoinedVariable([(p.variable, p.box) for p in parts]))
+        held = sorted(i for indices, _ in self.parts.values() for i in indices)
+        if held != list(range(len(variables))):
+            unheld = [variables[i].path for i in sorted(set(range(len(variables))) - set(held))]
+            raise ValueError(f"keras_gpt: every trainable variable must hold one part of one built-in weight; "
+                             f"{unheld[:3] or 'some hold several'}")
 
     def to_logical(self, arrays: list[np.ndarray]) -> dict[str, np.ndarray]:
-        for var, value in zip(self.variables, arrays):
-            var.assign(value)
-        return transformer.gpt_weights(self.model)
+        return {name: joined.join([arrays[i] for i in indices]) for name, (indices, joined) in self.parts.items()}
 
     def from_logical(self, tensors: dict[str, np.ndarray]) -> list[np.ndarray]:
-        transformer.load_gpt_weights(self.model, tensors)
-        return [np.asarray(v.numpy()) for v in self.variables]
+        out: list = [None] * len(self.shapes)
+        for name, (indices, joined) in self.parts.items():
+            value = np.asarray(tensors[name])
+            if value.shape != tuple(joined.shape):
+                raise ValueError(f"keras_gpt: {name!r} has shape {value.shape}, the model's is {tuple(joined.shape)}")
+            for i, (_, box) in zip(indices, joined.parts):
+                out[i] = np.reshape(value[boxes.index(box)], self.shapes[i])
+        return out
 
 
 class KerasGPTEngine:
@@ -196,7 +227,7 @@ class KerasGPTEngine:
         # (split_keras_model, as for phalanx.fit) and places each tensor shard on its rank.
         self.model = transformer.gpt(cfg.model, tp=self.tp, ep=self.ep, seed=task.seed,
                                      dtype_policy=task.dtype_policy)
-        self._convert = _Converter(cfg, self.model, self.tp, self.ep)
+        self._convert = _Converter(self.model)
         flags = self._convert.from_logical({n: np.full(s, float(builtin.decays(n)), np.float32)
                                             for n, s in builtin.weight_shapes(cfg.model).items()})
         decays = {}
