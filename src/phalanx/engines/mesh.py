@@ -86,6 +86,9 @@ class MeshEngine(PipelinedEngine):
         except ValueError as err:
             raise ConfigError("parallel.pp", str(err)) from None
         self.stage_of_block = {i: s for s, (a, b) in enumerate(self.bounds) for i in range(a, b)}
+        # the weights ahead of the blocks (weight_shapes order): the embeddings, read by stage 0
+        names = list(gpt.weight_shapes(m))
+        self._embedding_names = set(names[:next(k for k, n in enumerate(names) if gpt.block_index(n) is not None)])
         seed = getattr(task, "seed", cfg.train.seed)
         self.dropout_seed = seed
         # Each shard is made alone from its boxes of the per-tensor tiled initialiser: no whole
@@ -99,14 +102,12 @@ class MeshEngine(PipelinedEngine):
 
     def stages_of(self, name: str) -> list[int]:
         """Pipeline stages (chunks) that read weight ``name``; the first holds the primary copy."""
-        last = self.chunks - 1
-        if name == "embed/tokens":
-            return [0, last] if (self.cfg.model.tie_embeddings and last > 0) else [0]
-        if name.startswith("embed/"):
-            return [0]
-        if name.startswith("block_"):
-            return [self.stage_of_block[int(name.split("/")[0][len("block_"):])]]
-        return [last]
+        last, block = self.chunks - 1, gpt.block_index(name)
+        if block is not None:
+            return [self.stage_of_block[block]]
+        if name not in self._embedding_names:  # after the blocks: the final LayerNorm, the head
+            return [last]
+        return [0, last] if (name == self.model.head_weight and last > 0) else [0]
 
     def _place(self, name: str, t: int, d: int) -> list[str]:
         return [self.stage_devices(d, s)[t] for s in self.stages_of(name)]
@@ -161,8 +162,7 @@ class MeshEngine(PipelinedEngine):
         wrap_core = recompute.core_wrapper(self.cfg.parallel.recompute)
         start, end = self.bounds[stage]
         for i in range(start, end):
-            prefix = f"block_{i}/"
-            keys = [k for k in lookup if k[0].startswith(prefix)]
+            keys = [k for k in lookup if gpt.block_index(k[0]) == i]
 
             def run_block(h, *values, _keys=keys, _i=i):
                 local = dict(zip(_keys, values))

@@ -29,13 +29,34 @@ from phalanx.models import init as init_ops
 
 INIT_STD = 0.02
 
+#: the first part of a block weight's name, ``block_{i}/`` (:func:`block_prefix`, :func:`block_index`)
+_BLOCK = "block_"
+
+
+def block_prefix(i: int) -> str:
+    """The prefix of every weight name of block ``i`` in :func:`weight_shapes` (``block_{i}/``)."""
+    return f"{_BLOCK}{i}/"
+
+
+def block_index(name: str) -> int | None:
+    """The block whose weight ``name`` is (a :func:`weight_shapes` name), None for the
+    embeddings, the final LayerNorm and the head.
+
+    >>> block_index("block_12/mlp/fc/kernel"), block_index("final_ln/gamma")
+    (12, None)
+    """
+    head, sep, _ = name.partition("/")
+    if not (sep and head.startswith(_BLOCK) and head[len(_BLOCK):].isdigit()):
+        return None
+    return int(head[len(_BLOCK):])
+
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Logical weight name -> shape, in a stable order (embeddings, blocks, final LN, head)."""
     d, f, v, t = cfg.d_model, cfg.ffn_dim, cfg.vocab, cfg.seq_len
     shapes: dict[str, tuple[int, ...]] = {"embed/tokens": (v, d), "embed/positions": (t, d)}
     for i in range(cfg.layers):
-        p = f"block_{i}/"
+        p = block_prefix(i)
         shapes.update({
             p + "ln1/gamma": (d,), p + "ln1/beta": (d,),
             p + "attn/qkv/kernel": (d, 3 * d), p + "attn/qkv/bias": (3 * d,),

@@ -55,7 +55,7 @@ from phalanx.layers.tensor_parallel import (ColumnParallelDense, ParallelMLP, Vo
                                             embedding_lookup, vocab_parallel_cross_entropy)
 from phalanx.layers.transformer import LayerNorm, PositionEmbedding, TransformerBlock, gelu_approximate
 from phalanx.models import gpt_ops
-from phalanx.models.gpt import INIT_STD, initial_weights, weight_shapes
+from phalanx.models.gpt import INIT_STD, block_index, block_prefix, initial_weights, weight_shapes
 from phalanx.models.gpt_ops import LAYER_NORM_EPS
 
 
@@ -304,16 +304,30 @@ def load_gpt_weights(model, weights: dict) -> None:
 
 # -- the GPT on weights held outside Keras (the mesh engine's shard variables) ---------------
 
-#: A built-in GPT block weight (its name after ``block_i/``) -> where
-#: :meth:`TransformerBlock.forward` takes it: (its ``weights`` entry, the key in a shard's dict
-#: or the index in the LayerNorm pair). The attention's projection is the fused ``qkv``.
-_BLOCK_SLOTS = {
-    "ln1/gamma": ("ln1", 0), "ln1/beta": ("ln1", 1), "ln2/gamma": ("ln2", 0), "ln2/beta": ("ln2", 1),
-    "attn/qkv/kernel": ("attention", "qkv"), "attn/qkv/bias": ("attention", "qkv_bias"),
-    "attn/out/kernel": ("attention", "output"), "attn/out/bias": ("attention_bias", None),
-    "mlp/fc/kernel": ("mlp", "up"), "mlp/fc/bias": ("mlp", "up_bias"),
-    "mlp/proj/kernel": ("mlp", "down"), "mlp/proj/bias": ("mlp_bias", None),
-}
+#: a LayerNorm's two weights, in the order :meth:`LayerNorm.normalize` takes them
+_LN_PAIR = ("gamma", "beta")
+
+
+def _block_slot(short: str) -> tuple[str, Any] | None:
+    """Where :meth:`TransformerBlock.forward` takes the built-in block weight ``short`` (its name
+    after ``block_i/``): (its ``weights`` entry, the key in a shard's dict or the index in the
+    LayerNorm pair); None for a weight it does not take (the experts'). Derived from
+    :data:`_FUSED` (the one mapping of the block's names to the sub-layers') and the sub-layers'
+    declared splits: a projection's bias cut with its shards goes with them (the attention's
+    fused ``qkv_bias``, ``up_bias``), an uncut one is whole, added after the sum
+    (``attention_bias`` / ``mlp_bias``, as :meth:`TransformerBlock.own_weights` names them)."""
+    group, _, leaf = short.rpartition("/")
+    if group in _FUSED:
+        sources, _ = _FUSED[group]
+        entry, weight = sources[0].split("/")
+        key = "qkv" if len(sources) > 1 else weight  # ParallelSelfAttention.partials' fused projection
+        if leaf == "kernel":
+            return entry, key
+        split_axes = ParallelSelfAttention.SPLIT_AXES if entry == "attention" else ParallelMLP.SPLIT_AXES
+        return (f"{entry}_bias", None) if split_axes[f"{weight}_bias"] is None else (entry, f"{key}_bias")
+    if leaf in _LN_PAIR:
+        return group, _LN_PAIR.index(leaf)
+    return None
 
 
 def _split_of(name: str) -> Split:
@@ -322,7 +336,8 @@ def _split_of(name: str) -> Split:
         return Split.of_axis(VocabParallelEmbedding.SPLIT_AXES["embeddings"])
     if name == "head/kernel":
         return Split.of_axis(ColumnParallelDense.SPLIT_AXES["kernel"])
-    entry, key = _BLOCK_SLOTS.get(name.split("/", 1)[-1] if name.startswith("block_") else "", (None, None))
+    slot = _block_slot(name.split("/", 1)[-1]) if block_index(name) is not None else None
+    entry, key = slot if slot is not None else (None, None)
     if entry == "attention":
         # q, k and v side by side, each cut by heads (ParallelSelfAttention's query/key/value axis)
         return Split("qkv") if key.startswith("qkv") else Split.of_axis(ParallelSelfAttention.SPLIT_AXES[key])
@@ -395,6 +410,12 @@ class ShardedGPT:
         self.template = _block(cfg, 0, tp, sequence_parallel=self.sequence_parallel, dtype_policy=dtype_policy)
         self.positions = PositionEmbedding(cfg.seq_len, name="positions", dtype=dtype_policy)
         self.final_ln = LayerNorm(LAYER_NORM_EPS, kernels=FUSED, name="final_ln", dtype=dtype_policy)
+        # each block's weights (weight_shapes names and order) and where forward takes them
+        self._block_slots: dict[int, list] = {}
+        for name in weight_shapes(cfg):
+            i = block_index(name)
+            if i is not None:
+                self._block_slots.setdefault(i, []).append((name, _block_slot(name[len(block_prefix(i)):])))
 
     def _shards(self, w: Weights, name: str) -> list:
         return [w(name, t) for t in range(self.tp)]
@@ -418,8 +439,7 @@ class ShardedGPT:
         """Block ``i``'s weights in the form :meth:`TransformerBlock.forward` takes."""
         out = {"attention": [{} for _ in range(self.tp)], "mlp": [{} for _ in range(self.tp)],
                "ln1": [None, None], "ln2": [None, None]}
-        for short, (entry, key) in _BLOCK_SLOTS.items():
-            name = f"block_{i}/{short}"
+        for name, (entry, key) in self._block_slots[i]:
             if entry in ("attention", "mlp"):
                 for t in range(self.tp):
                     out[entry][t][key] = w(name, t)
@@ -444,9 +464,14 @@ class ShardedGPT:
         the full ``[tokens, vocab]`` logits exist on no device when ``tp > 1``."""
         with tf.device(devices[0]):
             h = self.final_ln.normalize(x, w("final_ln/gamma", 0), w("final_ln/beta", 0))
-        tied = self.cfg.tie_embeddings
-        shards = self._shards(w, "embed/tokens" if tied else "head/kernel")
-        return vocab_parallel_cross_entropy(h, shards, targets, transposed=not tied, devices=devices, kernels=FUSED)
+        shards = self._shards(w, self.head_weight)
+        return vocab_parallel_cross_entropy(h, shards, targets, transposed=not self.cfg.tie_embeddings,
+                                            devices=devices, kernels=FUSED)
+
+    @property
+    def head_weight(self) -> str:
+        """The weight :meth:`loss` multiplies by: the token table when the head is tied."""
+        return "embed/tokens" if self.cfg.tie_embeddings else "head/kernel"
 
 
 __all__ = ["gpt", "blocks", "weight_parts", "Part", "gpt_weights", "load_gpt_weights", "gpt_splits", "check_tp",
