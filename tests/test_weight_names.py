@@ -17,6 +17,7 @@ CONFIGS = [
     ModelConfig(layers=3, d_model=16, heads=2, ffn=48, vocab=32, seq_len=8, tie_embeddings=False),
     ModelConfig(layers=4, d_model=16, heads=2, ffn=48, vocab=32, seq_len=8, experts=4, moe_every=2,
                 tie_embeddings=False),
+    ModelConfig(layers=2, d_model=16, heads=2, ffn=48, vocab=32, seq_len=8, experts=4, moe_every=1),
 ]
 
 

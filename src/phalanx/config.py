@@ -683,9 +683,10 @@ def prune_input_dims(m: ModelConfig) -> dict[str, tuple[int, str]]:
     """The input dimension (and the key that sets it) of every kind of pruned weight
     (block 0's names stand for every block)."""
     dims = {"block_0/attn/qkv/kernel": (m.d_model, "model.d_model"),
-            "block_0/attn/out/kernel": (m.d_model, "model.d_model"),
-            "block_0/mlp/fc/kernel": (m.d_model, "model.d_model"),
-            "block_0/mlp/proj/kernel": (m.ffn_dim, "model.ffn")}
+            "block_0/attn/out/kernel": (m.d_model, "model.d_model")}
+    if not all(m.is_moe_block(i) for i in range(m.layers)):  # some block keeps its dense MLP
+        dims.update({"block_0/mlp/fc/kernel": (m.d_model, "model.d_model"),
+                     "block_0/mlp/proj/kernel": (m.ffn_dim, "model.ffn")})
     if m.experts:
         dims.update({"block_0/moe/w_in": (m.d_model, "model.d_model"), "block_0/moe/w_out": (m.ffn_dim, "model.ffn")})
     if not m.tie_embeddings:
