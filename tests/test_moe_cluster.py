@@ -8,6 +8,12 @@ against Keras's own one-device fit of the 4-chunk ghost batch (losses, every log
 weight, rtol 1e-4, no token dropped) and the chief's MoE rows against the same layout in
 one process (dp4, ep2: the whole-batch figures). Bounded by the launcher's --timeout and
 a subprocess timeout.
+
+The same for ``phalanx train`` of the built-in MoE GPT (``configs/moe.yaml``, made small):
+2 workers x (dp2, ep2), stopped at a checkpoint and resumed by a second launch, give the
+per-step losses, MoE rows, evaluation and checkpointed weights of dp4 x ep2 in one process
+(the one-process engine is checked against the one-device GPT in tests/test_moe_train.py).
+Layouts the cluster cannot run are refused before anything starts.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import pytest
 import phalanx
 from phalanx.train.progress import read_metrics
 
+from cluster_helpers import PHALANX, assert_gone, task_pids
 from helpers import ghost_batches
 from test_keras_cluster import env
 
@@ -131,3 +138,155 @@ def test_experts_sharded_across_workers_are_refused_naming_the_key_and_strategy(
     with pytest.raises(ConfigError, match=r"parallel.ep.*2 does not divide dp=1.*multi_worker over 2 workers.*never "
                                           r"across workers"):
         check_expert_layout(namespace()["build"](4, 2), 2, 1, workers=2)
+
+
+# -- phalanx train of the built-in MoE GPT across workers ---------------------------------------
+
+CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "moe.yaml")
+# configs/moe.yaml made small: 2 blocks (block 1 MoE: 4 experts, top-2, no token dropped), float32,
+# a constant learning rate after the warm-up (min_lr_ratio=1), so that a run of 4 steps is the first
+# half of a run of 8, and an evaluation at step 8.
+SMALL_MOE = ["model.layers=2", "model.d_model=32", "model.heads=2", "model.ffn=64", "model.seq_len=32",
+             "model.experts=4", "model.aux_loss_coef=0.05", "data.max_bytes=300000", "train.global_batch=8",
+             "train.warmup=2", "train.lr=3e-3", "train.min_lr_ratio=1.0", "train.log_every=1",
+             "train.eval_every=8", "train.eval_batches=2", "checkpoint.every=4", "precision.policy=float32"]
+ROW_KEYS = ("loss", "grad_norm", "lr", "moe_aux_loss", "moe_balance", "moe_dropped", "moe_load_min", "moe_load_max")
+
+
+def _launch_train(run_dir: Path, cache: Path, steps: int, *layout: str) -> str:
+    """``phalanx train`` of the small MoE GPT on 2 workers, each with ``layout`` (dp2 x ep2 by default)."""
+    layout = layout or ("parallel.devices=cpu:2", "parallel.dp=2", "parallel.ep=2")
+    cmd = [*PHALANX, "launch", "--workers", "2", "--timeout", "240", "--grace", "5", "--",
+           *PHALANX, "train", CONFIG, "parallel.strategy=multi_worker", *SMALL_MOE, *layout,
+           f"data.cache_dir={cache}", f"run.dir={run_dir}", f"train.steps={steps}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=270, env=env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_gone(task_pids(proc.stderr).values())
+    return proc.stderr
+
+
+@pytest.mark.slow
+def test_train_moe_gpt_on_two_workers_with_expert_groups_equals_one_process(tmp_path):
+    """2 workers x (dp2, ep2), 4 steps, then resumed by a second launch to step 8: the per-step
+    rows (MoE figures included), the evaluation and the step-8 checkpoint (weights and AdamW
+    moments) of dp4 x ep2 in one process, and the loss falls."""
+    from phalanx import checkpoint
+    from phalanx.config import load_config
+    from phalanx.models import gpt as builtin
+    from phalanx.train.trainer import Trainer
+
+    cache = tmp_path / "cache"
+    # The oracle: the same global batches in one process (this one), dp4 x ep2 on 4 logical CPUs.
+    one = tmp_path / "one"
+    cfg = load_config(CONFIG, [*SMALL_MOE, "parallel.devices=cpu:4", "parallel.dp=4", "parallel.ep=2",
+                               f"data.cache_dir={cache}", f"run.dir={one}", "train.steps=8"])
+    Trainer(cfg, quiet=True).fit()
+    want = {r["step"]: r for r in read_metrics(one)}
+
+    run_dir = tmp_path / "run"
+    first = _launch_train(run_dir, cache, 4)
+    assert "layout dp=4 tp=1 pp=1" in first  # 2 workers x 2 local replicas
+    second = _launch_train(run_dir, cache, 8)  # resumes from the checkpoint of step 4
+    assert "resumed from" in second and "(step 4)" in second, second[-3000:]
+    rows = {r["step"]: r for r in read_metrics(run_dir)}
+    assert sorted(rows) == sorted(want) == list(range(1, 9))
+    np.testing.assert_allclose([[rows[s][k] for k in ROW_KEYS] for s in range(1, 9)],
+                               [[want[s][k] for k in ROW_KEYS] for s in range(1, 9)], rtol=1e-4, atol=1e-6)
+    assert all(rows[s]["moe_dropped"] == 0.0 for s in rows)
+    np.testing.assert_allclose(rows[8]["eval_loss"], want[8]["eval_loss"], rtol=1e-4)
+    assert rows[8]["loss"] < rows[1]["loss"] - 0.3, [rows[s]["loss"] for s in rows]  # it trains
+
+    # The checkpoints of step 8: the chief's (whole tensors, the built-in GPT's names) and the oracle's.
+    mine = checkpoint.restore(checkpoint.step_dir(run_dir / "checkpoints", 8)).tensors
+    ref = checkpoint.restore(checkpoint.step_dir(one / "checkpoints", 8)).tensors
+    meta = json.loads((checkpoint.step_dir(run_dir / "checkpoints", 8) / "meta.json").read_text())
+    assert (meta["layout"]["engine"], meta["layout"]["dp"]) == ("KerasGPTEngine", 4)
+    assert int(mine["optimizer/step"]) == int(ref["optimizer/step"]) == 8
+    d = cfg.model.d_model
+    for name in builtin.weight_shapes(cfg.model):
+        # The key bias: softmax ignores it, so its gradient is float32 rounding noise, which AdamW
+        # scales to lr-sized steps: neither run's value is a figure (as tests/test_strategy_moe.py).
+        keep = np.r_[0:d, 2 * d:3 * d] if name.endswith("attn/qkv/bias") else slice(None)
+        np.testing.assert_allclose(mine[name][keep], ref[name][keep], rtol=1e-4, atol=1e-6, err_msg=name)
+        for slot in ("m", "v"):  # the AdamW moments, relative to their own size
+            a, b = mine[f"optimizer/{slot}/{name}"][keep], ref[f"optimizer/{slot}/{name}"][keep]
+            assert np.linalg.norm(a - b) <= 1e-4 * np.linalg.norm(b), (slot, name)
+
+
+@pytest.mark.slow
+def test_train_moe_gpt_with_a_pipeline_in_each_worker_equals_one_process(tmp_path):
+    """ep composes with pp across workers: each worker runs dp2 x ep2 x pp2 on its own 4 devices,
+    the same global batch as dp4 x ep2 x pp2 on 8 logical CPUs of one process."""
+    from phalanx.config import load_config
+    from phalanx.train.trainer import Trainer
+
+    cache, layout = tmp_path / "cache", ["parallel.ep=2", "parallel.pp=2", "parallel.microbatches=2"]
+    one = tmp_path / "one"
+    Trainer(load_config(CONFIG, [*SMALL_MOE, *layout, "parallel.devices=cpu:8", "parallel.dp=4", "train.steps=3",
+                                 "train.global_batch=16", f"data.cache_dir={cache}", f"run.dir={one}"]),
+            quiet=True).fit()
+    run_dir = tmp_path / "run"
+    err = _launch_train(run_dir, cache, 3, *layout, "parallel.devices=cpu:4", "parallel.dp=2",
+                        "train.global_batch=16")
+    assert "layout dp=4 tp=1 pp=2" in err
+    rows, want = read_metrics(run_dir), read_metrics(one)
+    assert [r["step"] for r in rows] == [r["step"] for r in want] == [1, 2, 3]
+    np.testing.assert_allclose([[r[k] for k in ROW_KEYS] for r in rows], [[r[k] for k in ROW_KEYS] for r in want],
+                               rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(rows[-1]["eval_loss"], want[-1]["eval_loss"], rtol=1e-4)
+
+
+def _two_workers(ps: int = 0):
+    from phalanx.cluster.tf_config import ClusterInfo
+
+    cluster = {"worker": ("127.0.0.1:1", "127.0.0.1:2")}
+    if ps:
+        cluster = {"chief": ("127.0.0.1:3",), **cluster, "ps": ("127.0.0.1:4",)}
+    return ClusterInfo(cluster=cluster, task_type="worker", task_index=0)
+
+
+@pytest.mark.parametrize("strategy,ps,match", [
+    ("mesh", 0, r"mesh: expert parallelism \(parallel.ep=2\).*multi_worker only"),
+    ("parameter_server", 1, r"parameter_server: expert parallelism.*without --ps"),
+    ("auto", 1, r"parameter_server \(TF_CONFIG has ps tasks\): expert parallelism"),
+])
+def test_train_moe_gpt_across_workers_refuses_other_cluster_strategies(strategy, ps, match):
+    from phalanx.cluster.strategies import resolve_strategy_name
+    from phalanx.config import ConfigError, load_config
+
+    cfg = load_config(CONFIG, ["parallel.dp=2", "parallel.ep=2", f"parallel.strategy={strategy}"])
+    with pytest.raises(ConfigError, match=r"parallel.strategy.*" + match):
+        resolve_strategy_name(cfg, _two_workers(ps))
+
+
+def test_train_moe_gpt_across_workers_resolves_and_checks_the_local_layout():
+    from phalanx.cluster.strategies import MULTI_WORKER, ClusterSetup, resolve_strategy_name, setup_cluster
+    from phalanx.config import ConfigError, load_config
+    from phalanx.engines.factory import build_engine
+    from phalanx.engines.keras_gpt import refuse_unhonoured as keras_gpt_refusals
+    from phalanx.engines.task import GPTTask
+    from phalanx.mesh import Mesh
+
+    # auto under a cluster of workers: multi_worker, each worker's own layout (a local pipeline too).
+    cfg = load_config(CONFIG, ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "parallel.microbatches=2"])
+    assert resolve_strategy_name(cfg, _two_workers()) == MULTI_WORKER
+    # The global batch splits over 2 workers x dp2 x 3 accumulation steps: 18 does not (refused before any
+    # device is made), although it splits over one worker's 2 x 3.
+    cfg = load_config(CONFIG, ["parallel.strategy=multi_worker", "parallel.devices=cpu:2", "parallel.dp=2",
+                               "parallel.ep=2", "train.grad_accum=3", "train.global_batch=18"])
+    with pytest.raises(ConfigError, match=r"train.global_batch.*18 is not divisible by workers x parallel.dp x "
+                                          r"train.grad_accum x parallel.microbatches = 2 x 2 x 3 x 1"):
+        setup_cluster(cfg, _two_workers())
+    # A hand-made set-up that feeds each worker a share of the batch: the engine trains its rows of the
+    # whole batch, so it refuses (naming the key) instead of training on a quarter of each batch.
+    cfg = load_config(CONFIG, ["parallel.strategy=multi_worker", "parallel.dp=2", "parallel.ep=2"])
+    shared = ClusterSetup(info=_two_workers(), strategy=None, coordinator=None, name=MULTI_WORKER, data_index=0,
+                          data_count=2, local_batch=8)
+    with pytest.raises(ConfigError, match=r"parallel.ep.*reads the whole global batch.*worker 0 of 2 a share"):
+        build_engine(cfg, GPTTask(cfg.model), cluster=shared)
+    # Experts sharded across workers are not built: a worker's mesh of one replica cannot hold an ep2 group.
+    cfg = load_config(CONFIG, ["parallel.strategy=multi_worker", "parallel.devices=cpu:1", "parallel.dp=-1",
+                               "parallel.ep=2"])
+    with pytest.raises(ConfigError, match=r"parallel.ep: 2 does not divide parallel.dp=1.*each worker's own "
+                                          r"replicas.*never across workers"):
+        keras_gpt_refusals(cfg, Mesh.from_devices(["/device:CPU:0"], 1, 1, 1))

@@ -33,7 +33,9 @@ def stop_agreement(cluster: Any) -> Callable[[bool], bool]:
     import tensorflow as tf
 
     strategy = getattr(cluster, "strategy", None)
-    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) or cluster.data_count < 2:
+    # The workers of the cluster, not its data shards: the expert-parallel GPT feeds every worker the
+    # whole batch (data_count 1), and its workers must still stop together.
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) or cluster.info.num_workers < 2:
         return bool
     return _CollectiveFlag(strategy)
 

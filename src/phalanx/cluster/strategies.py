@@ -17,6 +17,14 @@
   cluster :func:`setup_cluster` joins it and names the mesh's devices on every task
   (:mod:`phalanx.cluster.mesh_cluster`).
 
+Expert parallelism (``parallel.ep > 1``) trains on the Keras-model engine
+(:mod:`phalanx.engines.keras_gpt`), which spans workers with ``multi_worker`` only
+(``auto`` under a cluster of workers picks it): ``parallel.*`` is then each worker's own
+layout (its devices made here, ``tp``/``pp`` included), every worker reads the whole
+global batch and trains its rows of it, and the workers are data parallel
+(:class:`phalanx.engines.keras_cluster.WorkerGroup`). The experts are sharded within a
+worker, never across workers; ``mesh`` and ``parameter_server`` clusters are refused.
+
 Keras 3 ``model.fit`` fails under both multi-process strategies (keras-team/keras#20585,
 #18624); phalanx trains with a custom loop (``strategy.run`` + cross-replica sums),
 which works under both.
@@ -50,7 +58,7 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from phalanx.cluster.tf_config import ClusterInfo, cluster_info_from_env
-from phalanx.config import ConfigError
+from phalanx.config import ConfigError, parse_devices, resolve_degrees
 from phalanx.cluster.mesh_cluster import serve_until_chief_exits, setup_mesh_cluster
 
 LOCAL = "mirrored"
@@ -68,8 +76,11 @@ def resolve_strategy_name(cfg: Any, info: ClusterInfo) -> str:
     """
     p = cfg.parallel
     name = p.strategy
+    several = info.is_distributed and (info.num_workers > 1 or info.num_ps > 0)
     if name == "auto":
-        if p.tp > 1 or p.pp > 1:
+        if p.ep > 1 and several and not info.num_ps:  # the expert-parallel GPT: each worker's own layout
+            name = MULTI_WORKER
+        elif p.tp > 1 or p.pp > 1:
             name = MESH
         elif info.num_ps:
             name = PARAMETER_SERVER
@@ -77,7 +88,14 @@ def resolve_strategy_name(cfg: Any, info: ClusterInfo) -> str:
             name = MULTI_WORKER
         else:
             name = LOCAL
-    if name in (MULTI_WORKER, PARAMETER_SERVER) and (p.tp > 1 or p.pp > 1):
+    if p.ep > 1 and several and name in (MESH, PARAMETER_SERVER):
+        raise ConfigError("parallel.strategy", f"{name}{' (TF_CONFIG has ps tasks)' if p.strategy == 'auto' else ''}: "
+                                               f"expert parallelism (parallel.ep={p.ep}) trains on the Keras-model "
+                                               f"engine, which spans the workers of a cluster with parallel.strategy="
+                                               f"multi_worker only (launch without --ps): parallel.* is then each "
+                                               f"worker's own layout, the experts sharded within a worker and the "
+                                               f"workers data parallel")
+    if name in (MULTI_WORKER, PARAMETER_SERVER) and (p.tp > 1 or p.pp > 1) and not (name == MULTI_WORKER and p.ep > 1):
         raise ConfigError("parallel.strategy", f"{name} is data parallel only; parallel.tp={p.tp} and "
                                                f"parallel.pp={p.pp} need parallel.strategy=mesh")
     if name == LOCAL and info.num_workers > 1:
@@ -105,6 +123,8 @@ def refuse_unhonoured(cfg: Any, name: str) -> None:
     ``parallel.recompute`` and ``parallel.microbatches`` (one process, or across the
     workers of a cluster with ``parallel.strategy=mesh``); silently dropping them would
     train with more memory than asked, or differently, without a word.
+    ``multi_worker`` with ``parallel.ep > 1`` is not the strategy's step but the expert-parallel
+    GPT's (module docstring), which refuses what it cannot honour itself.
 
     >>> from phalanx.config import Config
     >>> refuse_unhonoured(Config().replace(parallel={"zero": 1}), "multi_worker")  # doctest: +ELLIPSIS
@@ -113,6 +133,11 @@ def refuse_unhonoured(cfg: Any, name: str) -> None:
     phalanx.config.ConfigError: parallel.zero: 1 is not honoured by parallel.strategy=multi_worker ...
     """
     p = cfg.parallel
+    if name == MULTI_WORKER and p.ep > 1:
+        # The expert-parallel GPT's multi_worker run is each worker's own layout on the Keras-model
+        # engine: its own refusals apply (phalanx.engines.keras_gpt.refuse_unhonoured), and
+        # parallel.devices / microbatches are honoured there.
+        return
     # "mirrored" chosen by "auto" is not refused: in one process the trainer then builds the
     # mesh engine for these keys (phalanx.engines.factory.needs_mesh_engine).
     if name not in (MULTI_WORKER, PARAMETER_SERVER) and not (name == LOCAL and p.strategy == LOCAL):
@@ -351,8 +376,10 @@ class ClusterSetup:
     ``data_index`` / ``data_count``: which shard of each global batch this process feeds
     (``make_datasets(cfg, data_index, data_count)``): worker i of N under
     multi_worker; the whole batch (0 of 1) for one process and for the
-    parameter-server chief, which feeds every step itself. ``is_chief``: this process
-    writes checkpoints, metrics and logs.
+    parameter-server chief, which feeds every step itself, and every worker of the
+    expert-parallel GPT's ``multi_worker`` run, which trains its own rows of the whole batch
+    (:func:`_expert_parallel_setup`). ``is_chief``: this process writes checkpoints, metrics
+    and logs.
     """
 
     info: ClusterInfo
@@ -399,6 +426,8 @@ def setup_cluster(cfg: Any, info: ClusterInfo | None = None, devices: Sequence[s
         devices = setup_mesh_cluster(cfg, info)
         return ClusterSetup(info=info, strategy=None, coordinator=None, name=name, data_index=0, data_count=1,
                             local_batch=cfg.train.global_batch, devices=tuple(devices))
+    if name == MULTI_WORKER and cfg.parallel.ep > 1:
+        return _expert_parallel_setup(cfg, info)
     serve_if_server_task(info)
     strategy = make_strategy(cfg, info, devices)
     local_batch = check_batch(cfg, strategy)
@@ -408,3 +437,36 @@ def setup_cluster(cfg: Any, info: ClusterInfo | None = None, devices: Sequence[s
         index, count = 0, 1
     return ClusterSetup(info=info, strategy=strategy, coordinator=make_coordinator(strategy), name=name,
                         data_index=index, data_count=count, local_batch=local_batch)
+
+
+def _expert_parallel_setup(cfg: Any, info: ClusterInfo) -> ClusterSetup:
+    """``multi_worker`` for the expert-parallel GPT (module docstring): this worker's own
+    devices for its ``parallel.*`` layout (logical CPUs split before the runtime starts), then
+    a MultiWorkerMirroredStrategy for what its constructor sets up (the collectives, the
+    coordination service), as :func:`phalanx.init` does for ``phalanx.fit``. Every worker
+    reads the whole global batch (data shard 0 of 1): the engine takes this worker's rows and
+    checks that every worker had the same batch."""
+    p = cfg.parallel
+    kind, count = parse_devices(p.devices)
+    if not count:
+        if -1 in (p.dp, p.pp, p.tp):
+            raise ConfigError("parallel.devices", "a degree of -1 needs each worker's device count, e.g. "
+                                                  "parallel.devices=cpu:2 (parallel.* is each worker's own layout)")
+        count = p.dp * p.pp * p.tp
+    dp, _, _ = resolve_degrees(cfg, count)
+    rows = info.num_workers * dp * cfg.train.grad_accum * p.microbatches
+    if cfg.train.global_batch % rows:
+        raise ConfigError("train.global_batch", f"{cfg.train.global_batch} is not divisible by workers x parallel.dp "
+                                                f"x train.grad_accum x parallel.microbatches = {info.num_workers} x "
+                                                f"{dp} x {cfg.train.grad_accum} x {p.microbatches}; use a multiple "
+                                                f"of {rows}")
+    if count > 1 and (kind == "cpu" or (kind == "auto" and not tf.config.list_physical_devices("GPU"))):
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        try:
+            tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()
+                                                             for _ in range(count)])
+        except RuntimeError:
+            pass  # the runtime has started (one process, devices made before): the engine's mesh checks the count
+    strategy = multi_worker_strategy(info)
+    return ClusterSetup(info=info, strategy=strategy, coordinator=None, name=MULTI_WORKER, data_index=0,
+                        data_count=1, local_batch=cfg.train.global_batch)

@@ -6,8 +6,11 @@ The model code is written for one device; this step decides how it runs on the m
 * :func:`build_engine` is what ``phalanx train`` builds from a config (and a cluster
   set up by :func:`phalanx.cluster.strategies.setup_cluster`): tf.distribute's
   :class:`~phalanx.engines.strategy.StrategyEngine` for data parallelism (one device,
-  MirroredStrategy, MultiWorkerMirroredStrategy), the parameter-server engine, or the
-  mesh engine when tensor/pipeline parallelism, ZeRO or recomputation is asked for;
+  MirroredStrategy, MultiWorkerMirroredStrategy), the parameter-server engine, the
+  mesh engine when tensor/pipeline parallelism, ZeRO or recomputation is asked for, or
+  :class:`~phalanx.engines.keras_gpt.KerasGPTEngine` for expert parallelism
+  (``parallel.ep > 1``: in one process, or on each worker's own devices with the workers
+  data parallel under ``multi_worker``, :func:`_keras_gpt_across_workers`);
 * :func:`make_engine` applies a given mesh to a model from outside:
 
   - the built-in GPT (a :class:`~phalanx.engines.task.GPTTask` or a ``ModelConfig``) ->
@@ -34,8 +37,9 @@ from __future__ import annotations
 import keras
 
 from phalanx.engines.ps import ParameterServerEngine
-from phalanx.cluster.strategies import local_strategy, refuse_unhonoured
+from phalanx.cluster.strategies import MULTI_WORKER, local_strategy, refuse_unhonoured
 from phalanx.config import Config, ConfigError, ModelConfig
+from phalanx.engines import keras_cluster
 from phalanx.engines.keras_model import KerasModelEngine
 from phalanx.engines.keras_gpt import KerasGPTEngine, wants_keras_gpt
 from phalanx.engines.keras_gpt import refuse_unhonoured as keras_gpt_refusals
@@ -63,13 +67,15 @@ def build_engine(cfg: Config, task, cluster=None):
         raise ConfigError("parallel.sequence_parallel", "true needs tensor parallelism: parallel.tp > 1 (its "
                                                         "sequence chunks are the tensor ranks'); got parallel.tp=1")
     if wants_keras_gpt(cfg):  # expert parallelism: the GPT of parallel Keras layers on the Keras-model engine
-        if cluster is not None or not isinstance(task, GPTTask):
+        if not isinstance(task, GPTTask):
             raise ConfigError("parallel.ep", f"{cfg.parallel.ep}: phalanx train runs expert parallelism for the "
-                                             f"built-in GPT in one process; across workers or for another task, "
-                                             f"use parallel.ep=1 (a Keras model: phalanx.layers.MoE(ep=N) through "
-                                             f"phalanx.fit)")
+                                             f"built-in GPT (in one process, or across workers with parallel."
+                                             f"strategy=multi_worker); for another task use parallel.ep=1 (a Keras "
+                                             f"model: phalanx.layers.MoE(ep=N) through phalanx.fit)")
         keras_gpt_refusals(cfg)  # before the devices are touched
-        return KerasGPTEngine(cfg, task, build_mesh(cfg))
+        if cluster is None:
+            return KerasGPTEngine(cfg, task, build_mesh(cfg))
+        return _keras_gpt_across_workers(cfg, task, cluster)
     if getattr(cluster, "devices", None):  # cluster: a mesh whose devices span the workers
         return make_mesh_engine(cfg, build_mesh(cfg, list(cluster.devices)), task)
     if cluster is not None:  # a multi-process strategy, built first (cluster.strategies.setup_cluster)
@@ -89,6 +95,30 @@ def build_engine(cfg: Config, task, cluster=None):
                                                    f"parallel.pp=1 trains without a pipeline; use train.grad_accum="
                                                    f"{cfg.parallel.microbatches} to split each step's batch")
     return StrategyEngine(cfg, task, local_strategy(mesh.devices))
+
+
+def _keras_gpt_across_workers(cfg: Config, task: GPTTask, cluster) -> KerasGPTEngine:
+    """The expert-parallel GPT under ``cluster`` (:func:`~phalanx.cluster.strategies.setup_cluster`'s
+    ``multi_worker`` set-up for ``parallel.ep > 1``): ``parallel.*`` is each worker's own layout,
+    the experts sharded within a worker, and the workers data parallel through a
+    :class:`~phalanx.engines.keras_cluster.WorkerGroup`, as :func:`phalanx.fit` spans workers.
+    Every worker must call it at the same point (the group's first collective runs here)."""
+    ep = cfg.parallel.ep
+    name = getattr(cluster, "name", None)
+    if name != MULTI_WORKER or getattr(cluster, "devices", None) or getattr(cluster, "coordinator", None):
+        raise ConfigError("parallel.ep", f"{ep}: the expert-parallel GPT trains in one process, or across "
+                                         f"workers with parallel.strategy=multi_worker (each worker's own "
+                                         f"layout, set up by phalanx.cluster.strategies.setup_cluster); got a "
+                                         f"{name or type(cluster).__name__} set-up")
+    if cluster.data_count != 1:  # a hand-made set-up feeding each worker a share of the batch
+        raise ConfigError("parallel.ep", f"{ep}: every worker of the expert-parallel GPT reads the whole global "
+                                         f"batch and trains its own rows of it, but this set-up feeds worker "
+                                         f"{cluster.data_index} of {cluster.data_count} a share; build it with "
+                                         f"phalanx.cluster.strategies.setup_cluster")
+    if not keras_cluster.cluster_mode(cfg, cluster.info):  # multi_worker without a cluster: this process alone
+        return KerasGPTEngine(cfg, task, build_mesh(cfg))
+    mesh = build_mesh(cfg, keras_cluster.local_devices(cfg, cluster.info))
+    return KerasGPTEngine(cfg, task, mesh, workers=keras_cluster.WorkerGroup(cluster.info))
 
 
 def make_mesh_engine(cfg: Config, mesh: Mesh, task):

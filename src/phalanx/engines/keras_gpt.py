@@ -25,9 +25,12 @@ and not a Keras ``fit``:
   ``skipped``; the MoE layers' step totals (all replicas and micro-batches) are on
   ``model`` for :mod:`phalanx.train.moe_stats`.
 
-What it cannot honour is refused before anything is built (:func:`refuse_unhonoured`):
-ZeRO (the Keras-model engine keeps each weight's optimizer state whole next to it) and
-recomputation among them.
+With ``parallel.zero=1`` the AdamW moments are partitioned over the data replicas by whole
+variables (ZeRO stage 1, :mod:`phalanx.engines.keras_model`): each variable and its moments
+live with one owner replica, which sums its gradient and applies the update. What it cannot
+honour is refused before anything is built (:func:`refuse_unhonoured`): ``parallel.zero=2``
+(stage 1 here already keeps each summed gradient on its owner only) and recomputation among
+them.
 
 Example:
     >>> from phalanx.config import Config
@@ -52,7 +55,7 @@ from phalanx.checkpoint import boxes
 from phalanx.config import Config, ConfigError
 from phalanx.core import optim
 from phalanx.core.loss_scale import LossScale
-from phalanx.engines.keras_model import KerasModelEngine
+from phalanx.engines.keras_model import KerasModelEngine, check_zero
 from phalanx.engines.strategy import JoinedVariable
 from phalanx.engines.task import GPTTask
 from phalanx.mesh import Mesh
@@ -79,18 +82,20 @@ def refuse_unhonoured(cfg: Config, mesh: Mesh | None = None) -> None:
     dp = mesh.dp if mesh is not None else p.dp
     if dp >= 1 and dp % p.ep:
         raise ConfigError("parallel.ep", f"{p.ep} does not divide parallel.dp={dp}: experts are sharded over the "
-                                         f"data replicas in groups of ep")
+                                         f"data replicas in groups of ep" +
+                          (" (under parallel.strategy=multi_worker, parallel.dp is each worker's own replicas: the "
+                           "experts are sharded within a worker, never across workers)"
+                           if p.strategy == "multi_worker" else ""))
     why = "the expert-parallel GPT (parallel.ep > 1) trains through the Keras-model engine"
-    if p.zero:
-        raise ConfigError("parallel.zero", f"{p.zero}: {why}, whose AdamW states stay whole next to each weight "
-                                           f"(ZeRO shards the dense GPT's states on the mesh engine); use "
-                                           f"parallel.zero=0 with parallel.ep={p.ep}")
+    check_zero(p.zero)  # ZeRO-1 partitions the AdamW moments by whole variables; stage 2 adds nothing there
     if p.recompute != "none":
         raise ConfigError("parallel.recompute", f"{p.recompute!r}: {why}, which does not recompute activations; "
                                                 f"use parallel.recompute=none with parallel.ep={p.ep}")
-    if p.strategy not in ("auto", "mesh"):
+    if p.strategy not in ("auto", "mesh", "multi_worker"):
         raise ConfigError("parallel.strategy", f"{p.strategy!r}: {why}, which places the model on the devices "
-                                               f"itself (one process); use parallel.strategy=auto")
+                                               f"itself: in one process (auto), or on each worker's own devices with "
+                                               f"the workers data parallel (multi_worker under phalanx launch); use "
+                                               f"parallel.strategy=auto or multi_worker")
     pp = mesh.pp if mesh is not None else p.pp
     if p.microbatches != 1 and pp == 1:
         raise ConfigError("parallel.microbatches", f"{p.microbatches} splits a pipeline's batch, but parallel.pp=1; "
@@ -106,7 +111,8 @@ class PhalanxAdamW(keras.optimizers.Optimizer):
 
     ``decays``: ``id(keras variable) -> bool``, whether weight decay applies (from the
     logical name of the weight the variable holds a part of). Moments are float32
-    ``tf.Variable`` s next to each variable (``m``, ``v``, in ``build`` order); ``step``
+    ``tf.Variable`` s next to each variable (``m``, ``v``, in ``build`` order; under ZeRO-1 on
+    the variable's owner replica); ``step``
     counts applied updates (a step skipped on non-finite gradients does not count), as
     ``optimizer/step`` of the other engines. ``last`` holds the figures of the last step.
     """
@@ -210,9 +216,15 @@ class _Converter:
 class KerasGPTEngine:
     """The built-in GPT (``cfg.model``) with experts sharded over ``parallel.ep`` (and tensor
     shards over ``mesh.tp``, stages over ``mesh.pp``), trained by :class:`KerasModelEngine` on
-    ``mesh`` with phalanx's AdamW (module docstring)."""
+    ``mesh`` with phalanx's AdamW (module docstring).
 
-    def __init__(self, cfg: Config, task: GPTTask, mesh: Mesh):
+    ``workers`` (a :class:`~phalanx.engines.keras_cluster.WorkerGroup`, ``multi_worker`` under
+    ``phalanx launch``): ``mesh`` is this worker's own devices, every worker passes the same
+    global batch to :meth:`train_step` and trains its rows of it, the gradients are summed across
+    workers before the AdamW apply (the same update on every worker) and the MoE totals averaged;
+    the experts stay within a worker. :meth:`eval_step` runs the whole batch on every worker."""
+
+    def __init__(self, cfg: Config, task: GPTTask, mesh: Mesh, workers=None):
         if not isinstance(task, GPTTask):
             raise TypeError(f"KerasGPTEngine trains the built-in GPT (a GPTTask), got {type(task).__name__}")
         if task.cfg != cfg.model:
@@ -220,8 +232,13 @@ class KerasGPTEngine:
                                        "cfg.model")
         refuse_unhonoured(cfg, mesh)
         self.cfg, self.task, self.mesh = cfg, task, mesh
-        self.dp, self.tp, self.pp, self.ep = mesh.dp, mesh.tp, mesh.pp, cfg.parallel.ep
-        self.n_devices = len(mesh.devices)
+        # workers: a keras_cluster.WorkerGroup when the run spans the workers of a cluster (``mesh`` is
+        # then this worker's own devices; the workers are data parallel over it); None in one process.
+        self.workers = workers
+        self.world = 1 if workers is None else workers.size
+        # dp and n_devices count every worker's (the run's replicas, as StrategyEngine's dp).
+        self.dp, self.tp, self.pp, self.ep = mesh.dp * self.world, mesh.tp, mesh.pp, cfg.parallel.ep
+        self.n_devices = len(mesh.devices) * self.world
         self.names = list(builtin.weight_shapes(cfg.model))
         # Cut for the mesh's tensor ranks; the Keras engine cuts it into pipeline stages itself
         # (split_keras_model, as for phalanx.fit) and places each tensor shard on its rank.
@@ -243,7 +260,10 @@ class KerasGPTEngine:
         # the loss itself (phalanx's LossScale, the other engines' state and checkpoint names).
         self.model.optimizer = self.optimizer
         tokens = np.zeros([cfg.train.global_batch, cfg.model.seq_len], np.int32)
-        self.engine = KerasModelEngine(self.model, cfg, mesh, (tokens, tokens, None))
+        self.engine = KerasModelEngine(self.model, cfg, mesh, (tokens, tokens, None), workers=workers)
+        if workers is not None:  # every worker holds the same model and starts from the chief's weights
+            workers.start(self.model, None, {})
+            self.engine.sync_copies()
 
     # -- steps ---------------------------------------------------------------------------------
 

@@ -8,10 +8,21 @@ compiled metrics. The engine only decides *where* things run:
 * **Placement.** The model is cut into ``pp x virtual_stages`` stages by estimated FLOPs
   (:func:`phalanx.parallel.keras_graph.split_keras_model`); with one stage, any model —
   subclassed included — is that stage. Each stage's variables (the user's own
-  ``keras.Variable`` objects) are moved to the stage's device of data replica 0 and stay
+  ``keras.Variable`` objects) are moved to the stage's device of data replica 0 (under ZeRO:
+  of the variable's owner, below) and stay
   there: the model object is trained in place, and the optimizer's slots, which Keras
   creates next to each variable, live with the weights they update. Replicas 1..dp-1 hold
   plain copies of the trainable weights, refreshed after every step.
+* **ZeRO stage 1** (``parallel.zero=1``; Rajbhandari et al. 2020, the partitioning of
+  PyTorch's ``ZeroRedundancyOptimizer``, at whole-variable granularity): each trainable
+  variable, with the slots Keras creates beside it, lives on the devices of one *owner*
+  replica (for its stage and tensor rank), chosen greedily by bytes, largest first, so each
+  replica holds about ``1/dp`` of the optimizer state (at most the largest variable's more); every other
+  replica reads a plain copy. An expert shard's copies are held by the ``dp / ep`` groups of
+  expert parallelism, and its owner is one of those groups. The gradient of a variable is
+  summed over the replicas on its owner only, the optimizer applies there, and the copies
+  are refreshed as without ZeRO. Stage 2 would add nothing (no replica ever holds the summed
+  gradient of a variable it does not own) and is refused, as is ZeRO across workers.
 * **The step** (one ``tf.function``): every replica cuts its rows of the global batch into
   ``grad_accum x microbatches`` micro-batches and runs the pipeline schedule
   (:func:`phalanx.parallel.pipeline.run_schedule`); each stage runs *statelessly* on the
@@ -50,6 +61,7 @@ from __future__ import annotations
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from phalanx.config import Config, ConfigError
@@ -168,6 +180,60 @@ def check_tensor_layout(model, tp: int) -> None:
                                              f"Lion, ...) or tp=1")
 
 
+def check_zero(zero: int, workers: int = 1) -> None:
+    """Refuse a ZeRO stage the Keras-model engine does not run: it runs 0 and 1 (see the
+    module docstring), in one process (``workers``: the number of workers of the fit).
+
+    Example:
+        >>> check_zero(1)
+        >>> try:
+        ...     check_zero(1, workers=2)
+        ... except ConfigError as err:
+        ...     print(err.key)
+        parallel.zero
+    """
+    if zero == 2:
+        raise ConfigError("parallel.zero", "2: on the Keras-model engine parallel.zero=1 already keeps each "
+                                           "weight's summed gradient on one replica only, the one that owns its "
+                                           "optimizer state (what stage 2 adds to stage 1), and the weights are "
+                                           "not partitioned (stage 3); use parallel.zero=1 (or 0)")
+    if zero not in (0, 1):
+        raise ConfigError("parallel.zero", f"{zero}: the Keras-model engine runs parallel.zero=0 or 1")
+    if zero and workers > 1:
+        raise ConfigError("parallel.zero", f"{zero}: across {workers} workers (parallel.strategy=multi_worker) "
+                                           f"the Keras-model engine does not partition the optimizer state: "
+                                           f"every worker applies the whole update after the gradient "
+                                           f"all-reduce; use parallel.zero=0 across workers (ZeRO-1 runs over "
+                                           f"the data replicas of one process)")
+
+
+def place_optimizer_slots(optimizer, variables) -> bool:
+    """Move the slots of an optimizer built before its variables were placed (a model the
+    user trained before) next to the variable each belongs to. Keras names a slot
+    ``<the variable's path, '/' -> '_'>_<slot name>`` and gives it the variable's shape;
+    the longest such name that matches wins. Returns whether any slot moved."""
+    by_name = {v.path.replace("/", "_"): v for v in variables}
+    moved, seen = False, set()
+    for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        if opt is None or not opt.built:
+            continue
+        for slot in opt.variables:
+            if id(slot) in seen:
+                continue
+            seen.add(id(slot))
+            name, cut = slot.name, len(slot.name)
+            while (cut := name.rfind("_", 0, cut)) > 0:
+                owner = by_name.get(name[:cut])
+                if owner is not None and tuple(owner.shape) == tuple(slot.shape):
+                    moved |= place_variable(slot, owner.value.device)
+                    break
+    return moved
+
+
+def _nbytes(variable) -> int:
+    return int(np.prod(variable.shape)) * tf.as_dtype(variable.dtype).size
+
+
 def check_expert_layout(model, ep: int, dp: int, workers: int = 1) -> None:
     """Refuse an expert-parallel degree the model's expert layers are not cut for, or that
     the data replicas (this worker's own, across ``workers`` workers) cannot group."""
@@ -249,10 +315,8 @@ class KerasModelEngine:
         if not inference_only:
             check_tensor_layout(model, mesh.tp)
             check_expert_layout(model, p.ep, mesh.dp, 1 if workers is None else workers.size)
-        if p.zero:
-            raise ConfigError("parallel.zero", f"{p.zero}: for a Keras model the optimizer state stays next to each "
-                                               f"weight on its pipeline stage; ZeRO shards the built-in GPT's AdamW "
-                                               f"only. Use parallel.zero=0")
+        check_zero(p.zero, 1 if workers is None or inference_only else workers.size)
+        self.zero = p.zero
         if p.recompute != "none":
             raise ConfigError("parallel.recompute", f"{p.recompute!r}: recomputation is built for the GPT's blocks "
                                                     f"only; use parallel.recompute=none for a Keras model")
@@ -276,24 +340,28 @@ class KerasModelEngine:
             self.split = split_keras_model(model, self.chunks, balance="flops")
             self.stages = [_SplitStage(s) for s in self.split.stages]
         self.home = self._home_stages()
+        # ZeRO-1: id(trainable variable) -> its owner replica; without ZeRO replica 0 owns all.
+        self.owners = self._zero_owners() if self.zero else {}
         moved = False
         for s, stage in enumerate(self.stages):
             for v in stage.trainable_variables + stage.non_trainable_variables:
                 if self.home.get(id(v), s) == s:
-                    moved |= place_variable(v, self.variable_device(v, 0, s))
+                    moved |= place_variable(v, self.variable_device(v, self.owner(v), s))
         if moved:
             _reindex_optimizer(getattr(model, "optimizer", None))
             # Keras's own cached step functions captured the old storage.
             model.train_function = model.test_function = model.predict_function = None
-        # Replica d > 0 reads its own copy of every trainable weight of every stage, and a
-        # stage reads a mirror of a weight whose home is another stage (a tied embedding).
+        if getattr(model, "optimizer", None) is not None:
+            place_optimizer_slots(model.optimizer, model.trainable_variables)
+        # Every replica but a weight's owner reads its own copy of the weight, and a stage
+        # reads a mirror of a weight whose home is another stage (a tied embedding).
         self.copies: dict[tuple[int, int], list[tf.Variable | None]] = {}
         for d in range(self.dp):
             for s, stage in enumerate(self.stages):
                 copies = []
                 for v in stage.trainable_variables:
                     owner = self._copy_owner(v, d)
-                    if owner == 0 and self.home[id(v)] == s:
+                    if owner == self.owner(v) and self.home[id(v)] == s:
                         copies.append(None)
                     elif owner != d:  # an expert shard: read the copy its owner holds
                         copies.append(self.copies[(owner, s)][len(copies)])
@@ -338,9 +406,38 @@ class KerasModelEngine:
         group = replica // self.ep
         return group * self.ep + placement_of(variable).rank % self.ep
 
+    def owner(self, variable) -> int:
+        """The replica whose devices hold ``variable`` itself (its master value) and the
+        optimizer slots beside it: 0 without ZeRO; with ``parallel.zero=1`` the one
+        :meth:`_zero_owners` chose (for an expert shard: the first replica of the group)."""
+        return self.owners.get(id(variable), 0)
+
+    def _zero_owners(self) -> dict[int, int]:
+        """ZeRO-1 at whole-variable granularity: id(trainable variable) -> owner replica.
+
+        A variable can live with any replica that holds a copy of it: any of the ``dp``
+        replicas, or for an expert shard any of the ``dp / ep`` groups (the group's replica
+        that holds that shard). Greedy by bytes, largest first (ties in the model's order),
+        each onto the candidate device that holds the fewest bytes so far, so on every
+        (stage, tensor rank) the owners' bytes differ by at most one variable's.
+        """
+        load: dict[str, int] = {}
+        owners: dict[int, int] = {}
+        variables = list(self.model.trainable_variables)
+        for v in sorted(variables, key=_nbytes, reverse=True):  # sorted is stable: ties in model order
+            s = self.home[id(v)]
+            placement = placement_of(v)
+            expert = placement is not None and placement.axis == "expert"
+            candidates = range(0, self.dp, self.ep) if expert else range(self.dp)
+            best = min(candidates, key=lambda d: (load.get(self.variable_device(v, d, s), 0), d))
+            device = self.variable_device(v, best, s)
+            load[device] = load.get(device, 0) + _nbytes(v)
+            owners[id(v)] = best
+        return owners
+
     def _copy_owner(self, variable, replica: int) -> int:
         """The replica that holds the copy ``replica`` reads: itself, or for an expert shard
-        the first replica of its group (group 0: the variable itself)."""
+        the first replica of its group (the owner's group: the variable itself)."""
         placement = placement_of(variable)
         if placement is None or placement.axis != "expert":
             return replica
@@ -512,7 +609,8 @@ class KerasModelEngine:
                     for j, g in enumerate(stage_grads):
                         if g is not None:
                             acc[s][j].append(g)
-        # Sum every variable's gradients over replicas and the stages that read it.
+        # Sum every variable's gradients over replicas and the stages that read it, on the
+        # variable's own device (under ZeRO-1 its owner's: no other replica holds the sum).
         parts: dict[int, list] = {}
         for s, stage in enumerate(self.stages):
             for j, v in enumerate(stage.trainable_variables):
