@@ -22,8 +22,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/phalanx train configs/demo.yaml
 
+# Two pytest-xdist workers (tests/conftest.py says how the tests are shared out).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --timeout=900 --durations=25
+	$(BIN)/python -m pytest -q --timeout=900 --durations=25 -n 2 --dist worksteal
 
 # By hand, not in CI. keras-hub (installed with the test tools) is the peer of bench_gpt.py.
 bench: $(STAMP)

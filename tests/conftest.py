@@ -2,6 +2,14 @@
 
 Every parallel layout is tested on these (ARCHITECTURE.md: logical CPUs share the
 host's thread pools, so they test correctness, not speed).
+
+``make test`` runs the suite over two pytest-xdist workers (``-n 2 --dist worksteal``),
+each a process with its own 8 logical CPUs. A test may run beside any other, so it takes
+its own temporary paths and asks the OS for free ports. worksteal hands each worker one
+half of the collection in order, then moves tests from the tail of the busy worker's queue
+to the idle one: each worker runs stretches of the collection in order, so a module-scoped
+fixture is built once, or once per worker when the module is split between them. (``--dist loadgroup`` would group
+them explicitly, but with pytest 9.2 xdist 3.8 drops the groups: pytest-xdist issue 1386.)
 """
 
 import os

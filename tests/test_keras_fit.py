@@ -164,11 +164,27 @@ def assert_same_weights(model, reference, rtol=1e-4, atol=1e-5):
                                    rtol=rtol, atol=atol, err_msg=mine.path)
 
 
+@pytest.fixture(scope="module")
+def references():
+    """:func:`keras_reference`, each fit once per module: the oracle of every layout with the same
+    ghost-batch chunks is the same fit (and only the cnn's BatchNorm sees the chunks). Read, never
+    changed, by the tests."""
+    fits = {}
+
+    def get(name: str, opt: str, chunks: int):
+        key = (name, opt, chunks if name == "cnn" else 1)
+        if key not in fits:
+            fits[key] = keras_reference(*key)
+        return fits[key]
+
+    return get
+
+
 @pytest.mark.parametrize("layout", ["one", "dp2", "pp2", "dp2pp2", "accum2"])
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
 @pytest.mark.parametrize("name", list(BUILDERS))
-def test_fit_equals_keras_fit(name, opt, layout, tmp_path):
-    ref_losses, ref_history, reference, ref_optimizer = keras_reference(name, opt, CHUNKS[layout])
+def test_fit_equals_keras_fit(name, opt, layout, tmp_path, references):
+    ref_losses, ref_history, reference, ref_optimizer = references(name, opt, CHUNKS[layout])
     losses, history, model = phalanx_run(name, opt, layout, tmp_path)
     assert len(losses) == len(ref_losses) == EPOCHS * N // BATCH
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4, atol=1e-6)

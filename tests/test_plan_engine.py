@@ -21,10 +21,11 @@ from phalanx.plan.engine_rules import plan_only_reasons, stage_bounds
 from phalanx.plan.estimate import estimate
 from phalanx.plan.hardware import get_hardware
 from phalanx.plan.layout import Layout, stage_layers
+from phalanx.plan.keras_memory import keras_devices
 from phalanx.plan.memory import memory_per_device, stage_kinds
 from phalanx.plan.precheck import check_fits
 from phalanx.plan.search import search
-from phalanx.plan.timing import all_to_all_bytes, dp_sync_bytes, step_time
+from phalanx.plan.timing import all_to_all_bytes, dispatch_index_bytes, dp_sync_bytes, step_time
 
 
 def test_search_proposes_only_layouts_the_engine_runs(capsys):
@@ -208,21 +209,30 @@ def test_ep_divides_the_expert_states_per_device():
     experts_total = 2 * E * (2 * d * f + f + d)
     dense_twin = ModelSpec(layers=4, d_model=64, heads=4, ffn=256, vocab=256, seq_len=32)
     assert param_count(m) == param_count(dense_twin) + experts_total - 2 * (2 * d * f + f + d) + 2 * d * E
-    mem = {(ep, z): memory_per_device(m, Layout(dp=4, ep=ep, zero=z), overhead_fraction=0)
-           for ep in (1, 2, 4) for z in (0, 1)}
+    # ep > 1 runs on the Keras-model engine (KerasGPTEngine): its memory model, per device
+    mem = {ep: keras_devices(m, dp=4, ep=ep, optimizer="phalanx") for ep in (2, 4)}
+    for ep in (2, 4):
+        plan = memory_per_device(m, Layout(dp=4, ep=ep, policy="float32"), overhead_fraction=0)
+        fullest = max(mem[ep].values(), key=lambda x: x.total)
+        assert plan.total == pytest.approx(fullest.total, rel=1e-12)           # one definition
+        assert plan.expert_params == pytest.approx(experts_total / ep)        # 1/ep of the experts
+        assert all(x.expert_params == pytest.approx(experts_total / ep) for x in mem[ep].values())
+        assert plan.params - plan.expert_params == pytest.approx(param_count(m) - experts_total)  # dense whole
+        # AdamW's moments beside each weight: replica 0 holds the dense weights' and its shard's,
+        # the rest of group 0 their shards' only, the other groups' replicas (copies) none
+        for i, x in mem[ep].items():
+            slotted = (param_count(m) - experts_total if i == 0 else 0) + (experts_total / ep if i < ep else 0)
+            assert x.optimizer == pytest.approx(8 * slotted), i
+            assert x.weights == pytest.approx(4 * (param_count(m) - experts_total + experts_total / ep))
+    share = experts_total / 2 - experts_total / 4       # the expert params a device no longer holds at ep 4
+    assert mem[2][0].weights - mem[4][0].weights == pytest.approx(4 * share)
+    assert mem[2][0].optimizer - mem[4][0].optimizer == pytest.approx(8 * share)
+    # ZeRO with ep is plan only (the engine refuses it): planned with the mesh engine's terms, the
+    # expert moments split over the dp replicas (dp/ep copies x ep shards)
+    z1 = {ep: memory_per_device(m, Layout(dp=4, ep=ep, zero=1), overhead_fraction=0) for ep in (1, 2, 4)}
     for ep in (1, 2):
-        lo, hi = mem[(2 * ep, 0)], mem[(ep, 0)]
-        share = experts_total / ep - experts_total / (2 * ep)      # the expert params a device no longer holds
-        assert hi.expert_params - lo.expert_params == pytest.approx(share)
-        assert hi.weights - lo.weights == pytest.approx(4 * share)
-        assert hi.gradients - lo.gradients == pytest.approx(4 * share)
-        assert hi.optimizer - lo.optimizer == pytest.approx(8 * share)
-        assert hi.total - lo.total == pytest.approx(16 * share)
-        assert hi.activations == lo.activations                  # balanced routing: same token-expert pairs
-        assert hi.params - hi.expert_params == pytest.approx(lo.params - lo.expert_params)  # dense unchanged
-        # ZeRO-1: expert moments already split over the dp replicas (dp/ep copies x ep shards)
-        assert mem[(ep, 1)].optimizer == pytest.approx(mem[(2 * ep, 1)].optimizer)
-        assert mem[(ep, 1)].weights - mem[(2 * ep, 1)].weights == pytest.approx(4 * share)
+        assert z1[ep].optimizer == pytest.approx(z1[2 * ep].optimizer)
+        assert z1[ep].weights - z1[2 * ep].weights == pytest.approx(4 * (experts_total / ep - experts_total / (2 * ep)))
 
 
 def test_all_to_all_bytes_and_time_hand_computed():
@@ -230,8 +240,10 @@ def test_all_to_all_bytes_and_time_hand_computed():
     lay = Layout(dp=4, ep=4, microbatches=3, micro_batch=2, policy="mixed_bfloat16")
     one = (2 * 32) * 64 * 2 * 2 * (4 - 1) / 4                  # tokens x d x 2 bytes x top_k x (ep-1)/ep
     assert all_to_all_bytes(m, lay) == pytest.approx(one)
+    index = (2 * 32) * 4 * 2 * (4 - 1) / 4                     # 2 experts per shard: each routed row's int32 expert
+    assert dispatch_index_bytes(m, lay) == pytest.approx(index)
     t = step_time(m, lay, hw)
-    per_step = 4 * one * 2 * 3                                 # dispatch + combine, fwd + bwd; 2 MoE blocks; m=3
+    per_step = (4 * one + index) * 2 * 3                       # dispatch + combine, fwd + bwd; 2 MoE blocks; m=3
     assert t.comm_bytes["moe_all_to_all"] == pytest.approx(per_step)
     assert t.moe_comm_s == pytest.approx(per_step / hw.intra_node_bw)
     base = step_time(m, replace(lay, ep=1), hw)
@@ -239,10 +251,12 @@ def test_all_to_all_bytes_and_time_hand_computed():
     assert t.compute_s - base.compute_s == pytest.approx(t.moe_comm_s)   # pp=1: on the critical path
     # full recomputation re-runs the forward's dispatch and combine: 6 per block
     full = step_time(m, replace(lay, recompute="full"), hw)
-    assert full.comm_bytes["moe_all_to_all"] == pytest.approx(6 * one * 2 * 3)
+    assert full.comm_bytes["moe_all_to_all"] == pytest.approx((6 * one + 2 * index) * 2 * 3)
     # a dp group that leaves the node (tp x dp = 16 > 8) pays the inter-node link
     wide = step_time(m, Layout(dp=16, ep=2, micro_batch=2), hw)
-    assert wide.moe_comm_s == pytest.approx(4 * (64 * 64 * 2 * 2 / 2) * 2 / hw.inter_node_bw)
+    assert wide.moe_comm_s == pytest.approx((4 * (64 * 64 * 2 * 2 / 2) + 64 * 4 * 2 / 2) * 2 / hw.inter_node_bw)
+    # one expert per shard: no index is sent
+    assert dispatch_index_bytes(m, Layout(dp=8, ep=8)) == 0
     # expert gradients are summed over the dp/ep replicas holding the same experts only
     assert t.dp_comm_s < base.dp_comm_s
 
@@ -269,8 +283,9 @@ def test_ep_layouts_of_the_builtin_gpt_run_as_dp_x_ep_within_a_node(monkeypatch)
     assert plan_only_reasons(m, Layout(dp=4)) == [] == plan_only_reasons(m, Layout(dp=4, ep=2))  # dp, dp x ep
     for knobs in ({"pp": 2}, {"tp": 2}, {"tp": 2, "pp": 2}):  # the ep engine runs them
         assert plan_only_reasons(m, Layout(dp=2, ep=2, **knobs)) == [], knobs
-    for knobs in ({"zero": 1}, {"recompute": "full"}):  # the ep engine refuses them
-        assert any("parallel.ep=2 with ZeRO/recompute" in r
+    assert plan_only_reasons(m, Layout(dp=2, ep=2, zero=1)) == []  # ZeRO-1 by whole variables
+    for knobs in ({"zero": 2}, {"recompute": "full"}):  # the ep engine refuses them
+        assert any("parallel.ep=2 with ZeRO-" in r
                    for r in plan_only_reasons(m, Layout(dp=2, ep=2, **knobs))), knobs
     assert any("mesh engine" in r for r in plan_only_reasons(m, Layout(dp=2, pp=2)))  # ep=1: the mesh engine
     res = search(m, hw, devices=8, global_batch=32, top=50)
@@ -281,11 +296,18 @@ def test_ep_layouts_of_the_builtin_gpt_run_as_dp_x_ep_within_a_node(monkeypatch)
     assert {c.layout.ep for c in res.candidates + res.plan_only} == {1, 2, 4, 8}  # divisors of dp=8 and of 8 experts
     six = search(m, hw, devices=6, global_batch=12, top=50, fixed={"dp": 6})
     assert {c.layout.ep for c in six.candidates + six.plan_only} == {1, 2}
-    # one process: dp x ep over more devices than a node holds is plan only (dp alone runs multi_worker)
+    # two nodes (phalanx launch, multi_worker): each node shards the experts over its own 8 replicas and
+    # the nodes are data parallel, so ep must divide 8; ep=16 would span nodes; ZeRO stays in one process
     two_nodes = search(m, hw, devices=16, global_batch=32, top=50, fixed={"dp": 16, "tp": 1, "pp": 1})
-    assert {c.layout.ep for c in two_nodes.candidates} == {1}
-    assert all("across nodes" in " ".join(two_nodes.plan_only_reasons(c)) for c in two_nodes.plan_only
-               if c.layout.ep > 1 and c.layout.zero == 0 and c.layout.recompute == "none")
+    assert {c.layout.ep for c in two_nodes.candidates} - {1} and \
+        {c.layout.ep for c in two_nodes.candidates} <= {1, 2, 4, 8}
+    assert all(c.layout.zero == 0 for c in two_nodes.candidates if c.layout.ep > 1)
+    assert plan_only_reasons(m, Layout(dp=16, ep=8), hw) == []
+    # tp4: a node holds 2 replicas, so ep4 would span two nodes
+    assert any("across nodes" in r for r in plan_only_reasons(m, Layout(dp=4, tp=4, ep=4), hw))
+    assert plan_only_reasons(m, Layout(dp=4, tp=4, ep=2), hw) == []
+    assert any("ZeRO-1 with expert parallelism across nodes" in r
+               for r in plan_only_reasons(m, Layout(dp=16, ep=2, zero=1), hw))
     # one flag makes ep plan only again if the engine stops running it
     monkeypatch.setattr(engine_rules, "GPT_EXPERT_PARALLEL", False)
     (reason,) = plan_only_reasons(m, Layout(dp=4, ep=2))
@@ -327,8 +349,8 @@ def test_moe_flags_match_the_engines_refusals(devices):
     for key, knob, flag in (
             ("parallel.tp", ["parallel.devices=cpu:4", "parallel.tp=2"], engine_rules.GPT_EP_WITH_TP_PP),
             ("parallel.pp", ["parallel.devices=cpu:4", "parallel.pp=2"], engine_rules.GPT_EP_WITH_TP_PP),
-            ("parallel.zero", ["parallel.zero=1"], engine_rules.GPT_EP_WITH_MESH_KNOBS),
-            ("parallel.recompute", ["parallel.recompute=full"], engine_rules.GPT_EP_WITH_MESH_KNOBS)):
+            ("parallel.zero", ["parallel.zero=1"], engine_rules.GPT_EP_WITH_ZERO),
+            ("parallel.recompute", ["parallel.recompute=full"], engine_rules.GPT_EP_WITH_RECOMPUTE)):
         cfg = load_config(None, tiny + ["parallel.devices=cpu:2", "parallel.dp=2", "parallel.ep=2"] + knob)
         assert refused(key, lambda: build_engine(cfg, GPTTask(cfg.model))) == (not flag), key
     cfg = load_config(None, tiny + ["parallel.pp=2"])
@@ -349,7 +371,8 @@ def test_plan_cli_prints_ep_and_the_all_to_all(capsys):
     assert doc["layout"]["ep"] == 2 and doc["runs_on_engine"]
     # demo: 16 sequences of 128 over dp=4, float32, 4 MoE blocks (moe_every=1), 4 all-to-alls each
     one = 4 * 128 * 256 * 4 * 2 * (1 / 2)
-    assert doc["time_breakdown"]["comm_bytes_per_device"]["moe_all_to_all"] == pytest.approx(4 * 4 * one)
+    index = 4 * 128 * 4 * 2 * (1 / 2)                        # 4 experts per shard: the int32 expert of each row
+    assert doc["time_breakdown"]["comm_bytes_per_device"]["moe_all_to_all"] == pytest.approx(4 * (4 * one + index))
     assert doc["time_breakdown"]["moe_comm_s"] > 0
     assert cli.main(["configs/demo.yaml", "model.experts=8", "--devices", "4", "--hardware", "a100-80gb",
                      "--search", "--top", "2", "parallel.dp=4", "parallel.recompute=none"]) == 0
@@ -358,3 +381,64 @@ def test_plan_cli_prints_ep_and_the_all_to_all(capsys):
     header = next(i for i, line in enumerate(lines) if line.startswith(" #"))
     assert lines[header].split()[:3] == ["#", "dp", "ep"]
     assert lines[header + 1].split()[:3] == ["1", "4", "4"]  # dp x ep is proposed
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_all_to_all_bytes_are_what_the_ep_engine_sends(devices, policy):
+    """The planner's expert all-to-all bytes against the tensors the engine's step sends between
+    devices: the partition graphs of KerasGPTEngine's step (dp2 x ep2, one MoE block) list every
+    cross-device edge; those of the MoE layer are, per device, four [rows, d_model] tensors in the
+    compute dtype (the routed rows out and the experts' output of the other replica's rows back in
+    the forward, the output's gradient out and the rows' gradient back in the backward), the int32
+    expert index of each routed row, and statistics of at most one value per expert. top_k = experts
+    makes the row count exact: every token goes to every expert, so each replica sends the other
+    shard its tokens x experts / ep rows, as balanced routing assumes."""
+    import numpy as np
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    from phalanx.engines.factory import build_engine
+    from phalanx.engines.task import GPTTask
+
+    cfg = load_config(None, ["model.layers=2", "model.d_model=32", "model.heads=2", "model.ffn=64",
+                             "model.seq_len=16", "model.experts=4", "model.top_k=4", "model.moe_every=2",
+                             "model.aux_loss_coef=0", "train.global_batch=8", f"precision.policy={policy}",
+                             "parallel.devices=cpu:2", "parallel.dp=2", "parallel.ep=2"])
+    engine = build_engine(cfg, GPTTask(cfg.model, policy, cfg.train.seed))
+    batch = tf.constant(np.random.default_rng(0).integers(0, 256, (8, 17)), tf.int32)
+    context.enable_run_metadata()
+    try:
+        engine.train_step(batch)
+        meta = context.export_run_metadata()
+    finally:
+        context.disable_run_metadata()
+    (step,) = engine.engine._train_fn._list_all_concrete_functions_for_serialization()  # the traced step
+    graph = step.graph
+    d, e = cfg.model.d_model, {"float32": 4, "mixed_bfloat16": 2}[policy]
+    compute = {"float32": tf.float32, "mixed_bfloat16": tf.bfloat16}[policy]
+    rows = 4 * 16 * 4 // 2                        # a replica's tokens x experts / ep, to the other shard
+    sent = {dev: [] for dev in ("CPU:0", "CPU:1")}
+    for function in meta.function_graphs:
+        for part in function.partition_graphs:
+            for node in part.node:
+                src = node.attr["send_device"].s.decode() if node.op == "_Send" else ""
+                if not src or src == node.attr["recv_device"].s.decode() or "/moe" not in node.input[0]:
+                    continue
+                producer, _, index = node.input[0].partition(":")
+                shape = graph.get_operation_by_name(producer).outputs[int(index or 0)].shape
+                sent[src.rsplit("device:", 1)[-1]].append((tf.dtypes.as_dtype(node.attr["T"].type), shape,
+                                                          producer))
+    hw = get_hardware("a100-80gb")
+    planned = step_time(ModelSpec.from_config(cfg.model), Layout(dp=2, ep=2, micro_batch=4, policy=policy),
+                        hw).comm_bytes["moe_all_to_all"]
+    for dev, tensors in sent.items():
+        routed = [t for t in tensors if t[1].rank == 2 and t[1][0] is None]
+        indices = [t for t in tensors if t[1].rank == 1 and t[1][0] is None]
+        small = [t for t in tensors if t not in routed and t not in indices]
+        assert len(routed) == 4 and all(t[0] == compute and t[1][1] == d for t in routed), (dev, tensors)
+        assert len(indices) == 1 and indices[0][0] == tf.int32, (dev, tensors)
+        # statistics (scalars, one value per expert) and the router's gradient, summed over the
+        # data replicas with the other dense weights (not the all-to-all)
+        assert all(t[1].num_elements() <= d * cfg.model.experts for t in small), (dev, small)
+        measured = len(routed) * rows * d * e + rows * 4
+        assert planned == pytest.approx(measured, rel=1e-12), dev

@@ -112,7 +112,7 @@ def test_dp2_trains_as_one_device_with_grad_accum_dp(devices, accum):
 def test_dropout_state_still_advances_under_the_moe_loss(devices):
     """The balancing loss is collected per call, with the call's variable updates applied after
     it: the dropout seeds advance, so two steps on one batch drop different units."""
-    cfg = config(dropout=0.5)
+    cfg = config(dropout=0.5, layers=1)  # one MoE block shows it (each block's step traced for 2 replicas)
     e = engine(cfg, devices[:2], random_weights(cfg))
     seeds = [v for v in e.model.variables if "seed_generator" in v.path]
     assert seeds

@@ -91,6 +91,8 @@ class DeviceMemory:
     gradients: float
     activations: float
     temporaries: float
+    params: float = 0.0           # parameters whose weights the device holds (the Keras-engine model fills it)
+    expert_params: float = 0.0    # of them, experts
 
     @property
     def total(self) -> float:
@@ -148,6 +150,29 @@ def rank_peak_parts(schedule, rank: int, set_bytes: float, grad_bytes: float,
             done += 1
     end = min(done, 1)  # the sum, handed to the optimizer
     return best if end * grad_bytes <= best[0] else (end * grad_bytes, 0, end, False)
+
+
+def step_peak_estimate(held: int, backwards: int, set_bytes: float, grad_bytes: float,
+                       backward_bytes: float) -> tuple[float, int, int, bool]:
+    """:func:`rank_peak_parts` in closed form (the search's
+    pre-filter), for a rank that holds at most ``held`` activation sets and runs ``backwards``
+    backward actions: the peak is at the first backward after the last forward (``held`` sets,
+    the gradient sum if a backward ran before), at the next backward (``held - 1`` sets and the
+    sum), at the last backward (one set and the sum) or at the end (the sum). Exact for gpipe
+    and 1f1b (tested against the walk).
+
+    >>> step_peak_estimate(2, 4, 10, 1, 5)     # 1f1b, pp=2, m=4, rank 0: B2 with F2, F3 held
+    (26, 2, 1, True)
+    >>> rank_peak_parts(build_schedule("1f1b", 2, 4, 1), 0, 10, 1, 5)
+    (26, 2, 1, True)
+    """
+    n, w = backwards, min(held, backwards)
+    cands = [(w * set_bytes + min(n - w, 1) * grad_bytes + backward_bytes, w, min(n - w, 1), True)]
+    if w >= 2:
+        cands.append(((w - 1) * set_bytes + grad_bytes + backward_bytes, w - 1, 1, True))
+    cands.append((set_bytes + min(n - 1, 1) * grad_bytes + backward_bytes, 1, min(n - 1, 1), True))
+    cands.append((min(n, 1) * grad_bytes, 0, min(n, 1), False))
+    return max(cands, key=lambda c: c[0])
 
 
 def engine_memory_per_device(cfg: Config) -> dict[int, DeviceMemory]:

@@ -16,8 +16,8 @@ labelled list, never proposed as the best. What is runnable is read from the eng
   every replica reads the sum back (reduce-to-one + broadcast); ZeRO-2 reduce-scatters
   directly (replica ``d`` sums piece ``d``); only ``parallel.strategy=multi_worker``
   uses ``MultiWorkerMirroredStrategy``'s collective RING all-reduce;
-* the mixture-of-experts GPT: four flags, :data:`GPT_EXPERT_PARALLEL`, :data:`GPT_EP_WITH_TP_PP`,
-  :data:`GPT_EP_WITH_MESH_KNOBS` and :data:`GPT_MOE_ON_MESH`, stated here because the refusals sit
+* the mixture-of-experts GPT: five flags, :data:`GPT_EXPERT_PARALLEL`, :data:`GPT_EP_WITH_TP_PP`,
+  :data:`GPT_EP_WITH_ZERO`, :data:`GPT_EP_WITH_RECOMPUTE` and :data:`GPT_MOE_ON_MESH`, stated here because the refusals sit
   inside the engines' constructors; ``tests/test_plan_engine.py`` checks each against the engine's refusal,
   so when an engine learns one the test says which flag to flip.
 
@@ -32,7 +32,7 @@ Example:
     >>> moe = ModelSpec(layers=4, d_model=64, heads=4, vocab=256, seq_len=32, experts=4)
     >>> plan_only_reasons(moe, Layout(dp=4)), plan_only_reasons(moe, Layout(dp=4, ep=2))
     ([], [])
-    >>> len(plan_only_reasons(moe, Layout(dp=2, ep=2, zero=1)))  # the ep engine and the mesh engine refuse it
+    >>> len(plan_only_reasons(moe, Layout(dp=2, ep=2, zero=2)))  # the ep engine and the mesh engine refuse it
     2
     >>> engine_zero_stages(), engine_schedules()
     ((0, 1, 2), ('gpipe', '1f1b', 'interleaved'))
@@ -55,7 +55,11 @@ GPT_EXPERT_PARALLEL = True
 # True: that engine runs ep with tp and pp too (it cuts the GPT into tensor shards and stages).
 GPT_EP_WITH_TP_PP = True
 # False while that engine refuses ep with ZeRO or recompute (keras_gpt.refuse_unhonoured).
-GPT_EP_WITH_MESH_KNOBS = False
+# True: that engine runs ep with parallel.zero=1 (the AdamW moments partitioned over the data
+# replicas by whole variables, engines/keras_model.py check_zero; zero=2 refused there).
+GPT_EP_WITH_ZERO = True
+# False while that engine refuses ep with recompute (keras_gpt.refuse_unhonoured).
+GPT_EP_WITH_RECOMPUTE = False
 # False while the mesh engine (tp, pp, ZeRO, recompute) refuses model.experts
 # (engines/mesh.py MeshEngine): the MoE GPT trains on tf.distribute (one device, dp, multi_worker) or dp x ep.
 GPT_MOE_ON_MESH = False
@@ -84,8 +88,8 @@ def engine_schedules() -> tuple[str, ...]:
 
 def plan_only_reasons(m, lay, hw=None) -> list[str]:
     """Why the engine cannot run layout ``lay`` of model ``m`` (empty: it can); with the
-    :class:`~phalanx.plan.hardware.Hardware` ``hw``, also a layout the engine runs only within
-    one node (expert parallelism, in one process)."""
+    :class:`~phalanx.plan.hardware.Hardware` ``hw``, also the layouts that would need one node to
+    reach into another (experts sharded across nodes, ZeRO with ep across nodes)."""
     reasons = []
     if lay.zero not in engine_zero_stages():
         reasons.append(f"ZeRO-{lay.zero} (the engine runs parallel.zero {', '.join(map(str, engine_zero_stages()))})")
@@ -103,15 +107,26 @@ def plan_only_reasons(m, lay, hw=None) -> list[str]:
         elif (lay.tp > 1 or lay.pp > 1) and not GPT_EP_WITH_TP_PP:
             reasons.append(f"expert parallelism parallel.ep={lay.ep} with tp/pp (phalanx train runs ep as dp x ep "
                            f"only)")
-        elif (lay.zero > 0 or lay.recompute != "none") and not GPT_EP_WITH_MESH_KNOBS:
-            reasons.append(f"expert parallelism parallel.ep={lay.ep} with ZeRO/recompute (phalanx train runs ep "
-                           f"with dp, tp and pp only)")
+        elif (lay.zero > (1 if GPT_EP_WITH_ZERO else 0)
+              or (lay.recompute != "none" and not GPT_EP_WITH_RECOMPUTE)):
+            reasons.append(f"expert parallelism parallel.ep={lay.ep} with ZeRO-{lay.zero}/recompute "
+                           f"{lay.recompute} (phalanx train runs ep with dp, tp, pp"
+                           f"{' and ZeRO-1' if GPT_EP_WITH_ZERO else ''} only)")
         elif hw is not None and lay.dp * lay.tp * lay.pp > hw.devices_per_node:
-            reasons.append(f"expert parallelism parallel.ep={lay.ep} across nodes (phalanx train runs ep in one "
-                           f"process: at most {hw.devices_per_node} devices)")
+            # Across nodes (phalanx launch, multi_worker): parallel.* is each node's own layout, the
+            # experts sharded over the node's own data replicas, the nodes data parallel.
+            per_node = lay.tp * lay.pp
+            local_dp = hw.devices_per_node // per_node if hw.devices_per_node % per_node == 0 else 0
+            if not local_dp or local_dp % lay.ep or lay.dp % local_dp:
+                reasons.append(f"expert parallelism parallel.ep={lay.ep} across nodes (phalanx train shards the "
+                               f"experts within one node: ep must divide the data replicas of a node, "
+                               f"{local_dp or 'none'} here)")
+            elif lay.zero:
+                reasons.append(f"ZeRO-{lay.zero} with expert parallelism across nodes (the Keras-model engine "
+                               f"partitions the optimizer state within one process only)")
     # ep > 1 with tp/pp runs on the expert-parallel engine, not the mesh engine
-    on_ep_engine = lay.ep > 1 and GPT_EXPERT_PARALLEL and GPT_EP_WITH_TP_PP and lay.zero == 0 and \
-        lay.recompute == "none"
+    on_ep_engine = lay.ep > 1 and GPT_EXPERT_PARALLEL and GPT_EP_WITH_TP_PP and \
+        lay.zero <= (1 if GPT_EP_WITH_ZERO else 0) and (lay.recompute == "none" or GPT_EP_WITH_RECOMPUTE)
     if m.experts and mesh_engine and not on_ep_engine and not GPT_MOE_ON_MESH:
         reasons.append("mixture of experts with tp/pp/ZeRO/recompute (the mesh engine refuses model.experts; "
                        "the MoE GPT trains dp, or ep > 1 with dp, tp and pp)")

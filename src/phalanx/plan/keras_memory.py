@@ -38,9 +38,45 @@ with an untied head +1.0/+1.7/+7.1/+2.5%, tp2 x pp2 float32 with 4 micro-batches
 peak (4 layers, d_model 256, seq 16, batch 2, float32): tp2 +1.9/+3.8% (read off it,
 :data:`DECAY_PRODUCTS`), tp2 x pp2 -1.8/+2.7/+1.1/+2.4%.
 
-What was not measured is refused (:func:`check_calibrated`): ``dp > 1`` (replica weight
-copies and the gradient sum), ``train.grad_accum > 1``, ``mixed_float16``, dropout, experts,
-sequence parallelism and the interleaved schedule.
+**Expert parallelism** (``phalanx train`` with ``parallel.ep > 1``:
+:class:`~phalanx.engines.keras_gpt.KerasGPTEngine`, the same engine with phalanx's AdamW,
+``optimizer="phalanx"``; what :func:`phalanx.plan.memory.memory_per_device` plans for those
+layouts, :func:`keras_devices`):
+
+* **data replicas**: replicas 1..dp-1 hold a copy of every weight (no optimizer slots); an
+  expert shard's copy is its ep group's, held by the group's replica of that shard, so every
+  device holds ``experts/ep`` experts of each MoE block. AdamW's moments sit beside the
+  weights themselves: replica 0 for the dense ones, group 0's replicas for their shards;
+* **experts whole on tensor rank 0**: the MoE layer, its router (float32, whole) and its
+  experts run on the replica's tensor rank 0 (experts are not cut by tp);
+* **an MoE block's activations**, per micro-batch under balanced routing (each shard runs
+  ``top_k`` x a replica's tokens for its group): the experts' hidden activation
+  (:data:`MOE_HIDDEN_SETS`; the experts' tanh GELU is Keras's, unfused), the routed rows split
+  by expert and stitched back (:data:`MOE_ROUTED_COPIES`), the router's float32 input and
+  probabilities (:data:`MOE_ROUTER`); ``capacity_factor`` < 1 keeps that share of the tokens;
+* **the MoE backward** (:data:`MOE_BACKWARD_SHARDS`, :data:`MOE_HIDDEN_FREED`): each expert's
+  slice of a shard gets a gradient of the whole shard's shape before they are summed;
+* **the optimizer phase**: each weight's gradient summed over the replicas on the weight's own
+  device, and phalanx's AdamW temporaries (:data:`PHALANX_OPT_TEMPORARIES`; the phase was the
+  peak of no measured layout).
+
+Checked (2026-11-26, ``phalanx plan --calibrate``, tests/test_calibrate_keras.py): 4 layers,
+d_model 256, seq 128, batch 8, 4 experts in every second block, ``top_k=4`` (every token to
+every expert: the balanced routing assumed, the same in every step), float32: dp2 x ep2
++6.1/-0.5%, dp2 x tp2 x ep2 -1.2/+4.8/+8.0/+4.5%, dp2 x ep2 x pp2 (2 micro-batches)
+-12.0/+10.7/-12.2/+2.7% (the first stage's MoE activations are under-counted); mixed_bfloat16
+dp2 x ep2 -7.1/-8.7%, dp2 x tp2 x ep2 +10.0/+3.7/+17.9/+6.2%. With top-2 of 4 at random
+initialisation the shards' loads are not balanced and move from step to step (up to 7%
+between profiled steps): float32 dp2 x ep2 +15.0/+6.4%, dp2 x tp2 x ep2
++7.8/+4.8/+20.5/+4.5%, dp2 x ep2 x pp2 +1.6/+22.6/+7.5/+36.5%. The constants were read off
+these runs; how much of each replica's MoE work a shard's device holds at its peak depends on
+the order the executor runs the replicas' steps in (one call or all of the group's at once,
+seen in the allocator's record), which the model does not follow.
+
+What was not measured is refused (:func:`check_calibrated`): for ``phalanx.fit`` (Keras's
+AdamW) ``dp > 1`` (replica weight copies and the gradient sum) and experts; for both
+``train.grad_accum > 1``, ``mixed_float16``, dropout, sequence parallelism and the interleaved
+schedule.
 
 Example:
     >>> from phalanx.config import load_config
@@ -58,9 +94,10 @@ from __future__ import annotations
 from phalanx.config import Config, ConfigError, parse_devices, resolve_degrees
 from phalanx.core.costs import ModelSpec
 from phalanx.parallel.schedules import build_schedule
-from phalanx.plan.engine_memory import DeviceMemory, _block_params, rank_peak
+from phalanx.plan.engine_memory import DeviceMemory, _block_params, rank_peak, step_peak_estimate
 from phalanx.plan.engine_rules import stage_bounds
-from phalanx.plan.activations import ACTIVATION_BYTES, layer_activation_bytes, schedule_in_flight
+from phalanx.plan.activations import (ACTIVATION_BYTES, in_flight_estimate, layer_activation_bytes,
+                                      schedule_in_flight)
 
 # The backward's working set when it starts, in float32 copies of one block's MLP hidden
 # activation on a tensor rank (seq x micro-batch x ffn / tp): the GELU's gradient and the
@@ -79,17 +116,52 @@ OPT_TEMPORARIES = 2.0
 # tp2 x pp2 the same shape showed no such pile-up, so it is not added there.
 DECAY_PRODUCTS = 0.85
 
+# Keras's per-variable AdamW temporaries are OPT_TEMPORARIES; phalanx's AdamW (KerasGPTEngine)
+# decays a weight into a temporary and scales its gradient into another before the fused
+# update, one variable after another: float32 copies of the largest weight on the device.
+PHALANX_OPT_TEMPORARIES = 2.0
+# A mixture-of-experts block's activations beyond its experts' MLPs, on tensor rank 0 of the
+# replica (router) or of the expert shard's replica (the rest), per micro-batch:
+# the router keeps a float32 copy of its input and of its probabilities (``MOE_ROUTER`` float32
+# copies of tokens x (d_model + experts)); each routed token's assignment is gathered, split by
+# expert and its output kept for the gate's gradient (``MOE_ROUTED_COPIES`` compute-dtype
+# copies of top_k x tokens x d_model).
+MOE_ROUTER = 1.0
+MOE_ROUTED_COPIES = 2.0
+# The experts' hidden activation per routed assignment and micro-batch, in compute-dtype copies
+# of ``ffn`` elements: the MLP-in output and the tanh-approximate GELU's unfused intermediates
+# (the experts' GELU is Keras's, not the blocks' fused kernel). One call keeps 5 (seen in the
+# allocator's record); 2.5 is what the measured peaks fit, with all of the group's calls counted
+# (a device's peak held one call's or all of them, as the executor ordered the replicas).
+MOE_HIDDEN_SETS = 2.5
+# The backward of an MoE block on the shard's device: each expert's slice of the shard's weights
+# gets a gradient of the whole shard's shape (StridedSliceGrad) before they are summed; float32
+# copies of one block's expert shard alive at once.
+MOE_BACKWARD_SHARDS = 5.0
+# ... while that block's backward has already freed this many of its MOE_HIDDEN_SETS copies
+# (the GELU's intermediates are read once, by the GELU's gradient).
+MOE_HIDDEN_FREED = 2.0
+# Compute-dtype copies of a device's expert shard per activation set under a mixed policy: every
+# replica of the ep group casts the shard on the shard's device for its own call.
+MOE_EXPERT_CASTS = 1.0
+
 SCHEDULES = ("1f1b", "gpipe")
 POLICIES = ("float32", "mixed_bfloat16")
+OPTIMIZERS = ("keras", "phalanx")
 
 
-def check_calibrated(cfg: Config, dp: int) -> None:
-    """Refuse what this memory model was not checked against, naming the key."""
+def check_calibrated(cfg: Config, dp: int, optimizer: str = "keras") -> None:
+    """Refuse what this memory model was not checked against, naming the key. ``optimizer``:
+    as :func:`keras_memory_per_device`'s (``"phalanx"``: ``phalanx train``'s expert-parallel
+    engine, measured with data replicas and experts; ``"keras"``: ``phalanx.fit``'s, without)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     why = "the Keras-engine memory model (phalanx.plan.keras_memory) was measured"
-    if dp != 1:
-        raise ConfigError("parallel.dp", f"{dp}: {why} for dp=1 only (replica weight copies and the gradient "
-                                         f"sum over replicas are not modelled); plan tp x pp with parallel.dp=1")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r}: one of {OPTIMIZERS}")
+    if optimizer == "keras" and dp != 1:
+        raise ConfigError("parallel.dp", f"{dp}: {why} for phalanx.fit (Keras's AdamW) at dp=1 only; plan tp x pp "
+                                         f"with parallel.dp=1 (phalanx train's expert-parallel engine is measured "
+                                         f"with dp: plan it without --keras)")
     if t.grad_accum != 1:
         raise ConfigError("train.grad_accum", f"{t.grad_accum}: {why} with train.grad_accum=1 only")
     if cfg.precision.policy not in POLICIES:
@@ -97,8 +169,9 @@ def check_calibrated(cfg: Config, dp: int) -> None:
                                               f"only (mixed_float16 adds Keras's loss-scaling optimizer)")
     if m.dropout:
         raise ConfigError("model.dropout", f"{m.dropout}: {why} without dropout; use model.dropout=0")
-    if m.experts:
-        raise ConfigError("model.experts", f"{m.experts}: {why} for dense models; use model.experts=0")
+    if m.experts and optimizer == "keras":
+        raise ConfigError("model.experts", f"{m.experts}: {why} for phalanx.fit of dense models; plan a mixture "
+                                           f"of experts as phalanx train runs it (parallel.ep > 1, without --keras)")
     if p.sequence_parallel:
         raise ConfigError("parallel.sequence_parallel", f"true: {why} without sequence parallelism")
     if p.zero:
@@ -111,10 +184,17 @@ def check_calibrated(cfg: Config, dp: int) -> None:
         raise ConfigError("parallel.schedule", f"{p.schedule!r}: {why} for {' and '.join(SCHEDULES)} only")
 
 
-def keras_memory_per_device(cfg: Config, blocks_per_stage: list[int] | None = None) -> dict[int, DeviceMemory]:
+def keras_memory_per_device(cfg: Config, blocks_per_stage: list[int] | None = None,
+                            optimizer: str | None = None) -> dict[int, DeviceMemory]:
     """Device index (mesh order: data, pipe, tensor; as ``parallel.devices`` numbers them) ->
-    predicted peak bytes of one ``phalanx.fit`` step of :func:`phalanx.models.transformer.gpt`
+    predicted peak bytes of one training step of :func:`phalanx.models.transformer.gpt`
     ``(cfg.model)`` on the Keras-model engine.
+
+    ``optimizer``: ``"keras"``, ``phalanx.fit``'s (Keras's AdamW from ``train.*``), or
+    ``"phalanx"``, ``phalanx train``'s for expert parallelism
+    (:class:`~phalanx.engines.keras_gpt.KerasGPTEngine`: phalanx's AdamW as a Keras optimizer);
+    by default ``"phalanx"`` when ``parallel.ep > 1`` (the layouts ``phalanx train`` runs there),
+    else ``"keras"``.
 
     ``blocks_per_stage``: the transformer blocks of each pipeline stage, when known from the
     engine's own cut (:func:`phalanx.parallel.keras_graph.split_keras_model`, read by
@@ -126,26 +206,79 @@ def keras_memory_per_device(cfg: Config, blocks_per_stage: list[int] | None = No
     m, p, t = cfg.model, cfg.parallel, cfg.train
     _, n = parse_devices(p.devices)
     dp, pp, tp = resolve_degrees(cfg, n or max(p.dp, 1) * max(p.pp, 1) * max(p.tp, 1))
-    check_calibrated(cfg, dp)
-    spec = ModelSpec.from_config(m)
+    optimizer = optimizer or ("phalanx" if p.ep > 1 else "keras")
+    check_calibrated(cfg, dp, optimizer)
+    return keras_devices(ModelSpec.from_config(m), dp=dp, pp=pp, tp=tp, ep=p.ep, microbatches=p.microbatches,
+                         micro_batch=t.global_batch // (dp * p.microbatches), schedule=p.schedule,
+                         policy=cfg.precision.policy, weight_decay=t.weight_decay, optimizer=optimizer,
+                         capacity_factor=m.capacity_factor, blocks_per_stage=blocks_per_stage)
+
+
+def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep: int = 1, microbatches: int = 1,
+                  micro_batch: int = 1, schedule: str = "1f1b", policy: str = "float32", weight_decay: float = 0.0,
+                  optimizer: str = "keras", capacity_factor: float = 0.0,
+                  blocks_per_stage: list[int] | None = None, exact: bool = True,
+                  distinct: bool = False) -> dict[int, DeviceMemory]:
+    """:func:`keras_memory_per_device` from the model's shape and the layout's degrees (what
+    the planner's :func:`phalanx.plan.memory.memory_per_device` has), unchecked: device index
+    -> predicted peak bytes. ``micro_batch``: sequences per micro-batch of one replica.
+    ``exact=False``: closed-form schedule peaks (:func:`~phalanx.plan.engine_memory.step_peak_estimate`,
+    for big tables). ``distinct=True``: only the devices that can differ (replica 0, a replica
+    holding expert shards' slots, one holding copies only; tensor ranks 0 and 1), for the planner.
+
+    >>> m = ModelSpec(layers=2, d_model=64, heads=4, ffn=128, vocab=256, seq_len=32, experts=4, top_k=2)
+    >>> mem = keras_devices(m, dp=4, ep=2, optimizer="phalanx")
+    >>> [round(mem[i].expert_params) for i in range(4)]   # 2 of 4 experts in each of 2 MoE blocks per device
+    [66304, 66304, 66304, 66304]
+    >>> mem[0].optimizer > mem[1].optimizer > mem[2].optimizer == 0   # slots: dense on 0, experts on group 0
+    True
+    """
+    m = spec
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r}: one of {OPTIMIZERS}")
     if blocks_per_stage is None:
         blocks_per_stage = [b - a for a, b in stage_bounds(spec, pp)]
     if len(blocks_per_stage) != pp or sum(blocks_per_stage) != m.layers:
         raise ValueError(f"blocks_per_stage={blocks_per_stage}: expected {pp} stages holding {m.layers} blocks")
-    micro = t.global_batch // p.microbatches
-    sched = build_schedule(p.schedule if pp > 1 else "1f1b", pp, p.microbatches, 1)
-    _, last_peak = schedule_in_flight(sched.name, pp, p.microbatches, 1)
-    e = ACTIVATION_BYTES[cfg.precision.policy]
+    first = [sum(blocks_per_stage[:r]) for r in range(pp)]
+    n_moe = [sum(1 for i in range(first[r], first[r] + blocks_per_stage[r])
+                 if m.experts and (i + 1) % m.moe_every == 0) for r in range(pp)]
+    n_dense = [blocks_per_stage[r] - n_moe[r] for r in range(pp)]
+    micro = micro_batch
+    name = schedule if pp > 1 else "1f1b"
+    if exact:
+        sched = build_schedule(name, pp, microbatches, 1)
+        peaks, last_peak = schedule_in_flight(name, pp, microbatches, 1)
+    else:
+        peaks, last_peak = in_flight_estimate(name, pp, microbatches, 1)
+
+    def step_peak(r: int, set_bytes: float, grad: float, backward: float) -> float:
+        if exact:
+            return rank_peak(sched, r, set_bytes, grad, backward)
+        return step_peak_estimate(peaks[r], microbatches, set_bytes, grad, backward)[0]
+
+    e = ACTIVATION_BYTES[policy]
     cast = e if e < 4 else 0  # a compute-dtype copy of each weight per activation set held
-    d, f, s, V = m.d_model, m.ffn_dim, m.seq_len, m.vocab
+    d, f, s, V, E, k = m.d_model, m.ffn_dim, m.seq_len, m.vocab, m.experts, m.top_k
     whole = layer_activation_bytes(spec, micro, 1, "none", False, e, False, fused=True)
     split_part = layer_activation_bytes(spec, micro, tp, "none", False, e, False, fused=True)
     unsplit = (whole - split_part * tp) / (1 - tp) if tp > 1 else whole
+    tokens = s * micro                     # one micro-batch of one replica
+    # MoE block (module docstring): the attention's share as a dense block's; the experts run on
+    # tensor rank 0 of the shard's replica, on top_k x its own tokens under balanced routing
+    # (capacity_factor < 1 keeps that share of them)
+    kept = k * (min(capacity_factor, 1.0) if capacity_factor > 0 else 1.0)
+    moe_acts = kept * tokens * (MOE_HIDDEN_SETS * e * f + MOE_ROUTED_COPIES * e * d) + MOE_ROUTER * 4 * tokens * (d + E)
+    expert_block = E / ep * (2 * d * f + f + d) if E else 0.0
 
-    def params(r: int, tr: int) -> tuple[float, float, float]:
-        """(parameters with optimizer slots, mirrored parameters, largest tensor) on (r, tr)."""
-        own = blocks_per_stage[r] * _block_params(d, f, tp, tr)
+    def params(r: int, tr: int) -> tuple[float, float, float, float]:
+        """(dense parameters, mirrored parameters, expert parameters, largest tensor) on (r, tr)."""
+        own = n_dense[r] * _block_params(d, f, tp, tr)
+        own += n_moe[r] * ((4 * d * d + 3 * d) / tp + (4 * d + d + d * E if tr == 0 else 0))
+        experts = n_moe[r] * expert_block if tr == 0 else 0.0
         largest = max(d * f / tp, d * d / tp) if blocks_per_stage[r] else 0.0
+        if n_moe[r] and tr == 0:
+            largest = max(largest, E / ep * d * f)
         mirror = 0.0
         if r == 0:
             own += V * d / tp + (s * d if tr == 0 else 0)
@@ -157,31 +290,47 @@ def keras_memory_per_device(cfg: Config, blocks_per_stage: list[int] | None = No
             elif pp > 1:
                 mirror = V * d / tp
             largest = max(largest, V * d / tp)
-        return own, mirror, largest
+        return own, mirror, experts, largest
 
     out: dict[int, DeviceMemory] = {}
-    for r in range(pp):
-        for tr in range(tp):
-            own, mirror, largest = params(r, tr)
-            weights = 4.0 * (own + mirror)
-            optimizer = 8.0 * own
-            grad = 4.0 * (own + mirror)
-            per_set = blocks_per_stage[r] * (split_part if tr == 0 else split_part - unsplit)
-            set_bytes = per_set + cast * (own + mirror)
-            backward = BACKWARD_MLP_SETS * 4.0 * s * micro * f / tp if blocks_per_stage[r] else 0.0
-            head = 0.0
-            if r == pp - 1:  # this rank's logits; on rank 0 the final LayerNorm, the gathered logits, Keras's loss
-                head = e * s * micro * V / tp
-                if tr == 0:
-                    head += e * s * micro * d + (e + 4) * s * micro * V
-                head *= last_peak
-            step = rank_peak(sched, r, set_bytes, grad, backward) + head
-            opt = grad + OPT_TEMPORARIES * 4.0 * largest
-            if pp == 1 and tr == 0 and t.weight_decay > 0:
-                opt += DECAY_PRODUCTS * 4.0 * sum(params(0, k)[0] for k in range(tp))
-            if step >= opt:
-                mem = DeviceMemory(weights, optimizer, 0.0, step - backward, backward)
-            else:
-                mem = DeviceMemory(weights, optimizer, grad, 0.0, opt - grad)
-            out[r * tp + tr] = mem
+    replicas = sorted({0, min(1, dp - 1), min(ep, dp - 1)}) if distinct else range(dp)
+    for rep in replicas:
+        for r in range(pp):
+            for tr in (sorted({0, min(1, tp - 1)}) if distinct else range(tp)):
+                own, mirror, experts, largest = params(r, tr)
+                held = own + mirror + experts          # every replica reads its own copy; an expert shard's
+                weights = 4.0 * held                   # copy is its group's (one per device)
+                # slots (float32 m and v) next to each variable; replicas > 0 hold copies only, except
+                # that group 0's replicas hold the expert shards themselves
+                slotted = (own if rep == 0 else 0.0) + (experts if rep < ep else 0.0)
+                optimizer_b = 8.0 * slotted
+                grad = 4.0 * held
+                per_set = n_dense[r] * (split_part if tr == 0 else split_part - unsplit)
+                attention = split_part - 2 * e * tokens * f / tp          # a block without its MLP share
+                per_set += n_moe[r] * ((attention + moe_acts) if tr == 0 else attention - unsplit)
+                set_bytes = per_set + cast * (own + mirror) + cast * MOE_EXPERT_CASTS * ep * experts
+                backward = BACKWARD_MLP_SETS * 4.0 * tokens * f / tp if n_dense[r] else 0.0
+                if n_moe[r] and tr == 0:
+                    backward = max(backward, MOE_BACKWARD_SHARDS * 4.0 * expert_block
+                                   - MOE_HIDDEN_FREED * e * kept * tokens * f)
+                head = 0.0
+                if r == pp - 1:  # this rank's logits; on rank 0 the final LayerNorm, the gathered logits, Keras's loss
+                    head = e * tokens * V / tp
+                    if tr == 0:
+                        head += e * tokens * d + (e + 4) * tokens * V
+                    head *= last_peak
+                step = step_peak(r, set_bytes, grad, backward) + head
+                # the optimizer phase: the gradients summed on each weight's own device
+                summed = 4.0 * ((own + mirror if rep == 0 else 0.0) + (experts if rep < ep else 0.0))
+                if optimizer == "keras":
+                    opt = summed + OPT_TEMPORARIES * 4.0 * largest
+                    if pp == 1 and tr == 0 and weight_decay > 0:
+                        opt += DECAY_PRODUCTS * 4.0 * sum(params(0, j)[0] for j in range(tp))
+                else:
+                    opt = summed + (PHALANX_OPT_TEMPORARIES * 4.0 * largest if summed else 0.0)
+                if step >= opt:
+                    mem = DeviceMemory(weights, optimizer_b, 0.0, step - backward, backward, held, experts)
+                else:
+                    mem = DeviceMemory(weights, optimizer_b, summed, 0.0, opt - summed, held, experts)
+                out[(rep * pp + r) * tp + tr] = mem
     return out

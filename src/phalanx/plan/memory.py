@@ -27,12 +27,19 @@ With ``pp > 1`` and tied embeddings the last stage holds a second copy of the to
 embedding (weights and gradient; its AdamW states live with the first copy).
 
 Expert parallelism (``parallel.ep``, :class:`~phalanx.plan.layout.Layout` ``ep``): each
-replica of an ep group holds ``experts/ep`` experts of every MoE block, so the experts'
-weights, gradients and AdamW states per device are divided by ``ep``; the attention,
-router, LayerNorms and embeddings stay whole (data parallel). ZeRO shards the dense states
-over the ``dp`` replicas and the expert states over the ``dp/ep`` replicas that hold the
-same experts. Activations do not change with ``ep`` under balanced routing: a device runs
-its experts on ``top_k`` x its own token count, received from the group.
+replica of an ep group holds ``experts/ep`` experts of every MoE block; the attention,
+router, LayerNorms and embeddings stay whole (data parallel). Activations do not change with
+``ep`` under balanced routing: a device runs its experts on ``top_k`` x its own token count,
+received from the group. ``phalanx train`` runs those layouts (with dp, tp and pp) on the
+Keras-model engine (:class:`~phalanx.engines.keras_gpt.KerasGPTEngine`), and their memory is
+that engine's (:func:`runs_on_keras_engine`, :func:`phalanx.plan.keras_memory.keras_devices`,
+checked against measurements): AdamW's moments next to each weight (replica 0 for the dense
+weights, the ep group's replicas for their expert shards), every other replica's copy of the
+weights, experts whole on tensor rank 0, the router's and the dispatch's buffers. ZeRO with ep
+(ZeRO-1 runs; its partition by whole variables is not modelled yet) and the layouts the engine
+does not run with ep (recomputation; plan only) keep the mesh engine's terms below: the
+experts' states divided by ``ep``, ZeRO sharding the dense states over the ``dp`` replicas and
+the expert states over the ``dp/ep`` replicas that hold the same experts.
 
 Activations per block and the in-flight counts of a schedule are
 :mod:`phalanx.plan.activations`'s.
@@ -47,7 +54,8 @@ from phalanx.parallel.schedules import build_schedule
 from phalanx.core.costs import ModelSpec
 from phalanx.plan.activations import ACTIVATION_BYTES, in_flight_estimate, layer_activation_bytes, schedule_in_flight
 from phalanx.plan.engine_memory import (BACKWARD_SETS, OPT_BUFFERS, ZERO_GRAD_SETS, ZERO_PIECE_SETS,
-                                       rank_peak_parts)
+                                       rank_peak_parts, step_peak_estimate)
+from phalanx.plan.keras_memory import keras_devices
 from phalanx.plan.engine_rules import stage_bounds
 from phalanx.plan.layout import Layout, check_expert_parallel
 
@@ -114,36 +122,41 @@ def _walk_schedule(name: str, pp: int, microbatches: int, virtual_stages: int):
     return SimpleNamespace(per_stage=tuple(tuple(a for a in acts if a.kind != "B") for acts in sched.per_stage))
 
 
-def step_peak_estimate(held: int, backwards: int, set_bytes: float, grad_bytes: float,
-                       backward_bytes: float) -> tuple[float, int, int, bool]:
-    """:func:`~phalanx.plan.engine_memory.rank_peak_parts` in closed form (the search's
-    pre-filter), for a rank that holds at most ``held`` activation sets and runs ``backwards``
-    backward actions: the peak is at the first backward after the last forward (``held`` sets,
-    the gradient sum if a backward ran before), at the next backward (``held - 1`` sets and the
-    sum), at the last backward (one set and the sum) or at the end (the sum). Exact for gpipe
-    and 1f1b (tested against the walk).
-
-    >>> from phalanx.plan.engine_memory import rank_peak_parts
-    >>> step_peak_estimate(2, 4, 10, 1, 5)     # 1f1b, pp=2, m=4, rank 0: B2 with F2, F3 held
-    (26, 2, 1, True)
-    >>> rank_peak_parts(build_schedule("1f1b", 2, 4, 1), 0, 10, 1, 5)
-    (26, 2, 1, True)
-    """
-    n, w = backwards, min(held, backwards)
-    cands = [(w * set_bytes + min(n - w, 1) * grad_bytes + backward_bytes, w, min(n - w, 1), True)]
-    if w >= 2:
-        cands.append(((w - 1) * set_bytes + grad_bytes + backward_bytes, w - 1, 1, True))
-    cands.append((set_bytes + min(n - 1, 1) * grad_bytes + backward_bytes, 1, min(n - 1, 1), True))
-    cands.append((min(n, 1) * grad_bytes, 0, min(n, 1), False))
-    return max(cands, key=lambda c: c[0])
-
-
 def runs_on_mesh_engine(lay: Layout) -> bool:
     """Whether ``phalanx train`` runs ``lay`` on the mesh engine (flat optimizer buffers,
     micro-batch schedule) rather than tf.distribute (data parallel only: Keras updates each
     variable), as :func:`~phalanx.plan.engine_memory.engine_memory_per_device` decides with
     ``parallel.strategy=auto``."""
     return lay.tp > 1 or lay.pp > 1 or lay.zero > 0 or lay.recompute != "none"
+
+
+def runs_on_keras_engine(lay: Layout) -> bool:
+    """Whether ``phalanx train`` runs ``lay`` on the Keras-model engine
+    (:class:`~phalanx.engines.keras_gpt.KerasGPTEngine`: expert parallelism, with dp, tp and
+    pp), whose memory is :func:`phalanx.plan.keras_memory.keras_devices`'s: AdamW's moments
+    beside each weight, every data replica's own weight copies, experts whole on their tensor
+    rank 0. Recomputation, sequence parallelism and the interleaved and zb schedules with ep are
+    plan only (:func:`phalanx.plan.engine_rules.plan_only_reasons`) and keep the mesh engine's
+    terms; so does ZeRO-1 with ep, which the engine runs (moments partitioned by whole variables)
+    but this model does not follow yet."""
+    return (lay.ep > 1 and lay.zero == 0 and lay.recompute == "none" and not lay.sequence_parallel
+            and lay.virtual_stages == 1 and (lay.pp == 1 or lay.schedule in ("1f1b", "gpipe")))
+
+
+def _keras_engine_memory(m: ModelSpec, lay: Layout, overhead_bytes: float, overhead_fraction: float,
+                         exact: bool) -> Memory:
+    """The fullest device of :func:`~phalanx.plan.keras_memory.keras_devices` (phalanx's AdamW,
+    the engine's own step; ``train.grad_accum`` is not modelled: one schedule's gradients)."""
+    devices = keras_devices(m, dp=lay.dp, pp=lay.pp, tp=lay.tp, ep=lay.ep, microbatches=lay.microbatches,
+                            micro_batch=lay.micro_batch, schedule=lay.schedule, policy=lay.policy,
+                            optimizer="phalanx", exact=exact, distinct=True)
+    index, dev = max(devices.items(), key=lambda kv: kv[1].total)
+    rank = index // lay.tp % lay.pp
+    peaks = (schedule_in_flight if exact else in_flight_estimate)(lay.schedule if lay.pp > 1 else "1f1b", lay.pp,
+                                                                  lay.microbatches, 1)[0]
+    return Memory(dev.weights, dev.gradients, dev.optimizer, dev.activations,
+                  overhead_bytes + overhead_fraction * dev.total, rank, dev.params, peaks[rank], dev.expert_params,
+                  dev.temporaries)
 
 
 def memory_per_device(m: ModelSpec, lay: Layout, overhead_bytes: float = 0.0,
@@ -179,6 +192,8 @@ def memory_per_device(m: ModelSpec, lay: Layout, overhead_bytes: float = 0.0,
     check_expert_parallel(m, lay)
     ep = lay.ep
     exact = exact_schedule or lay.pp * lay.microbatches * v <= 4096
+    if runs_on_keras_engine(lay):
+        return _keras_engine_memory(m, lay, overhead_bytes, overhead_fraction, exact)
     if exact:
         peaks, last_peak = schedule_in_flight(lay.schedule, lay.pp, lay.microbatches, v)
         sched = _walk_schedule(lay.schedule, lay.pp, lay.microbatches, v)

@@ -42,10 +42,16 @@ Model:
   ``b s h x bytes-per-activation x top_k x (ep-1)/ep`` bytes out of (and as many into) each
   device (:func:`all_to_all_bytes`): dispatch and combine in the forward, their gradients in
   the backward (4 per block and micro-batch; 6 under full recomputation, which re-runs the
-  forward's two). Priced on the link of the data axis (ep groups are data replicas), on the
-  critical path, not overlapped. Tokens over an expert's capacity are not sent; padding to
-  the capacity (GShard's dense dispatch) is not counted. The experts' gradients are summed
-  over the ``dp/ep`` replicas holding the same experts, the rest over all ``dp``.
+  forward's two). With more than one expert per shard the dispatch also carries each routed
+  row's expert within the shard (int32, :func:`dispatch_index_bytes`). These are the tensors
+  the engine's step sends between devices (KerasGPTEngine: per replica and remote shard, the
+  routed rows and their expert indices out, the experts' output back; in the backward the
+  output's gradient out and the rows' gradient back), counted from its partition graphs in
+  tests/test_plan_engine.py. Priced on the link of the data axis (ep groups are data
+  replicas), on the critical path, not overlapped. Tokens over an expert's capacity are not
+  sent; padding to the capacity (GShard's dense dispatch) is not counted. The experts'
+  gradients are summed over the ``dp/ep`` replicas holding the same experts, the rest over
+  all ``dp``.
 
 Links: ranks are numbered tp fastest, then dp, then pp (Megatron's order), so a tp group
 shares a node when ``tp`` divides the node size; a dp group or pipeline neighbour crosses
@@ -139,6 +145,20 @@ def all_to_all_bytes(m: ModelSpec, lay: Layout) -> float:
     return tokens * m.d_model * ACTIVATION_BYTES[lay.policy] * m.top_k * (lay.ep - 1) / lay.ep
 
 
+def dispatch_index_bytes(m: ModelSpec, lay: Layout) -> float:
+    """Bytes of expert indices one device sends with one dispatch: each routed row carries its
+    expert within the receiving shard (int32) when a shard holds more than one expert.
+
+    >>> m = ModelSpec(layers=2, d_model=64, heads=4, vocab=256, seq_len=32, experts=8, top_k=2)
+    >>> dispatch_index_bytes(m, Layout(dp=4, ep=4, micro_batch=2)) == 2 * 32 * 4 * 2 * 3 / 4
+    True
+    """
+    if lay.ep <= 1 or not m.experts or m.experts // lay.ep == 1:
+        return 0.0
+    tokens = lay.micro_batch * m.seq_len / (lay.tp if lay.sequence_parallel else 1)
+    return tokens * 4 * m.top_k * (lay.ep - 1) / lay.ep
+
+
 def links(lay: Layout, hw: Hardware) -> dict[str, float]:
     """Bandwidth used by each kind of traffic, given the rank order tp < dp < pp."""
     node = hw.devices_per_node
@@ -186,9 +206,9 @@ def step_time(m: ModelSpec, lay: Layout, hw: Hardware, utilization: float = DEFA
 
     # expert parallelism: a dispatch and a combine all-to-all per MoE block and pass (GShard;
     # DeepSpeed-MoE), on the data axis's link; full recomputation re-runs the forward's two
-    a2a_bytes = all_to_all_bytes(m, lay)
-    a2a = a2a_bytes / bw["dp"]
-    a2a_fwd, a2a_bwd = 2 * a2a, 2 * a2a + (2 * a2a if lay.recompute == "full" else 0.0)
+    a2a_bytes, index_bytes = all_to_all_bytes(m, lay), dispatch_index_bytes(m, lay)
+    a2a, index = a2a_bytes / bw["dp"], index_bytes / bw["dp"]
+    a2a_fwd, a2a_bwd = 2 * a2a + index, 2 * a2a + (2 * a2a + index if lay.recompute == "full" else 0.0)
 
     kinds = stage_kinds(m, lay.pp, lay.virtual_stages)
     counts = [a + b for a, b in kinds]
@@ -239,7 +259,8 @@ def step_time(m: ModelSpec, lay: Layout, hw: Hardware, utilization: float = DEFA
     blocks_per_rank = sum(counts[0::lay.pp])  # rank 0 holds the most blocks
     moe_per_rank = max(sum(n_moe for _, n_moe in kinds[r::lay.pp]) for r in range(lay.pp))
     n_a2a = 4 + (2 if lay.recompute == "full" else 0)
-    a2a_step_bytes = n_a2a * a2a_bytes * moe_per_rank * lay.microbatches
+    n_index = 1 + (1 if lay.recompute == "full" else 0)
+    a2a_step_bytes = (n_a2a * a2a_bytes + n_index * index_bytes) * moe_per_rank * lay.microbatches
     n_ar = 4 + (2 if lay.recompute == "full" else 0)
     tp_bytes = tp_pass_bytes / 2 * n_ar * blocks_per_rank * lay.microbatches if lay.tp > 1 else 0.0
     comm_bytes = {

@@ -94,13 +94,27 @@ def calibrate(cfg, plan=None, steps: int = 3, predicted_per_device: dict | None 
     from phalanx.engines.task import GPTTask
     from phalanx.engines.factory import build_engine
 
+    from phalanx.engines.keras_gpt import KerasGPTEngine, wants_keras_gpt
+    from phalanx.plan.keras_memory import check_calibrated, keras_memory_per_device
+
+    if wants_keras_gpt(cfg) and predicted_per_device is None and plan is not None:
+        check_calibrated(cfg, cfg.parallel.dp, "phalanx")  # before building anything
     engine = build_engine(cfg, GPTTask(cfg.model, cfg.precision.policy, cfg.train.seed))
     rng = np.random.default_rng(cfg.train.seed)
     batch = tf.constant(rng.integers(0, cfg.model.vocab, (cfg.train.global_batch, cfg.model.seq_len + 1)),
                         dtype=tf.int32)
+    variables = None
+    if isinstance(engine, KerasGPTEngine):
+        # expert parallelism: the Keras-model engine with phalanx's AdamW (its moments are
+        # plain tf.Variables beside each weight, not Keras optimizer variables)
+        opt = engine.optimizer
+        variables = keras_engine_variables(engine.engine) + list(opt.m) + list(opt.v)
+        if predicted_per_device is None and plan is not None:
+            predicted_per_device = {d: m.total for d, m in keras_memory_per_device(
+                cfg, engine_blocks_per_stage(engine.engine), optimizer="phalanx").items()}
     if predicted_per_device is None and plan is not None:
         predicted_per_device = {d: m.total for d, m in engine_memory_per_device(cfg).items()}
-    return _calibrate_engine(engine, batch, steps, predicted_per_device, plan)
+    return _calibrate_engine(engine, batch, steps, predicted_per_device, plan, variables)
 
 
 def _check_steps(steps: int) -> None:
@@ -205,7 +219,7 @@ def calibrate_keras(cfg, model=None, x=None, y=None, steps: int = 3, predicted_p
     if builtin:
         if x is not None or y is not None:
             raise ValueError("x / y: the built-in GPT is calibrated on random tokens; pass them only with model=")
-        check_calibrated(cfg, mesh.dp)  # before building anything
+        check_calibrated(cfg, mesh.dp, "keras")  # before building anything
         model = keras_gpt(cfg, mesh.tp)
         tokens = np.random.default_rng(cfg.train.seed).integers(
             0, cfg.model.vocab, (cfg.train.global_batch, cfg.model.seq_len + 1)).astype("int32")
@@ -220,7 +234,7 @@ def calibrate_keras(cfg, model=None, x=None, y=None, steps: int = 3, predicted_p
     engine = KerasModelEngine(model, cfg, mesh, batch)
     if builtin and predicted_per_device is None:
         predicted_per_device = {d: m.total for d, m in
-                                keras_memory_per_device(cfg, engine_blocks_per_stage(engine)).items()}
+                                keras_memory_per_device(cfg, engine_blocks_per_stage(engine), "keras").items()}
     return _calibrate_engine(engine, batch, steps, predicted_per_device, plan, keras_engine_variables(engine))
 
 
