@@ -4,22 +4,38 @@ Run by hand (it takes minutes: every layout is traced once):
 
     .venv/bin/python benchmarks/bench_parallel.py            # all layouts, markdown to stdout
     .venv/bin/python benchmarks/bench_parallel.py --quick    # a smaller model, fewer steps
+    .venv/bin/python benchmarks/bench_parallel.py --output benchmarks/results/parallel_<date>.md
 
 On ``cpu:8`` all logical devices share the host's cores (ARCHITECTURE.md), so a layout
 cannot be faster than one device: the figure of merit is the step time of the layout
-divided by the single-device step time of the same model and global batch (1.0 is
-ideal). The pipeline bubble is measured from a profiler trace of one step (the span of
-each executed action, per rank) and printed beside the ideal ``(p-1)/(v*m+p-1)``.
-Memory: the process's peak bytes during a step (``get_memory_info``; logical CPUs share
-one allocator, so it is the sum over devices), and the optimizer-state bytes each
-device holds (exact, from the variables) with and without ZeRO-1.
+divided by the one-device step time of the same model, global batch and precision (1.0
+is ideal). There are two one-device steps: the StrategyEngine's (what ``phalanx train``
+runs on one device: the Keras GPT on ``tf.distribute``) and the mesh engine's on a 1 x 1 x 1
+mesh. Both are timed next to every layout, one step each in turn (the machine's load
+changes during a run of minutes), and the table gives the ratio over each. The honest
+figure is the ratio over the *faster* of the two (column "x best one device").
+Both engines run ``--policy`` (default float32): comparing a bfloat16 step with a float32
+one measures the precision, not the layout (precision.policy=auto is bfloat16 on a CPU
+with bfloat16 units, so it is pinned here).
+
+The pipeline bubble is measured from a profiler trace of one step (the span of each
+executed action, per rank) and printed beside the ideal ``(p-1)/(v*m+p-1)``; on shared
+cores a rank also waits for the other ranks' ops, so it is far above the ideal.
+"CPU time x best one device": the process's CPU seconds per step (all threads, medians) over the
+faster one-device engine's. On a loaded machine (other processes on the same cores) the wall
+ratios favour the layouts with more runnable threads, which get a larger share of the cores;
+CPU time is steadier there, but it also counts the thread pools' spin-waiting, so on a quiet
+machine the wall ratio is the figure.
+Memory: the process's peak bytes during one step of the layout alone, less what was
+allocated before the layout's engine was built (``get_memory_info``; logical CPUs share
+one allocator, so it is the sum over devices), and the optimizer-state bytes each device
+holds (exact, from the variables) with and without ZeRO-1.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -28,6 +44,26 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # get_memory_info on the CPU reports only with the BFC allocator, chosen before TF starts.
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+# as the phalanx command does (oneDNN is off by default on AVX2-only CPUs; ARCHITECTURE.md)
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
+
+LAYOUTS = [  # name, dp, tp, pp, extra
+    ("mesh 1 device", 1, 1, 1, {}),
+    ("dp2", 2, 1, 1, {}),
+    ("tp2", 1, 2, 1, {}),
+    ("tp4", 1, 4, 1, {}),
+    ("pp2 gpipe m4", 1, 1, 2, {"schedule": "gpipe", "microbatches": 4}),
+    ("pp2 1f1b m4", 1, 1, 2, {"schedule": "1f1b", "microbatches": 4}),
+    ("pp4 gpipe m8", 1, 1, 4, {"schedule": "gpipe", "microbatches": 8}),
+    ("pp4 1f1b m8", 1, 1, 4, {"schedule": "1f1b", "microbatches": 8}),
+    ("pp4 interleaved v2 m8", 1, 1, 4, {"schedule": "interleaved", "virtual_stages": 2, "microbatches": 8}),
+    ("dp2-tp2-pp2 1f1b m4", 2, 2, 2, {"schedule": "1f1b", "microbatches": 4}),
+    ("recompute full", 1, 1, 1, {"recompute": "full"}),
+    ("recompute selective", 1, 1, 1, {"recompute": "selective"}),
+    ("dp2 zero1", 2, 1, 1, {"zero": 1}),
+    ("dp4 zero0", 4, 1, 1, {}),
+    ("dp4 zero1", 4, 1, 1, {"zero": 1}),
+]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small model, 3 timed steps")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per layout (median reported)")
     ap.add_argument("--only", default="", help="comma-separated layout names to run")
+    ap.add_argument("--policy", default="float32", choices=("float32", "mixed_bfloat16", "mixed_float16"),
+                    help="precision.policy of every engine (default float32)")
+    ap.add_argument("--output", default="", help="also write the markdown table to this file")
     args = ap.parse_args(argv)
 
     from phalanx.mesh import configure_logical_cpus
@@ -43,13 +82,16 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     import tensorflow as tf
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from machine_report import load, machine
+
     from phalanx.config import Config
-    from phalanx.mesh import Mesh
     from phalanx.engines.mesh import MeshEngine
-    from phalanx.parallel.trace import measured_bubble, profile_actions
-    from phalanx.parallel.schedules import bubble_formula
     from phalanx.engines.strategy import StrategyEngine
     from phalanx.engines.task import GPTTask
+    from phalanx.mesh import Mesh
+    from phalanx.parallel.schedules import bubble_formula
+    from phalanx.parallel.trace import measured_bubble, profile_actions
 
     model = (dict(layers=8, d_model=128, heads=8, ffn=512, vocab=256, seq_len=64) if args.quick else
              dict(layers=8, d_model=256, heads=8, ffn=1024, vocab=256, seq_len=128))
@@ -57,57 +99,74 @@ def main(argv: list[str] | None = None) -> int:
     steps = 3 if args.quick else args.steps
     rng = np.random.default_rng(0)
     batch = rng.integers(0, 256, size=(gb, model["seq_len"] + 1)).astype(np.int32)
-
-    layouts = [  # name, dp, tp, pp, extra
-        ("mesh 1 device", 1, 1, 1, {}),
-        ("dp2", 2, 1, 1, {}),
-        ("tp2", 1, 2, 1, {}),
-        ("tp4", 1, 4, 1, {}),
-        ("pp2 gpipe m4", 1, 1, 2, {"schedule": "gpipe", "microbatches": 4}),
-        ("pp2 1f1b m4", 1, 1, 2, {"schedule": "1f1b", "microbatches": 4}),
-        ("pp4 gpipe m8", 1, 1, 4, {"schedule": "gpipe", "microbatches": 8}),
-        ("pp4 1f1b m8", 1, 1, 4, {"schedule": "1f1b", "microbatches": 8}),
-        ("pp4 interleaved v2 m8", 1, 1, 4, {"schedule": "interleaved", "virtual_stages": 2, "microbatches": 8}),
-        ("dp2-tp2-pp2 1f1b m4", 2, 2, 2, {"schedule": "1f1b", "microbatches": 4}),
-        ("recompute full", 1, 1, 1, {"recompute": "full"}),
-        ("recompute selective", 1, 1, 1, {"recompute": "selective"}),
-        ("dp2 zero1", 2, 1, 1, {"zero": 1}),
-        ("dp4 zero0", 4, 1, 1, {}),
-        ("dp4 zero1", 4, 1, 1, {"zero": 1}),
-    ]
+    layouts = LAYOUTS
     if args.only:
         wanted = {s.strip() for s in args.only.split(",")}
-        layouts = [row for row in layouts if row[0] in wanted]
+        unknown = wanted - {row[0] for row in LAYOUTS}
+        if unknown:
+            ap.error(f"--only: unknown layouts {sorted(unknown)}; valid: {[row[0] for row in LAYOUTS]}")
+        layouts = [row for row in LAYOUTS if row[0] in wanted]
 
     def cfg_for(dp=1, tp=1, pp=1, **extra):
         return Config().replace(model=model, train={"global_batch": gb, "warmup": 1},
-                                parallel={"dp": dp, "tp": tp, "pp": pp, **extra})
+                                precision={"policy": args.policy}, parallel={"dp": dp, "tp": tp, "pp": pp, **extra})
 
-    def time_steps(engine) -> tuple[float, int]:
-        engine.train_step(batch)
-        engine.train_step(batch)
-        times = []
+    def step_time(engine) -> tuple[float, float]:
+        """Wall and process CPU seconds of one step."""
+        t0, c0 = time.perf_counter(), time.process_time()
+        float(engine.train_step(batch)["loss"])
+        return time.perf_counter() - t0, time.process_time() - c0
+
+    def in_use() -> int:
+        return tf.config.experimental.get_memory_info("CPU:0")["current"]
+
+    def peak_of_step(engine, before: int) -> int:
         tf.config.experimental.reset_memory_stats("CPU:0")
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            out = engine.train_step(batch)
-            float(out["loss"])
-            times.append(time.perf_counter() - t0)
-        peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
-        return statistics.median(times), peak
+        float(engine.train_step(batch)["loss"])
+        return tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
 
-    t0 = time.perf_counter()
+    t_start, load_start = time.perf_counter(), load()
+    info = machine()
     cfg = cfg_for()
-    base_time, base_peak = time_steps(StrategyEngine(cfg, GPTTask(cfg.model)))
-    print(f"single device (StrategyEngine): {base_time * 1000:.1f} ms/step, peak {base_peak / 2**20:.1f} MiB",
-          file=sys.stderr)
+    before = in_use()
+    strategy = StrategyEngine(cfg, GPTTask(cfg.model, args.policy, cfg.train.seed))
+    for _ in range(2):
+        step_time(strategy)
+    strategy_peak = peak_of_step(strategy, before)
+    before = in_use()
+    mesh_one = MeshEngine(cfg, Mesh.from_devices(devices[:1], 1, 1, 1), GPTTask(cfg.model, args.policy, cfg.train.seed))
+    for _ in range(2):
+        step_time(mesh_one)
+    mesh_one_peak = peak_of_step(mesh_one, before)
 
-    rows = []
+    rows, all_strategy, all_mesh = [], [], []
     for name, dp, tp, pp, extra in layouts:
         cfg = cfg_for(dp, tp, pp, **extra)
-        mesh = Mesh.from_devices(devices[: dp * tp * pp], dp, pp, tp)
-        engine = MeshEngine(cfg, mesh, GPTTask(cfg.model))
-        step, peak = time_steps(engine)
+        if (dp, tp, pp, extra) == (1, 1, 1, {}):
+            engine, peak = mesh_one, mesh_one_peak
+        else:
+            before = in_use()
+            engine = MeshEngine(cfg, Mesh.from_devices(devices[: dp * tp * pp], dp, pp, tp),
+                                GPTTask(cfg.model, args.policy, cfg.train.seed))
+            for _ in range(2):
+                step_time(engine)
+            peak = peak_of_step(engine, before)
+        # the layout and the two one-device engines, one step each in turn (order rotated)
+        times = {"layout": [], "strategy": [], "mesh": []}
+        cpu = {"layout": [], "strategy": [], "mesh": []}
+        engines = [("strategy", strategy), ("mesh", mesh_one)]
+        engines += [("layout", engine)] if engine is not mesh_one else []
+        for r in range(steps):
+            for key, e in engines[r % len(engines):] + engines[:r % len(engines)]:
+                wall, used = step_time(e)
+                times[key].append(wall)
+                cpu[key].append(used)
+        if engine is mesh_one:
+            times["layout"], cpu["layout"] = times["mesh"], cpu["mesh"]
+        step, s_one, m_one = (statistics.median(times[k]) for k in ("layout", "strategy", "mesh"))
+        step_cpu = statistics.median(cpu["layout"]) / min(statistics.median(cpu[k]) for k in ("strategy", "mesh"))
+        all_strategy += times["strategy"]
+        all_mesh += times["mesh"]
         bubble = ideal = None
         if pp > 1:
             with tempfile.TemporaryDirectory() as logdir:
@@ -117,23 +176,46 @@ def main(argv: list[str] | None = None) -> int:
                 bubble = measured_bubble(profile_actions(logdir), pp)
             ideal = bubble_formula(pp, engine.microbatches, engine.schedule.virtual_stages)
         state = engine.optimizer.state_bytes_per_device()
-        rows.append((name, step / base_time, step, bubble, ideal, peak, max(state.values())))
-        print(f"{name}: {step * 1000:.1f} ms/step", file=sys.stderr)
-        del engine
+        rows.append((name, step / min(s_one, m_one), step / s_one, step / m_one, step, step_cpu, bubble, ideal, peak,
+                     max(state.values())))
+        print(f"{name}: {step * 1000:.1f} ms/step (StrategyEngine {s_one * 1000:.1f}, mesh 1 device "
+              f"{m_one * 1000:.1f}), load {load()}", file=sys.stderr)
+        if engine is not mesh_one:
+            del engine
 
-    print(f"\nMesh engine on {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"TF {tf.__version__}, {time.strftime('%Y-%m-%d')}; GPT layers={model['layers']} "
-          f"d_model={model['d_model']} heads={model['heads']} ffn={model['ffn']} seq={model['seq_len']}, "
-          f"global batch {gb}, float32; median of {steps} steps; single device "
-          f"{base_time * 1000:.0f} ms/step, peak {base_peak / 2**20:.0f} MiB.\n")
-    print("| layout | step time / single device | ms/step | bubble measured | bubble (p-1)/(vm+p-1) "
-          "| peak MiB (all devices) | optimizer state MiB, largest device |")
-    print("|---|---|---|---|---|---|---|")
-    for name, ratio, step, bubble, ideal, peak, state in rows:
+    s_med, m_med = statistics.median(all_strategy), statistics.median(all_mesh)
+    faster = "StrategyEngine" if s_med <= m_med else "mesh engine"
+    lines = [
+        f"GPT layers={model['layers']} d_model={model['d_model']} heads={model['heads']} ffn={model['ffn']} "
+        f"seq={model['seq_len']}, global batch {gb}, {args.policy}, logical cpu:8 on the same cores; "
+        f"{time.strftime('%Y-%m-%d %H:%M %Z')}; median of {steps} steps per layout, each layout's steps "
+        f"interleaved with the two one-device engines'.",
+        "",
+        f"Machine: {info['model']}, {info['cores']} cores, flags {info['flags']}; TF {info['tf']}, "
+        f"Keras {info['keras']}; TF_ENABLE_ONEDNN_OPTS={info['onednn']}; threads {info['threads']}; "
+        f"load (1/5/15 min) {load_start} at the start, {load()} at the end.",
+        "",
+        f"One device, median over the run: StrategyEngine {s_med * 1000:.0f} ms/step (peak "
+        f"{strategy_peak / 2**20:.0f} MiB), mesh engine {m_med * 1000:.0f} ms/step (peak "
+        f"{mesh_one_peak / 2**20:.0f} MiB). The honest ratio is over the faster one-device step, "
+        f"here the {faster}'s (\"x best one device\", taken per layout over the interleaved steps).",
+        "",
+        "| layout | x best one device | x StrategyEngine 1 device | x mesh 1 device | ms/step | CPU time x best "
+        "one device | bubble measured | bubble (p-1)/(vm+p-1) | peak MiB (all devices) | optimizer state MiB, "
+        "largest device |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, best, over_s, over_m, step, step_cpu, bubble, ideal, peak, state in rows:
         b = f"{bubble:.2f}" if bubble is not None else "-"
         i = f"{ideal:.2f}" if ideal is not None else "-"
-        print(f"| {name} | {ratio:.2f} | {step * 1000:.0f} | {b} | {i} | {peak / 2**20:.0f} | {state / 2**20:.2f} |")
-    print(f"\n(total benchmark time {time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+        lines.append(f"| {name} | {best:.2f} | {over_s:.2f} | {over_m:.2f} | {step * 1000:.0f} | {step_cpu:.2f} "
+                     f"| {b} | {i} | {peak / 2**20:.0f} | {state / 2**20:.2f} |")
+    text = "\n".join(lines) + "\n"
+    print("\n" + text)
+    if args.output:
+        with open(args.output, "w") as fh:
+            fh.write(f"# benchmarks/bench_parallel.py, {time.strftime('%Y-%m-%d')}\n\n" + text)
+    print(f"(total benchmark time {time.perf_counter() - t_start:.0f} s)", file=sys.stderr)
     return 0
 
 
