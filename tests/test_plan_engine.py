@@ -395,10 +395,10 @@ def test_all_to_all_bytes_are_what_the_ep_engine_sends(devices, policy):
     shard its tokens x experts / ep rows, as balanced routing assumes."""
     import numpy as np
     import tensorflow as tf
-    from tensorflow.python.eager import context
 
     from phalanx.engines.factory import build_engine
     from phalanx.engines.task import GPTTask
+    from phalanx.train.calibrate import run_with_metadata
 
     cfg = load_config(None, ["model.layers=2", "model.d_model=32", "model.heads=2", "model.ffn=64",
                              "model.seq_len=16", "model.experts=4", "model.top_k=4", "model.moe_every=2",
@@ -406,12 +406,7 @@ def test_all_to_all_bytes_are_what_the_ep_engine_sends(devices, policy):
                              "parallel.devices=cpu:2", "parallel.dp=2", "parallel.ep=2"])
     engine = build_engine(cfg, GPTTask(cfg.model, policy, cfg.train.seed))
     batch = tf.constant(np.random.default_rng(0).integers(0, 256, (8, 17)), tf.int32)
-    context.enable_run_metadata()
-    try:
-        engine.train_step(batch)
-        meta = context.export_run_metadata()
-    finally:
-        context.disable_run_metadata()
+    _, meta = run_with_metadata(lambda: engine.train_step(batch))  # this step's functions only
     (step,) = engine.engine._train_fn._list_all_concrete_functions_for_serialization()  # the traced step
     graph = step.graph
     d, e = cfg.model.d_model, {"float32": 4, "mixed_bfloat16": 2}[policy]

@@ -286,6 +286,30 @@ def _mesh_devices(engine) -> list[str]:
     return list(strategy.extended.worker_devices) if strategy is not None else ["CPU:0"]
 
 
+def run_with_metadata(run):
+    """``(run(), the RunMetadata of the functions run() executed)``.
+
+    TensorFlow's context keeps what it recorded until someone exports it, so a caller that
+    enabled run metadata and never read it (a step that raised, a profiler) would leave its
+    function graphs in the next caller's export: they are dropped first.
+
+    >>> import tensorflow as tf
+    >>> value, meta = run_with_metadata(lambda: tf.function(lambda: tf.constant(2.0) * 3.0)())
+    >>> float(value), len(meta.function_graphs)
+    (6.0, 1)
+    """
+    from tensorflow.python.eager import context
+
+    context.export_run_metadata()  # clears what an earlier, unread recording left
+    context.enable_run_metadata()
+    try:
+        result = run()
+        meta = context.export_run_metadata()
+    finally:
+        context.disable_run_metadata()
+    return result, meta
+
+
 def _trace_placement(engine, batch) -> dict[str, str]:
     """Run the first step with run metadata on; return op name -> short device name.
 
@@ -293,14 +317,7 @@ def _trace_placement(engine, batch) -> dict[str, str]:
     where ``tf.device`` said, the others (e.g. the ops ``GradientTape.gradient`` creates,
     which carry no device) where the placer chose.
     """
-    from tensorflow.python.eager import context
-
-    context.enable_run_metadata()
-    try:
-        float(engine.train_step(batch)["loss"])
-        meta = context.export_run_metadata()
-    finally:
-        context.disable_run_metadata()
+    _, meta = run_with_metadata(lambda: float(engine.train_step(batch)["loss"]))
     placement: dict[str, str] = {}
     for fn in meta.function_graphs:
         for graph in fn.partition_graphs:
