@@ -74,9 +74,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default="float32", choices=("float32", "mixed_bfloat16", "mixed_float16"),
                     help="precision.policy of every engine (default float32)")
     ap.add_argument("--output", default="", help="also write the markdown table to this file")
+    ap.add_argument("--inter-op", type=int, default=0,
+                    help="inter_op_parallelism_threads (default 0: what configure_logical_cpus picks)")
     args = ap.parse_args(argv)
 
     from phalanx.mesh import configure_logical_cpus
+
+    if args.inter_op:
+        import tensorflow as tf
+
+        tf.config.threading.set_inter_op_parallelism_threads(args.inter_op)
 
     devices = configure_logical_cpus(8)
     import numpy as np
