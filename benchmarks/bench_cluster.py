@@ -36,6 +36,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from machine_report import load, machine  # noqa: E402
+
 PHALANX = [sys.executable, "-m", "phalanx.cli"]
 
 
@@ -80,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a smaller model and fewer steps")
     parser.add_argument("--all", action="store_true", help="also parameter_server")
     ns = parser.parse_args(argv)
+    started, load_before = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), load()
     with tempfile.TemporaryDirectory(prefix="phalanx-bench-cluster-") as tmp:
         work = Path(tmp)
         common = [*model_overrides(ns.quick), "train.eval_every=0", "checkpoint.every=0", "data.max_bytes=2000000",
@@ -94,8 +98,12 @@ def main(argv: list[str] | None = None) -> int:
                 rates[name].append(rate)
                 print(f"round {r + 1}: {name}: {rate:,.0f} tokens/s", file=sys.stderr, flush=True)
     base = statistics.median(next(iter(rates.values())))
-    print(f"model: {' '.join(model_overrides(ns.quick))}; float32; {ns.rounds} rounds; "
-          f"load average at the end {os.getloadavg()[0]:.1f}\n")
+    info = machine()
+    onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1 (the phalanx command's default)")
+    print(f"bench_cluster.py, {started}; machine: {info['model']}, {info['cores']} cores ({info['flags']}); "
+          f"TensorFlow {info['tf']}, Keras {info['keras']}; every process: TF_ENABLE_ONEDNN_OPTS={onednn}, "
+          f"TensorFlow's thread pools; load average (1/5/15 min) {load_before} at the start, {load()} at the end\n")
+    print(f"model: {' '.join(model_overrides(ns.quick))}; float32; {ns.rounds} rounds\n")
     print("| run | tokens/s (median) | ratio to local | per round |")
     print("|---|---|---|---|")
     for name, values in rates.items():
