@@ -57,7 +57,7 @@ from phalanx.core import optim
 from phalanx.core.loss_scale import LossScale
 from phalanx.engines.keras_model import KerasModelEngine, check_zero
 from phalanx.engines.strategy import JoinedVariable
-from phalanx.engines.task import GPTTask
+from phalanx.engines.task import GPTTask, for_config
 from phalanx.mesh import Mesh
 from phalanx.models import gpt as builtin
 from phalanx.models import transformer
@@ -231,6 +231,7 @@ class KerasGPTEngine:
             raise ConfigError("model", "the GPTTask's ModelConfig differs from cfg.model; build the task from "
                                        "cfg.model")
         refuse_unhonoured(cfg, mesh)
+        task = for_config(task, cfg)  # its layers compute in precision.policy (another policy is refused)
         self.cfg, self.task, self.mesh = cfg, task, mesh
         # workers: a keras_cluster.WorkerGroup when the run spans the workers of a cluster (``mesh`` is
         # then this worker's own devices; the workers are data parallel over it); None in one process.

@@ -33,6 +33,11 @@ compiled metrics. The engine only decides *where* things run:
   over replicas on each weight's device and applied by ``model.optimizer`` (a
   ``LossScaleOptimizer`` under ``mixed_float16``, which unscales and skips non-finite
   steps itself, as in Keras).
+* **Expert shards under a mixed policy** are cast to the compute dtype once per device and
+  step, where the shard lives, and every replica and micro-batch of its ep group reads that
+  copy (:func:`phalanx.layers.moe.attach_compute_copy`; the gradients flow through the one
+  cast to the float32 weight): a device holds one compute-dtype copy of its shard, not one per
+  reading call. The values are those of a cast per call.
 * **State that is not trained** (BatchNormalization moving statistics, Dropout's seed
   state) is threaded through the micro-batches in order — replica 0's micro-batches, then
   replica 1's, and so on — as GPipe does: each micro-batch is normalised with its own batch
@@ -65,7 +70,7 @@ import numpy as np
 import tensorflow as tf
 
 from phalanx.config import Config, ConfigError
-from phalanx.layers.moe import is_step_total
+from phalanx.layers.moe import MoE, attach_compute_copy, is_step_total
 from phalanx.layers.sharding import placement_of
 from phalanx.mesh import Mesh
 from phalanx.parallel.keras_graph import split_keras_model
@@ -375,6 +380,8 @@ class KerasModelEngine:
         self.regularized = [v for v in model.trainable_variables if getattr(v, "regularizer", None) is not None] \
             if self.split is not None else []
         self._custom_loss = type(model).compute_loss is not keras.Model.compute_loss
+        # id(variable read for an expert shard) -> the traced step's compute-dtype copy (_expert_casts)
+        self._casts: dict[int, tf.Tensor] = {}
         self._build(sample_batch)
         self._train_fn = tf.function(self._train_step, autograph=False)  # static shapes: one trace per batch shape
         self._test_fn = tf.function(self._test_step, autograph=False)  # static shapes: one trace per batch shape
@@ -504,6 +511,8 @@ class KerasModelEngine:
                 else:  # a shard: its value carries its device, and the layer's ops follow it
                     with tf.device(self.variable_device(v, replica, s)):
                         values.append(tf.identity(param))
+                    if id(param) in self._casts:  # the step's one compute-dtype copy of an expert shard
+                        attach_compute_copy(values[-1], self._casts[id(param)])
             added = tf.zeros([], tf.float32)  # this micro-batch's add_loss terms so far
             if self.split is None:
                 available = {"x": x}
@@ -565,6 +574,32 @@ class KerasModelEngine:
 
     # -- steps ------------------------------------------------------------------------------
 
+    def _expert_casts(self, replicas: int) -> dict[int, tf.Tensor]:
+        """id(a variable the replicas read for an expert shard) -> its value in the compute
+        dtype of the :class:`~phalanx.layers.moe.MoE` layer that reads it, cast once for the
+        step on the variable's device, for the shards a mixed policy computes in another dtype.
+
+        Without it every replica of an ep group (and each of its micro-batches) cast the shard
+        on the shard's device for its own call, and a device held a copy per call alive between
+        its forward and its backward. Made before any replica's work, outside the pipeline's
+        control dependencies, it is one tensor every call reads."""
+        dtypes = {}
+        for layer in self.model._flatten_layers(include_self=False):
+            if isinstance(layer, MoE):
+                for v in layer.trainable_variables:
+                    placement = placement_of(v)
+                    if placement is not None and placement.axis == "expert" and \
+                            tf.as_dtype(layer.compute_dtype) != tf.as_dtype(v.dtype):
+                        dtypes[id(v)] = layer.compute_dtype
+        casts: dict[int, tf.Tensor] = {}
+        for d in range(replicas):
+            for s, stage in enumerate(self.stages):
+                for v, param in zip(stage.trainable_variables, self._params(d, s)):
+                    if id(v) in dtypes and id(param) not in casts:  # the replicas of a group share the variable
+                        with tf.device(self.variable_device(v, d, s)):
+                            casts[id(param)] = tf.cast(tf.convert_to_tensor(param), dtypes[id(v)])
+        return casts
+
     def _micro_batches(self, batch, replica: int, per_replica: int, parts: int) -> list:
         size = per_replica // parts
         with tf.device(self.stage_device(replica, 0)):
@@ -591,6 +626,7 @@ class KerasModelEngine:
         scale = tf.cast(self.optimizer.scale_loss(tf.constant(1.0)), tf.float32)
         metrics_before = None if self.workers is None else self.workers.read_metrics(self.model)
         self._reg_value, reg_grads = self._regularization() if self.regularized else (None, {})
+        self._casts = self._expert_casts(self.dp)
         state = self._initial_state(training=True)
         start = [list(values) for values in state]
         acc = [[[] for _ in stage.trainable_variables] for stage in self.stages]
@@ -650,7 +686,7 @@ class KerasModelEngine:
             for v, new, old in zip(stage.non_trainable_variables, state[s], start[s]):
                 if new is not old or is_step_total(v):  # totals: this step's, even if never added to
                     v.value.assign(tf.cast(new, v.value.dtype))
-        self._reg_value = None
+        self._reg_value, self._casts = None, {}
         with tf.device(self.stage_device(0, self.chunks - 1)):
             return {"loss": loss_sum / float(total * self.world)}
 
@@ -665,6 +701,7 @@ class KerasModelEngine:
     def _inference(self, batch, mode: str):
         replicas, parts = self._split_for_inference(_rows(batch[0]))
         state = self._initial_state()
+        self._casts = self._expert_casts(replicas)
         results = []
         for d in range(replicas):
             for micro in self._micro_batches(batch, d, _rows(batch[0]) // replicas, parts):
@@ -672,6 +709,7 @@ class KerasModelEngine:
                 for s in range(self.chunks):
                     carried = self._forward(d, s, carried, micro, state, mode)
                 results.append(carried)
+        self._casts = {}
         return results
 
     def _test_step(self, x, y, sw):

@@ -49,6 +49,7 @@ import tensorflow as tf
 from phalanx.config import Config, ConfigError
 from phalanx.core.costs import layer_costs
 from phalanx.engines.pipelined import PipelinedEngine
+from phalanx.engines.task import for_config
 from phalanx.layers import dropout as dropout_lib
 from phalanx.mesh import Mesh
 from phalanx.models import gpt
@@ -74,6 +75,8 @@ class MeshEngine(PipelinedEngine):
         if p.sequence_parallel and m.seq_len % mesh.tp:
             raise ConfigError("parallel.sequence_parallel", f"true cuts the sequence into parallel.tp={mesh.tp} "
                                                             f"chunks: model.seq_len={m.seq_len} is not divisible")
+        if task is not None:
+            for_config(task, cfg)  # the model computes in precision.policy: a task built for another is refused
         try:
             self.model = ShardedGPT(m, mesh.tp, cfg.precision.policy, sequence_parallel=p.sequence_parallel)
         except ValueError as err:

@@ -40,7 +40,7 @@ from phalanx.config import Config
 from phalanx.core import optim
 from phalanx.core.batch import rows, split_batch, take
 from phalanx.core.loss_scale import LossScale
-from phalanx.engines.task import Task
+from phalanx.engines.task import Task, for_config
 
 
 class Engine(Protocol):
@@ -126,6 +126,8 @@ class StrategyEngine:
     """Data-parallel training step through a ``tf.distribute`` strategy."""
 
     def __init__(self, cfg: Config, task: Task, strategy: tf.distribute.Strategy | None = None):
+        # the task computes in precision.policy (a task built for another one is refused)
+        task = for_config(task, cfg)
         self.cfg, self.task = cfg, task
         self.strategy = strategy or local_strategy(["/device:CPU:0"])
         self.dp = self.strategy.num_replicas_in_sync

@@ -20,7 +20,7 @@ from typing import Any, Callable, Protocol
 import tensorflow as tf
 
 from phalanx.checkpoint import boxes
-from phalanx.config import ModelConfig
+from phalanx.config import Config, ConfigError, ModelConfig
 from phalanx.core import costs
 from phalanx.models import gpt, transformer
 
@@ -97,16 +97,58 @@ def _assign_here(variable, value) -> None:
     var.assign(tf.cast(value, var.dtype))
 
 
+MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")
+
+
+def for_config(task, cfg: Config):
+    """``task`` as an engine trains it under ``cfg``: a task that names no precision policy
+    (``GPTTask(model_cfg)``, ``KerasTask(...)``) gets ``precision.policy`` (a copy: the
+    caller's task is left as it is); one that names another policy is refused, so that no
+    engine trains in a precision its config does not say. A task without a ``dtype_policy``
+    attribute (a user's own :class:`Task`) is returned as it is.
+
+    Example:
+        >>> from phalanx.config import Config
+        >>> cfg = Config().replace(precision={"policy": "mixed_bfloat16"})
+        >>> for_config(GPTTask(cfg.model), cfg).dtype_policy
+        'mixed_bfloat16'
+        >>> try:
+        ...     for_config(GPTTask(cfg.model, "float32"), cfg)
+        ... except ConfigError as err:
+        ...     print(err.key, "|", str(err).split(":")[1].split(" its model")[0])
+        precision.policy |  mixed_bfloat16, but the GPTTask was built for float32
+    """
+    if not hasattr(task, "dtype_policy"):
+        return task
+    policy = cfg.precision.policy
+    if task.dtype_policy is None:
+        return task.with_policy(policy)
+    if task.dtype_policy != policy:
+        raise ConfigError("precision.policy", f"{policy}, but the {type(task).__name__} was built for "
+                                              f"{task.dtype_policy}: its model would train in {task.dtype_policy}. "
+                                              f"Build the task without a policy (it then takes precision.policy) "
+                                              f"or set precision.policy={task.dtype_policy}")
+    return task
+
+
 class GPTTask:
     """The built-in GPT (:func:`phalanx.models.transformer.gpt` at ``tp=1``) on int32 batches
     ``[b, seq_len + 1]``; its weights are named as :func:`phalanx.models.gpt.weight_shapes`
-    names them (:meth:`variable_parts`)."""
+    names them (:meth:`variable_parts`).
 
-    def __init__(self, cfg: ModelConfig, dtype_policy: str = "float32", seed: int = 0):
+    ``dtype_policy``: the Keras policy its layers compute in. None (the default): the
+    ``precision.policy`` of the config an engine trains it under (:func:`for_config`; an engine
+    refuses a task built for another policy); built outside an engine, float32."""
+
+    def __init__(self, cfg: ModelConfig, dtype_policy: str | None = None, seed: int = 0):
         self.cfg, self.dtype_policy, self.seed = cfg, dtype_policy, seed
 
+    def with_policy(self, dtype_policy: str) -> "GPTTask":
+        """The same task computing in ``dtype_policy``."""
+        return GPTTask(self.cfg, dtype_policy, self.seed)
+
     def build(self):
-        model = transformer.gpt(self.cfg, seed=None, dtype_policy=self.dtype_policy)
+        model = transformer.gpt(self.cfg, seed=None, dtype_policy=self.dtype_policy or "float32")
         # one tensor at a time (the values of gpt.initial_weights, drawn in seeded tiles): the
         # host never holds the whole initial model
         init = gpt.initializer(self.cfg, self.seed)
@@ -159,13 +201,26 @@ class KerasTask:
 
     ``model_fn`` builds the model (it is called inside the strategy scope, so the
     variables land on the right devices). Weights are named by their Keras path.
+
+    ``dtype_policy`` (None: the ``precision.policy`` of the config an engine trains it under,
+    :func:`for_config`): under a mixed policy, the layers the model left on ``float32`` take it
+    (float32 variables, lower-precision compute: as if built under it, as :func:`phalanx.fit`
+    runs a model); a layer on another mixed policy is refused (:func:`honour_policy`).
     """
 
-    def __init__(self, model_fn: Callable[[], Any], loss_fn: Callable, sample_input=None):
+    def __init__(self, model_fn: Callable[[], Any], loss_fn: Callable, sample_input=None,
+                 dtype_policy: str | None = None):
         self.model_fn, self.loss_fn, self.sample_input = model_fn, loss_fn, sample_input
+        self.dtype_policy = dtype_policy
+
+    def with_policy(self, dtype_policy: str) -> "KerasTask":
+        """The same task computing in ``dtype_policy``."""
+        return KerasTask(self.model_fn, self.loss_fn, self.sample_input, dtype_policy)
 
     def build(self):
         model = self.model_fn()
+        if self.dtype_policy is not None:
+            honour_policy(model, self.dtype_policy)
         if not model.built and self.sample_input is not None:
             model(self.sample_input)
         return model
@@ -208,3 +263,34 @@ class KerasTask:
 
     def tokens_per_example(self) -> int:
         return 1
+
+
+def honour_policy(model, policy: str) -> None:
+    """Run the Keras ``model`` in ``precision.policy`` = ``policy``, or refuse: under a mixed
+    policy its layers still on ``float32`` (Keras's default) take it, as if the model had been
+    built under it; a layer that computes in a mixed policy other than ``policy`` (under
+    ``float32``: any mixed policy) is a :class:`ConfigError` naming both. Layers on other
+    policies (e.g. a quantized one) keep theirs.
+
+    Example:
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        >>> honour_policy(model, "mixed_bfloat16")
+        >>> model.layers[0].compute_dtype, model.layers[0].kernel.dtype
+        ('bfloat16', 'float32')
+        >>> try:
+        ...     honour_policy(model, "float32")
+        ... except ConfigError as err:
+        ...     print(err.key)
+        precision.policy
+    """
+    for layer in model._flatten_layers(include_self=True):
+        name = layer.dtype_policy.name
+        if name == policy:
+            continue
+        if name == "float32" and policy in MIXED_POLICIES:
+            layer.dtype_policy = policy
+        elif name in MIXED_POLICIES:
+            raise ConfigError("precision.policy", f"{policy}, but layer {layer.name!r} of model {model.name!r} "
+                                                  f"computes in {name}: set precision.policy={name}, or build "
+                                                  f"the model without that policy")

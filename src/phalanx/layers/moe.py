@@ -40,6 +40,13 @@ model variable, do).
 the shard's device, split by expert there and sent back once (one exchange per shard
 and direction, whatever the number of experts per shard).
 
+**Mixed precision.** The experts compute in the layer's compute dtype from float32 weights.
+A call casts each shard it reads, on the shard's device, unless the value the engine hands in
+for the shard carries a cast copy already (:func:`attach_compute_copy`): the Keras-model
+engine casts each expert shard once per device and step and hands that copy to every replica
+and micro-batch that reads it, so a device holds one compute-dtype copy of its shard, not one
+per reading call.
+
 Example:
     >>> import numpy as np
     >>> moe = MoE(num_experts=4, hidden_dim=16, top_k=2)
@@ -57,6 +64,7 @@ from keras import ops
 from phalanx.layers.sharding import ShardedLayer, on_device_of, shard_values
 
 _TOTAL = "_phalanx_step_total"
+_COMPUTE_COPY = "_phalanx_compute_copy"
 
 
 def is_step_total(variable) -> bool:
@@ -64,6 +72,50 @@ def is_step_total(variable) -> bool:
     engine that runs a step as several calls starts it at zero every step, so that after
     the step it holds the whole step's totals."""
     return getattr(variable, _TOTAL, False)
+
+
+def attach_compute_copy(value, copy) -> None:
+    """Hand an :class:`MoE` call ``copy``, the value ``value`` of an expert shard already cast
+    to the layer's compute dtype: the call reads ``copy`` (its gradient flows through whatever
+    made it) instead of casting ``value`` itself. ``value`` is the tensor an engine passes for
+    the shard's variable (``stateless_call``); a copy of another dtype is not used.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> moe = MoE(num_experts=2, hidden_dim=4, top_k=1, dtype="mixed_bfloat16")
+        >>> x = tf.ones([1, 2, 4], "bfloat16")
+        >>> _ = moe(x)  # builds it
+        >>> state = [v.value for v in moe.non_trainable_variables]
+        >>> values = [tf.identity(v.value) for v in moe.trainable_variables]
+        >>> [v.path.rsplit("/", 1)[-1] for v in moe.trainable_variables][:2]
+        ['router', 'w_in']
+        >>> def call():
+        ...     return moe.stateless_call(values, state, x)[0]
+        >>> bool(tf.reduce_any(call() != 0))
+        True
+        >>> attach_compute_copy(values[1], tf.zeros([2, 4, 4], "bfloat16"))  # a zero w_in, in bfloat16
+        >>> bool(tf.reduce_any(call() != 0))  # the copy was read: zero in, zero biases, zero out
+        False
+    """
+    setattr(value, _COMPUTE_COPY, copy)
+
+
+def _compute_values(layer, variables) -> list:
+    """:func:`~phalanx.layers.sharding.shard_values` of ``variables``, except that a value
+    carrying a compute-dtype copy (:func:`attach_compute_copy`) is that copy."""
+    import tensorflow as tf
+    from keras.src.backend.common.variables import AutocastScope  # no public un-cast read
+
+    out = []
+    for v in variables:
+        with AutocastScope(None):
+            raw = tf.convert_to_tensor(v)
+        copy = getattr(raw, _COMPUTE_COPY, None)
+        if copy is not None and copy.dtype == layer.compute_dtype:
+            out.append(copy)
+        else:
+            out.extend(shard_values(layer, [raw]))
+    return out
 
 
 @keras.saving.register_keras_serializable(package="phalanx")
@@ -194,7 +246,7 @@ class MoE(ShardedLayer):
         # are gathered once (token order, a token's choices in order), sent to the shard's
         # device with their expert within the shard, computed there and sent back once.
         for j in range(self.ep):
-            shard = dict(zip(names, shard_values(self, [getattr(self, name)[j] for name in names])))
+            shard = dict(zip(names, _compute_values(self, [getattr(self, name)[j] for name in names])))
             mine = kept if self.ep == 1 else tf.logical_and(tf.equal(chosen // per_shard, j), kept)  # [n, k]
             where = tf.where(mine)                                           # (token, choice) pairs
             tokens = where[:, 0]

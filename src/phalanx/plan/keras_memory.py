@@ -50,28 +50,42 @@ layouts, :func:`keras_devices`):
 * **experts whole on tensor rank 0**: the MoE layer, its router (float32, whole) and its
   experts run on the replica's tensor rank 0 (experts are not cut by tp);
 * **an MoE block's activations**, per micro-batch under balanced routing (each shard runs
-  ``top_k`` x a replica's tokens for its group): the experts' hidden activation
-  (:data:`MOE_HIDDEN_SETS`; the experts' tanh GELU is Keras's, unfused), the routed rows split
-  by expert and stitched back (:data:`MOE_ROUTED_COPIES`), the router's float32 input and
-  probabilities (:data:`MOE_ROUTER`); ``capacity_factor`` < 1 keeps that share of the tokens;
+  ``top_k`` x a replica's tokens / ``ep`` for each replica of its group): the experts' hidden
+  activation (:data:`MOE_HIDDEN_SETS`; the experts' tanh GELU is Keras's, unfused), the routed
+  rows split by expert and stitched back (:data:`MOE_ROUTED_COPIES`), the router's float32
+  input and probabilities (:data:`MOE_ROUTER`); ``capacity_factor`` < 1 keeps that share of
+  the tokens;
+* **every replica's calls at once**: a shard's device holds the MoE calls of all ``ep``
+  replicas of its group, as when the replicas run concurrently on separate accelerators (each
+  replica's forward reaches its backward with its calls on every shard alive).
+  ``group_calls=1`` (:func:`keras_devices`) is the other end: one replica's calls at a time;
 * **the MoE backward** (:data:`MOE_BACKWARD_SHARDS`, :data:`MOE_HIDDEN_FREED`): each expert's
   slice of a shard gets a gradient of the whole shard's shape before they are summed;
+* **mixed precision**: one compute-dtype copy of the device's expert shards through the step
+  (:data:`MOE_EXPERT_CASTS`: the engine casts each shard once per device and step);
 * **the optimizer phase**: each weight's gradient summed over the replicas on the weight's own
   device, and phalanx's AdamW temporaries (:data:`PHALANX_OPT_TEMPORARIES`; the phase was the
   peak of no measured layout).
 
-Checked (2026-11-26, ``phalanx plan --calibrate``, tests/test_calibrate_keras.py): 4 layers,
-d_model 256, seq 128, batch 8, 4 experts in every second block, ``top_k=4`` (every token to
-every expert: the balanced routing assumed, the same in every step), float32: dp2 x ep2
-+6.1/-0.5%, dp2 x tp2 x ep2 -1.2/+4.8/+8.0/+4.5%, dp2 x ep2 x pp2 (2 micro-batches)
--12.0/+10.7/-12.2/+2.7% (the first stage's MoE activations are under-counted); mixed_bfloat16
-dp2 x ep2 -7.1/-8.7%, dp2 x tp2 x ep2 +10.0/+3.7/+17.9/+6.2%. With top-2 of 4 at random
-initialisation the shards' loads are not balanced and move from step to step (up to 7%
-between profiled steps): float32 dp2 x ep2 +15.0/+6.4%, dp2 x tp2 x ep2
-+7.8/+4.8/+20.5/+4.5%, dp2 x ep2 x pp2 +1.6/+22.6/+7.5/+36.5%. The constants were read off
-these runs; how much of each replica's MoE work a shard's device holds at its peak depends on
-the order the executor runs the replicas' steps in (one call or all of the group's at once,
-seen in the allocator's record), which the model does not follow.
+Checked (2026-11-26, ``phalanx plan --calibrate``, tests/test_calibrate_keras.py; load 4-8 on 2
+cores): 4 layers, d_model 256, seq 128, batch 8, 4 experts in every second block, ``top_k=4``
+(every token to every expert: the balanced routing assumed, the same in every step). One CPU
+executor runs the replicas in an order that is the same in every step of a run but not from
+run to run (it follows the load; the allocator's record showed a shard's device holding one
+replica's calls, three of four, or all), so a device's peak moved by up to 48% between runs:
+the model is the concurrent end of that range, an upper bound here, and the one-replica figure
+(``group_calls=1``) the lower end. With four inter-op threads (the replicas run concurrently,
+as the model assumes), error per device, float32: dp2 x ep2 +3.3/+2.5%, dp2 x tp2 x ep2
++1.0/+2.4/-0.7/+5.5%, dp2 x ep2 x pp2 (2 micro-batches) +1.1/+6.3/+0.9/+0.0% (the
+constants were read off these); mixed_bfloat16 dp2 x ep2 +3.1/+2.8%; on a shape they were not
+read from (d_model 192, seq 96, vocab 512, dp4 x ep2) +4.1/+4.6/+5.8/+5.2%. With one inter-op
+thread (``phalanx plan --calibrate``), the planner's figure was 0.7% below to 48.5% above the
+measured peak (the one-replica figure 30.7% below to 23.1% above: on the last stage of
+dp2 x ep2 x pp2 the peak can come while a call is partly freed); d_model 192 dp4 x ep2
++16.6/+12.0/+4.8/+5.2%. Earlier fits (MOE_HIDDEN_SETS 2.5: half the group's calls) missed the
+concurrent order by up to 28% below. With top-2 of 4 at random initialisation the shards'
+loads are not balanced and move from step to step (up to 7% between profiled steps; measured
+before this refit).
 
 What was not measured is refused (:func:`check_calibrated`): for ``phalanx.fit`` (Keras's
 AdamW) ``dp > 1`` (replica weight copies and the gradient sum) and experts; for both
@@ -121,7 +135,7 @@ DECAY_PRODUCTS = 0.85
 # update, one variable after another: float32 copies of the largest weight on the device.
 PHALANX_OPT_TEMPORARIES = 2.0
 # A mixture-of-experts block's activations beyond its experts' MLPs, on tensor rank 0 of the
-# replica (router) or of the expert shard's replica (the rest), per micro-batch:
+# replica (router) or of the expert shard's replica (the rest), per micro-batch and replica call:
 # the router keeps a float32 copy of its input and of its probabilities (``MOE_ROUTER`` float32
 # copies of tokens x (d_model + experts)); each routed token's assignment is gathered, split by
 # expert and its output kept for the gate's gradient (``MOE_ROUTED_COPIES`` compute-dtype
@@ -130,19 +144,21 @@ MOE_ROUTER = 1.0
 MOE_ROUTED_COPIES = 2.0
 # The experts' hidden activation per routed assignment and micro-batch, in compute-dtype copies
 # of ``ffn`` elements: the MLP-in output and the tanh-approximate GELU's unfused intermediates
-# (the experts' GELU is Keras's, not the blocks' fused kernel). One call keeps 5 (seen in the
-# allocator's record); 2.5 is what the measured peaks fit, with all of the group's calls counted
-# (a device's peak held one call's or all of them, as the executor ordered the replicas).
-MOE_HIDDEN_SETS = 2.5
+# (the experts' GELU is Keras's, not the blocks' fused kernel): 5 per call in the allocator's
+# record (the MLP-in output, x^3, its scaled sum with x, 0.5 x, and the GELU's output).
+MOE_HIDDEN_SETS = 5.0
 # The backward of an MoE block on the shard's device: each expert's slice of the shard's weights
 # gets a gradient of the whole shard's shape (StridedSliceGrad) before they are summed; float32
 # copies of one block's expert shard alive at once.
 MOE_BACKWARD_SHARDS = 5.0
 # ... while that block's backward has already freed this many of its MOE_HIDDEN_SETS copies
-# (the GELU's intermediates are read once, by the GELU's gradient).
-MOE_HIDDEN_FREED = 2.0
-# Compute-dtype copies of a device's expert shard per activation set under a mixed policy: every
-# replica of the ep group casts the shard on the shard's device for its own call.
+# (the GELU's intermediates are read once, by the GELU's gradient; fitted with every call of
+# the group held: dp2 x ep2 x pp2, where an MoE backward is the first stage's peak).
+MOE_HIDDEN_FREED = 4.0
+# Compute-dtype copies of a device's expert shard held through the step under a mixed policy: the
+# engine casts each shard once per device and step, and every call of the group, every
+# micro-batch, reads that copy (keras_model's _expert_casts; 4.0 MiB, both blocks' shards, in the
+# allocator's record of dp2 x ep2 mixed_bfloat16).
 MOE_EXPERT_CASTS = 1.0
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -218,13 +234,19 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
                   micro_batch: int = 1, schedule: str = "1f1b", policy: str = "float32", weight_decay: float = 0.0,
                   optimizer: str = "keras", capacity_factor: float = 0.0,
                   blocks_per_stage: list[int] | None = None, exact: bool = True,
-                  distinct: bool = False) -> dict[int, DeviceMemory]:
+                  distinct: bool = False, group_calls: int | None = None) -> dict[int, DeviceMemory]:
     """:func:`keras_memory_per_device` from the model's shape and the layout's degrees (what
     the planner's :func:`phalanx.plan.memory.memory_per_device` has), unchecked: device index
     -> predicted peak bytes. ``micro_batch``: sequences per micro-batch of one replica.
     ``exact=False``: closed-form schedule peaks (:func:`~phalanx.plan.engine_memory.step_peak_estimate`,
     for big tables). ``distinct=True``: only the devices that can differ (replica 0, a replica
     holding expert shards' slots, one holding copies only; tensor ranks 0 and 1), for the planner.
+    ``group_calls``: how many replicas of an ep group have their MoE calls on a shard's device
+    alive at once: ``ep`` (the default) when the replicas run concurrently, as on separate
+    accelerators (every replica's forward reaches the backward with its calls held); 1 when
+    an executor runs one replica's forward and backward after another's (the least a
+    shard's device can hold; one CPU executor orders the replicas in between, from run to
+    run: the module docstring).
 
     >>> m = ModelSpec(layers=2, d_model=64, heads=4, ffn=128, vocab=256, seq_len=32, experts=4, top_k=2)
     >>> mem = keras_devices(m, dp=4, ep=2, optimizer="phalanx")
@@ -232,10 +254,16 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
     [66304, 66304, 66304, 66304]
     >>> mem[0].optimizer > mem[1].optimizer > mem[2].optimizer == 0   # slots: dense on 0, experts on group 0
     True
+    >>> serial = keras_devices(m, dp=4, ep=2, optimizer="phalanx", group_calls=1)
+    >>> serial[0].total < mem[0].total and serial[0].weights == mem[0].weights   # fewer calls held, same state
+    True
     """
     m = spec
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r}: one of {OPTIMIZERS}")
+    group_calls = ep if group_calls is None else group_calls
+    if not 1 <= group_calls <= max(ep, 1):
+        raise ValueError(f"group_calls={group_calls}: between 1 and ep={ep} replicas' calls")
     if blocks_per_stage is None:
         blocks_per_stage = [b - a for a, b in stage_bounds(spec, pp)]
     if len(blocks_per_stage) != pp or sum(blocks_per_stage) != m.layers:
@@ -267,7 +295,8 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
     # MoE block (module docstring): the attention's share as a dense block's; the experts run on
     # tensor rank 0 of the shard's replica, on top_k x its own tokens under balanced routing
     # (capacity_factor < 1 keeps that share of them)
-    kept = k * (min(capacity_factor, 1.0) if capacity_factor > 0 else 1.0)
+    # ... group_calls of the group's ep calls (top_k x tokens / ep rows each) held at once
+    kept = k * (min(capacity_factor, 1.0) if capacity_factor > 0 else 1.0) * group_calls / max(ep, 1)
     moe_acts = kept * tokens * (MOE_HIDDEN_SETS * e * f + MOE_ROUTED_COPIES * e * d) + MOE_ROUTER * 4 * tokens * (d + E)
     expert_block = E / ep * (2 * d * f + f + d) if E else 0.0
 
@@ -308,7 +337,7 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
                 per_set = n_dense[r] * (split_part if tr == 0 else split_part - unsplit)
                 attention = split_part - 2 * e * tokens * f / tp          # a block without its MLP share
                 per_set += n_moe[r] * ((attention + moe_acts) if tr == 0 else attention - unsplit)
-                set_bytes = per_set + cast * (own + mirror) + cast * MOE_EXPERT_CASTS * ep * experts
+                set_bytes = per_set + cast * (own + mirror)
                 backward = BACKWARD_MLP_SETS * 4.0 * tokens * f / tp if n_dense[r] else 0.0
                 if n_moe[r] and tr == 0:
                     backward = max(backward, MOE_BACKWARD_SHARDS * 4.0 * expert_block
@@ -319,7 +348,7 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
                     if tr == 0:
                         head += e * tokens * d + (e + 4) * tokens * V
                     head *= last_peak
-                step = step_peak(r, set_bytes, grad, backward) + head
+                step = step_peak(r, set_bytes, grad, backward) + head + cast * MOE_EXPERT_CASTS * experts
                 # the optimizer phase: the gradients summed on each weight's own device
                 summed = 4.0 * ((own + mirror if rep == 0 else 0.0) + (experts if rep < ep else 0.0))
                 if optimizer == "keras":

@@ -4,7 +4,9 @@ Model:
 
 * Compute: each model stage's forward and backward FLOPs per micro-batch (from
   :mod:`phalanx.core.costs`, recomputation added to the backward) divided by
-  ``peak FLOP/s x utilization``. The default utilisation, 0.5, is about what
+  ``peak FLOP/s x utilization``; with ``tp > 1`` a block's FLOPs are split over the
+  tensor ranks except an MoE block's router and experts, which run whole on tensor rank 0
+  (:func:`rank0_block_flops`). The default utilisation, 0.5, is about what
   Megatron-LM sustained on A100s for 1T parameters (163 of 312 TFLOP/s, Narayanan
   et al. 2021, Table 1); override it with ``--utilization``.
 * Tensor parallelism, as the mesh engine does it (``models/transformer.py``, ``ShardedGPT``): per block and
@@ -159,6 +161,27 @@ def dispatch_index_bytes(m: ModelSpec, lay: Layout) -> float:
     return tokens * 4 * m.top_k * (lay.ep - 1) / lay.ep
 
 
+def rank0_block_flops(m: ModelSpec, moe: bool, tp: int) -> float:
+    """Forward FLOPs per token of one block on its busiest tensor rank (rank 0): a dense
+    block's split ``1/tp``; an MoE block's attention split ``1/tp`` but its router and
+    ``top_k`` expert MLPs whole, since :class:`phalanx.layers.MoE` is never cut over tensor
+    devices (the engine runs it on the replica's tensor rank 0, the expert shards on their
+    replicas' rank 0) and the other tensor ranks wait for its output.
+
+    >>> m = ModelSpec(layers=2, d_model=64, heads=4, ffn=256, vocab=256, seq_len=32, experts=4, top_k=2)
+    >>> attention = 2 * 4 * 64 * 64 + 4 * 32 * 64           # projections, QK^T and AV
+    >>> rank0_block_flops(m, True, 2) == attention / 2 + 2 * (2 * 2 * 64 * 256) + 2 * 64 * 4
+    True
+    >>> rank0_block_flops(m, False, 2) == (attention + 2 * 2 * 64 * 256) / 2
+    True
+    """
+    whole = layer_forward_flops_per_token(m, moe)
+    if not moe:
+        return whole / tp
+    attention = layer_forward_flops_per_token(m) - 2 * 2 * m.d_model * m.ffn_dim
+    return attention / tp + (whole - attention)
+
+
 def links(lay: Layout, hw: Hardware) -> dict[str, float]:
     """Bandwidth used by each kind of traffic, given the rank order tp < dp < pp."""
     node = hw.devices_per_node
@@ -214,7 +237,7 @@ def step_time(m: ModelSpec, lay: Layout, hw: Hardware, utilization: float = DEFA
     counts = [a + b for a, b in kinds]
     per_block = {}
     for moe in ((False, True) if m.experts else (False,)):
-        fl = layer_forward_flops_per_token(m, moe) * tokens / lay.tp / rate
+        fl = rank0_block_flops(m, moe, lay.tp) * tokens / rate
         extra = 0.0
         if lay.recompute == "full":
             extra = fl
