@@ -152,6 +152,7 @@ EP_TOLERANCE = 0.10
 LOWER_TOLERANCE = {"dp2xep2": 0.10, "dp2xtp2xep2": 0.10, "dp2xep2xpp2": 0.25}
 
 
+@pytest.mark.memory_peak
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(EP_LAYOUTS))
 def test_expert_parallel_calibrate_on_every_device(tmp_path, layout):

@@ -375,6 +375,7 @@ def test_the_manifest_is_written_last(tmp_path, monkeypatch):
 BIG = dict(layers=1, d_model=64, heads=4, ffn=256, vocab=4096, seq_len=16)  # the 1 MiB embedding dominates
 
 
+@pytest.mark.memory_peak
 def test_peak_host_memory_of_save_restore_and_init_scales_with_the_shard(devices, tmp_path):
     peaks, model_bytes = {}, None
     for tp in (1, 4):

@@ -198,6 +198,7 @@ def test_checkpoint_moves_between_layouts(trained, reference, devices):
         target.load_state_dict({k: v for k, v in state.items() if not k.startswith("optimizer/m/")})
 
 
+@pytest.mark.memory_peak
 def test_recompute_lowers_peak_memory_and_keeps_the_math(devices):
     # Long sequences, thin layers: the [batch, heads, seq, seq] attention tensors dominate.
     cfg_kw = dict(layers=6, d_model=32, heads=4, ffn=64, vocab=256, seq_len=256)

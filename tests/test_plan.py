@@ -334,6 +334,7 @@ def test_doctests(module):
     assert doctest.testmod(module).failed == 0
 
 
+@pytest.mark.memory_peak
 def test_calibrate_memory_within_tolerance(tmp_path):
     """Real steps in a fresh process: TensorFlow keeps CPU allocator statistics only when its
     BFC allocator is chosen before import, which the already-initialised test process cannot do."""

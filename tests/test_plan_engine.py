@@ -157,6 +157,7 @@ CALIBRATE_LAYOUTS = {
 }
 
 
+@pytest.mark.memory_peak
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,policy", [(name, "float32") for name in sorted(CALIBRATE_LAYOUTS)]
                          + [(name, "mixed_bfloat16") for name in ("tp2", "pp2", "dp2xtp2xpp2")])

@@ -315,6 +315,7 @@ def assert_updated(updated: bool) -> None:
     assert updated, "not a mask update step"
 
 
+@pytest.mark.memory_peak
 def test_a_prune_step_holds_a_shard_not_the_model(devices):
     """Peak host NumPy memory (tracemalloc) of one mask update at tp1 and tp4 on the mesh engine,
     with the MLP kernels the largest weights: tp4's peak is about a quarter of tp1's."""

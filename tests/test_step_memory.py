@@ -52,6 +52,7 @@ def _state_bytes(engine, weights_only: bool) -> dict[str, float]:
     return out
 
 
+@pytest.mark.memory_peak
 @pytest.mark.slow  # the profiler's allocation record of 6 steps: 30-50 s at load 10
 def test_pipeline_gradients_do_not_grow_with_micro_batches(devices):
     """pp2: 8 micro-batches hold no more than 2 do (+1/4 of a gradient set for noise); each
@@ -71,6 +72,7 @@ def dp4_zero0(devices) -> dict[str, float]:
     return _peaks_above_state(_engine(devices, dp=4))
 
 
+@pytest.mark.memory_peak
 @pytest.mark.slow  # the profiler's allocation record of 9 steps on 4 devices: 40-60 s at load 10
 @pytest.mark.parametrize("zero", [1, 2])
 def test_zero_optimizer_temporaries_are_the_replicas_piece(devices, dp4_zero0, zero):
