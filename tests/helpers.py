@@ -60,20 +60,28 @@ def ghost_batches(inner, chunks: int, average_added_losses: bool = False):
     return Ghost()
 
 
-def peak_numpy_bytes(fn, runs: int = 3) -> int:
+def peak_numpy_bytes(fn, runs: int = 3, transient: bool = False) -> int:
     """The NumPy/Python peak (tracemalloc) of ``fn()``: run once unmeasured first (lazy imports,
     caches and first-call tracing are not the code path's memory), then the least of ``runs``
     measured calls, each after ``gc.collect()``. tracemalloc counts every thread's and every
     finalizer's allocations in its window; a one-off extra (seen once: +256 KiB, one tp4 shard,
-    on one of six identical calls in one process) is noise, the code path's own peak repeats."""
+    on one of six identical calls in one process) is noise, the code path's own peak repeats.
+
+    ``transient``: the peak minus what ``fn()``'s result still holds when it returns. A
+    ``tf.Variable`` made on a CPU device from a NumPy array may keep that array's buffer as its
+    own (TensorFlow aliases buffers that happen to be aligned, e.g. large page-aligned ones), so
+    the bytes of variables an engine made count in the peak or not, call by call; what the code
+    path needs beyond what it made is the same either way."""
     fn()
     peaks = []
     for _ in range(runs):
         gc.collect()
         tracemalloc.start()
         try:
-            fn()
-            peaks.append(tracemalloc.get_traced_memory()[1])
+            result = fn()
+            held, peak = tracemalloc.get_traced_memory()
+            peaks.append(peak - held if transient else peak)
         finally:
             tracemalloc.stop()
+            result = None
     return min(peaks)

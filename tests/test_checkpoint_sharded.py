@@ -395,19 +395,26 @@ def test_peak_host_memory_of_save_restore_and_init_scales_with_the_shard(devices
         reader = checkpoint.restore(path).reader
         peaks[("restore", tp)] = peak_numpy_bytes(lambda: checkpoint.load_shard_sets(reader, [device0], threads=1))
         m = Config().replace(model=BIG).model
+        # beyond the shard variables it made (on logical CPUs those are host memory, and may keep
+        # the NumPy buffer they were made from: peak_numpy_bytes' transient)
         peaks[("init", tp)] = peak_numpy_bytes(lambda: ShardedParams(
-            gpt.weight_shapes(m), gpt_splits(m), tp, 1, lambda n, t, d: [devices[t]], init=gpt.initializer(m, 0)))
-    ratios = {what: peaks[(what, 4)] / peaks[(what, 1)] for what in ("save", "restore", "init")}
+            gpt.weight_shapes(m), gpt_splits(m), tp, 1, lambda n, t, d: [devices[t]], init=gpt.initializer(m, 0)),
+            transient=True)
+    ratios = {what: peaks[(what, 4)] / peaks[(what, 1)] for what in ("save", "restore")}
     print("peak NumPy bytes:", peaks, "tp4/tp1:", ratios, "model state bytes:", model_bytes)
-    # a quarter of the biggest tensor, plus small change that does not shrink with tp (the random
-    # tile being drawn, the other weights' shards): init measured 0.404 in two clean-clone runs
-    # of 2026-11-26 (one serial), 0.39 before; a layout that made the whole tensor would be ~1
-    bounds = {"save": 0.4, "restore": 0.4, "init": 0.45}
     for what, ratio in ratios.items():
-        assert ratio < bounds[what], (what, ratio, peaks)
+        # a quarter of the biggest tensor, plus small change (restore measured 0.27-0.29, and 0.395
+        # once, with one tp4 shard more in all three measured calls); the whole tensor would be ~1
+        assert ratio < 0.45, (what, ratio, peaks)
+    # init: a shard's buffer and its drawn values, 2 x 1/4 of the biggest tensor, against the
+    # whole tensor at tp1. Whether a variable keeps its NumPy buffer moves the tp1/tp4 ratio
+    # between 0.13 and 0.47 from one call to the next (tp1 measured 1.03 or 2.06 MB for a 1 MiB
+    # tensor, tp4 0.46-0.51 MB), so the bounds are on the tensor's bytes.
+    biggest = max(int(np.prod(shape)) * 4 for shape in gpt.weight_shapes(m).values())
+    assert peaks[("init", 4)] < 0.6 * biggest < peaks[("init", 1)], (biggest, peaks)
     assert peaks[("save all", 1)] < 0.5 * model_bytes / 3  # < half of the weights alone: one slot at a time
     whole_init = peak_numpy_bytes(lambda: gpt.initial_weights(m, 0))  # what the engine built before: the model
-    assert peaks[("init", 4)] < 0.6 * whole_init  # a shard and its freshly drawn values
+    assert peaks[("init", 4)] < 0.6 * whole_init  # a shard and its freshly drawn values, not the model
 
 
 # ---------------------------------------------------------------------------
