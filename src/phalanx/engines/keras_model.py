@@ -75,6 +75,7 @@ from phalanx.layers.sharding import placement_of
 from phalanx.mesh import Mesh
 from phalanx.parallel.keras_graph import split_keras_model
 from phalanx.parallel.pipeline import accumulate_gradient, run_schedule, schedule_for
+from phalanx.precision import resolve_policy
 
 MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")
 
@@ -82,22 +83,51 @@ MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")
 # -- precision --------------------------------------------------------------------------
 
 
-def apply_precision(model, cfg: Config) -> None:
-    """Run ``model`` under ``precision.policy`` as if it had been built under it.
+def precision_of(model, cfg: Config) -> tuple[str, str]:
+    """``(policy, reason)``: the Keras dtype policy ``model`` trains under with ``cfg``.
 
-    Layers still on the default ``float32`` policy take the mixed policy (float32
-    variables, bfloat16/float16 compute); layers the user set to another policy (e.g. a
-    float32 softmax head) keep theirs. Under ``mixed_float16`` the optimizer is wrapped in
-    a ``LossScaleOptimizer`` (as ``model.compile`` does under that policy), started at
-    ``precision.loss_scale_init`` and grown every ``precision.loss_scale_growth_interval``
+    A model built under a mixed Keras policy (``model.dtype_policy``: the global policy when it
+    was made) runs as built: its layers' own policies, a float32 softmax head included, are the
+    user's choice. ``precision.policy=auto`` leaves such a model as built; an explicit policy
+    that differs from it is a ConfigError (it could not be honoured without discarding the
+    layers' choices). A model built under float32 takes ``precision.policy``.
+
+    Example:
+        >>> import keras
+        >>> from phalanx.config import load_config
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        >>> precision_of(model, load_config(None, ["precision.policy=mixed_bfloat16"]))
+        ('mixed_bfloat16', 'precision.policy=mixed_bfloat16')
+    """
+    policy, reason = resolve_policy(cfg)
+    built = model.dtype_policy.name
+    if built in MIXED_POLICIES and built != policy:
+        if reason.startswith("auto"):
+            return built, f"the model was built under {built}; precision.policy=auto keeps it"
+        raise ConfigError("precision.policy", f"{policy}, but model {model.name!r} was built under the Keras policy "
+                                              f"{built}: set precision.policy={built} (or auto), or build the model "
+                                              f"under float32 and let phalanx apply {policy}")
+    return policy, reason
+
+
+def apply_precision(model, cfg: Config) -> None:
+    """Run ``model`` under :func:`precision_of` its config, as if it had been built under it.
+
+    A model built under float32 takes a mixed ``precision.policy`` on every layer still on
+    float32 (float32 variables, bfloat16/float16 compute); layers the user set to another
+    policy keep theirs. A model built under the mixed policy keeps every layer's own policy
+    (a float32 head stays float32, as in Keras). Under ``mixed_float16`` the optimizer is
+    wrapped in a ``LossScaleOptimizer`` (as ``model.compile`` does under that policy), started
+    at ``precision.loss_scale_init`` and grown every ``precision.loss_scale_growth_interval``
     good steps.
     """
-    policy = cfg.precision.policy
+    policy, _ = precision_of(model, cfg)
     if policy not in MIXED_POLICIES:
         return
-    for layer in model._flatten_layers(include_self=True):
-        if layer.dtype_policy.name == "float32":
-            layer.dtype_policy = policy
+    if model.dtype_policy.name != policy:  # built under float32: the layers that took the default take the policy
+        for layer in model._flatten_layers(include_self=True):
+            if layer.dtype_policy.name == "float32":
+                layer.dtype_policy = policy
     optimizer = getattr(model, "optimizer", None)
     if policy == "mixed_float16" and optimizer is not None and \
             not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):

@@ -37,12 +37,11 @@ from phalanx import checkpoint
 from phalanx.config import Config, ConfigError
 from phalanx.data.keras_inputs import Batches
 from phalanx.engines import keras_cluster
-from phalanx.engines.keras_model import KerasModelEngine, apply_precision
+from phalanx.engines.keras_model import KerasModelEngine, apply_precision, precision_of
 from phalanx.fsutil import RunLock
 from phalanx.layers import TransformerBlock
 from phalanx.mesh import Mesh
 from phalanx.models import parallelize
-from phalanx.precision import describe as precision_line
 from phalanx.train import keras_state
 from phalanx.train.moe_stats import MoEStats
 from phalanx.train.progress import RunOutput
@@ -403,9 +402,10 @@ def _train_epochs(engine, model, cfg, run_dir: Path | None, output: RunOutput | 
     history.epoch = list(range(start)) if saved_history else []
     step_count = int(model.optimizer.iterations.numpy())
     across = "" if workers is None else f"{workers.size} workers x "
+    policy, why = precision_of(model, cfg)
     say(f"phalanx.fit: {model.name!r} on {across}dp={engine.dp} pp={engine.pp} (grad_accum {engine.accum}, "
-        f"{engine.microbatches} micro-batches), {cfg.precision.policy}; run dir {run_dir}")
-    say(precision_line(cfg))
+        f"{engine.microbatches} micro-batches), {policy}; run dir {run_dir}")
+    say(f"precision: {policy} ({why})")
     epoch_logs: dict = {}
     for epoch in range(start, epochs):
         model.reset_metrics()
