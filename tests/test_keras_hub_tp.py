@@ -57,8 +57,10 @@ def test_one_device_weights_load_into_tp_and_the_trained_model_writes_back(tmp_p
     model goes back to plain keras-hub layers, saves, reloads and generates."""
     x, y = data()
     plain = build("gpt2")
+    plain.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)  # weights no fresh build has
     want = plain.predict(x, verbose=0)
-    model = build("gpt2")  # the same weights (same seed)
+    plain.save(tmp_path / "one_device.keras")
+    model = keras.saving.load_model(tmp_path / "one_device.keras")  # the one-device model's own file
     phalanx.parallelize(model, 2)
     got = phalanx.predict(model, x, batch_size=8, verbose=0, overrides=LAYOUTS["tp2"])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
