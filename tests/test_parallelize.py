@@ -284,6 +284,26 @@ def test_keras_fit_trains_a_parallelized_model_like_the_plain_one():
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
 
 
+def test_rules_on_weight_paths_and_a_mesh_for_tp(devices):
+    """A rule may name a weight (``fc1/kernel$``): it decides the layer holding it; ``tp`` may be the
+    Mesh the model will run on (its tensor axis). Same logits as the plain model."""
+    from phalanx.mesh import Mesh
+
+    model = user_transformer()
+    x = np.random.default_rng(1).integers(0, 32, (2, SEQ)).astype("int32")
+    want = np.asarray(model(x))
+    rules = [("^embed/embeddings$", "vocab"), (r"^(q|k|v)/kernel$", "column"), ("^out/bias$", "row"),
+             ("^fc1/kernel$", "column"), ("^fc2/kernel$", "row")]
+    assert sorted((m.path, m.kind) for m in match(model, rules)) == sorted([
+        ("embed", "vocab"), ("q", "column"), ("k", "column"), ("v", "column"), ("out", "row"),
+        ("fc1", "column"), ("fc2", "row")])
+    phalanx.parallelize(model, Mesh.from_devices(devices[:4], dp=2, pp=1, tp=2), rules=rules)
+    assert type(model.get_layer("fc2")) is RowParallelDense and model.get_layer("fc2").tp == 2
+    assert_logits(model(x), want)
+    with pytest.raises(ValueError, match=r"rule 0 \('\^fc9/kernel\$' -> 'column'\) matches no layer"):
+        phalanx.parallelize(user_transformer(), 2, rules=[("^fc9/kernel$", "column")])
+
+
 # ---------------------------------------------------------------------------------------------
 # Rule sets that would give a wrong split
 # ---------------------------------------------------------------------------------------------

@@ -3,8 +3,10 @@
 Keras 3's ``LayoutMap`` idea on TensorFlow. A rule table is an ordered list of
 ``(regex, kind)`` pairs. Each layer of the model has a *path*: the names from the model
 down to it, joined by ``/`` (the model's own name left out), e.g.
-``gpt2_backbone/transformer_layer_0/self_attention``. Walking the model from the top, the
-first rule whose regex ``re.search``-es a layer's path decides its kind:
+``gpt2_backbone/transformer_layer_0/self_attention``; each of a layer's own weights has the
+layer's path and its name, e.g. ``.../self_attention/query/kernel``. Walking the model from
+the top, the first rule whose regex ``re.search``-es a layer's path, or the path of one of
+its own weights, decides the layer's kind:
 
 =============  ==================================================================================
 ``column``     a Dense (or Dense-like EinsumDense) -> ``ColumnParallelDense`` (output units cut)
@@ -55,6 +57,7 @@ import re
 from dataclasses import dataclass
 
 from phalanx.layers.sharding import ShardedLayer
+from phalanx.mesh import Mesh
 from phalanx.models.presets import preset_for as _preset_for
 from phalanx.models.presets.adapters import (CONVERSIONS, can_make_plain, dense_dims, is_converted, mlp_dense_layers,
                                              mlp_to_plain, to_mlp, to_plain)
@@ -120,9 +123,27 @@ def layer_paths(model) -> list[tuple[str, object, object]]:
     return out
 
 
+def _weight_paths(layer, path: str) -> list[str]:
+    """The paths of ``layer``'s own weights (not its sub-layers'): ``<layer path>/<name>``."""
+    own = list(getattr(layer, "_trainable_variables", [])) + list(getattr(layer, "_non_trainable_variables", []))
+    return [f"{path}/{v.name}" for v in own]
+
+
+def _decides(regex: re.Pattern, layer, path: str) -> bool:
+    return bool(regex.search(path)) or any(regex.search(w) for w in _weight_paths(layer, path))
+
+
 def match(model, rules) -> list[Match]:
     """The layers ``rules`` decide, top-down, without changing anything (a dry run of
-    :func:`parallelize`'s matching; no checks)."""
+    :func:`parallelize`'s matching; no checks).
+
+    Example (a rule on a weight path decides the layer that holds the weight):
+        >>> import keras
+        >>> x = keras.Input((8,))
+        >>> model = keras.Model(x, keras.layers.Dense(4, name="fc2")(keras.layers.Dense(16, name="fc1")(x)))
+        >>> [(m.path, m.kind) for m in match(model, [("fc1/kernel$", "column"), ("fc2", "row")])]
+        [('fc1', 'column'), ('fc2', 'row')]
+    """
     compiled = _compile(rules)
     seen, out = {id(model)}, []
 
@@ -132,7 +153,7 @@ def match(model, rules) -> list[Match]:
                 continue
             seen.add(id(child))
             path = f"{prefix}/{child.name}" if prefix else child.name
-            hit = next((i for i, (regex, _, _) in enumerate(compiled) if regex.search(path)), None)
+            hit = next((i for i, (regex, _, _) in enumerate(compiled) if _decides(regex, child, path)), None)
             if hit is not None:
                 kind = compiled[hit][1]
                 out.append(Match(path, child, layer, kind, hit))
@@ -152,11 +173,12 @@ def _check(model, tp: int, compiled, matches: list[Match]) -> None:
 
     # Every rule decides at least one layer.
     used = {m.rule for m in matches}
-    paths = [p for p, _, _ in layer_paths(model)]
+    layers = layer_paths(model)
+    paths = [p for p, _, _ in layers]
     for i, (regex, kind, pattern) in enumerate(compiled):
         if i in used:
             continue
-        shadowed = [p for p in paths if regex.search(p)]
+        shadowed = [p for p, layer, _ in layers if _decides(regex, layer, p)]
         if shadowed:
             raise ValueError(f"rule {i} ({pattern!r} -> {kind!r}) matches only layers that an earlier rule or a "
                              f"converted outer layer already decides, e.g. {shadowed[0]!r}")
@@ -394,18 +416,21 @@ def preset_for(model, tp: int | None = None):
     return _preset_for(model, tp)
 
 
-def parallelize(model, tp: int, rules=None):
+def parallelize(model, tp, rules=None):
     """Swap ``model``'s layers for tensor-parallel ones with ``tp`` shards, in place, as
-    ``rules`` say (an ordered list of ``(regex on the layer path, kind)``; None: the preset
-    of the model's keras-hub family, see :func:`preset_for`). The current weights are copied
+    ``rules`` say (an ordered list of ``(regex on the layer or weight path, kind)``; None: the
+    preset of the model's keras-hub family, see :func:`preset_for`). ``tp``: the shard count,
+    or a :class:`phalanx.mesh.Mesh` (its ``tensor`` axis size). The current weights are copied
     in (as logical values: the model computes the same function). Returns ``model``.
 
     Raises ``ValueError`` naming the layer or rule when the rules would give a wrong split
     (see the module docstring); nothing has changed then. ``tp=1`` also converts (to
     one-shard layers), so a model trains the same code path at every ``tp``.
     """
+    if isinstance(tp, Mesh):  # its tensor axis
+        tp = tp.tp
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise ValueError(f"tp: {tp!r} is not a positive integer")
+        raise ValueError(f"tp: {tp!r} is not a positive integer or a phalanx Mesh")
     if rules is None:
         rules = preset_for(model, tp)
         if rules is None:
