@@ -86,8 +86,11 @@ def test_batch_size_must_split_over_every_layout(tmp_path):
 
 # -- slow: the other layouts, and the stated held-out figures with the defaults ---------------------
 
+# Each digits recipe's stated figure is checked on one layout, with the defaults (below).
+STATED_RUNS = [("digits_mlp.py", "one"), ("digits_cnn.py", "dp2"), ("digits_lstm.py", "pp2")]
+# Every other layout, on trimmed data: a layout that a quick test or a stated run trains is not run again.
 DIGITS_SLOW = [(r, layout) for r in ("digits_mlp.py", "digits_cnn.py", "digits_lstm.py")
-               for layout in ("dp2pp2", "pp2", "dp2") if (r, layout) not in DIGITS_QUICK]
+               for layout in ("dp2pp2", "pp2", "dp2") if (r, layout) not in DIGITS_QUICK + STATED_RUNS]
 
 
 @pytest.mark.slow
@@ -106,28 +109,27 @@ STATED = {"digits_mlp.py": 0.95, "digits_cnn.py": 0.95, "digits_lstm.py": 0.90} 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe,layout", [("digits_mlp.py", "one"), ("digits_cnn.py", "dp2"),
-                                           ("digits_lstm.py", "pp2")])
+@pytest.mark.parametrize("recipe,layout", STATED_RUNS, ids=[f"{r[:-3]}-{l}" for r, l in STATED_RUNS])
 def test_digits_recipe_reaches_its_stated_accuracy(tmp_path, recipe, layout):
+    """The default run reaches the figure the recipe states. The recipes pass --run-dir to phalanx:
+    the one-device run, rerun into the same run dir, resumes, trains nothing and reports the
+    same held-out figure (checked here rather than after a run of its own: one training run less)."""
     assert f">= {STATED[recipe]:.2f}" in (EXAMPLES / recipe).read_text()
     accuracy = held_out_accuracy(run_recipe(recipe, tmp_path, "--layout", layout, "--verbose", "0", timeout=600))
     assert accuracy >= STATED[recipe], (recipe, layout, accuracy)
+    if layout == "one":
+        again = run_recipe(recipe, tmp_path, "--layout", layout, "--verbose", "2")
+        assert held_out_accuracy(again) == accuracy
+        assert "nothing to do" in again.stderr
 
 
 @pytest.mark.slow
 def test_transformer_recipe_reaches_its_stated_loss(tmp_path):
-    """The default run (~1.5 min on 2 cores) reaches the held-out loss its docstring states."""
+    """The default run reaches the held-out loss its docstring states. On one device (~75 s on 2
+    cores; pp2 ~90 s): the recipe's figure is the same on every layout (examples/README.md), the
+    pp2 cut of this model is run above, and a long pp2 run is the LSTM's stated run. The sample
+    at the end (160 single-sequence calls) is skipped: the quick runs print theirs."""
     assert "held-out loss <= 1.65 nats per byte" in (EXAMPLES / "stdlib_transformer.py").read_text()
-    loss = held_out_loss(run_recipe("stdlib_transformer.py", tmp_path, "--layout", "pp2", "--verbose", "0",
-                                    timeout=900))
+    loss = held_out_loss(run_recipe("stdlib_transformer.py", tmp_path, "--layout", "one", "--generate", "0",
+                                    "--verbose", "0", timeout=900))
     assert loss <= 1.65, loss
-
-
-@pytest.mark.slow
-def test_rerun_into_the_same_run_dir_has_nothing_to_do(tmp_path):
-    """The recipes pass --run-dir to phalanx: a finished run rerun resumes, trains nothing,
-    and reports the same held-out figure."""
-    first = held_out_accuracy(run_recipe("digits_mlp.py", tmp_path, *QUICK))
-    again = run_recipe("digits_mlp.py", tmp_path, "--verbose", "2", *QUICK[:4])
-    assert held_out_accuracy(again) == first
-    assert "nothing to do" in again.stderr

@@ -88,7 +88,7 @@ def resumed_step(err: str) -> int:
     return int(found[0])
 
 
-MESH_STEPS = 20
+MESH_STEPS = 10  # the kill comes after the first checkpoint (step 2)
 PP = ["parallel.pp=2", "parallel.microbatches=4", "model.layers=2", f"train.steps={MESH_STEPS}"]
 
 
