@@ -47,6 +47,7 @@ def test_readme_parallelism_example_runs(tmp_path):
     script.write_text(code)
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "loss: vocabulary-parallel cross-entropy on the tp=2 shard logits" in done.stdout + done.stderr
     assert (tmp_path / "gpt2.keras").is_file()
     import keras_hub  # noqa: F401  (registers the classes the file names)
     import keras

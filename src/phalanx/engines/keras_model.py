@@ -38,6 +38,18 @@ compiled metrics. The engine only decides *where* things run:
   copy (:func:`phalanx.layers.moe.attach_compute_copy`; the gradients flow through the one
   cast to the float32 weight): a device holds one compute-dtype copy of its shard, not one per
   reading call. The values are those of a cast per call.
+* **A vocabulary-parallel loss.** With ``tp > 1``, when the last stage's output is the
+  vocabulary-parallel head's logits (the reverse call of a
+  :class:`~phalanx.layers.VocabParallelEmbedding`, a tied or untied keras-hub head after
+  :func:`phalanx.parallelize`, or a :class:`~phalanx.layers.ColumnParallelDense` head), the
+  compiled loss is one ``SparseCategoricalCrossentropy(from_logits=True)`` and no compiled
+  metric reads ``y_pred``, the loss is computed from the shard logits
+  (:func:`~phalanx.layers.tensor_parallel.shard_logits_cross_entropy`): each tensor rank's
+  ``[..., vocab/tp]`` logits stay on its device, only per-token scalars cross, and the joined
+  logits are never formed. Keras's own reduction then applies (its ``reduction``, sample
+  weights, ``ignore_class``, an output mask, ``loss_weights``). Otherwise the shard logits are
+  joined on the tensor rank 0 device for Keras's loss, and :attr:`KerasModelEngine.loss_note`
+  says why (``phalanx.fit`` prints it). ``predict`` returns the joined logits.
 * **State that is not trained** (BatchNormalization moving statistics, Dropout's seed
   state) is threaded through the micro-batches in order — replica 0's micro-batches, then
   replica 1's, and so on — as GPipe does: each micro-batch is normalised with its own batch
@@ -68,10 +80,13 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.backend import get_keras_mask  # Keras's loss reads y_pred's mask this way; no public API
+from keras.src.losses.loss import reduce_weighted_values  # Keras's own reduction, so the vocab-parallel loss is its
 
 from phalanx.config import Config, ConfigError
 from phalanx.layers.moe import MoE, attach_compute_copy, is_step_total
 from phalanx.layers.sharding import placement_of
+from phalanx.layers.tensor_parallel import VocabParallelEmbedding, shard_logits_cross_entropy, vocab_logit_shards
 from phalanx.mesh import Mesh
 from phalanx.parallel.keras_graph import split_keras_model
 from phalanx.parallel.pipeline import accumulate_gradient, run_schedule, schedule_for
@@ -323,6 +338,62 @@ class _SplitStage:
         return outputs, list(state), losses
 
 
+def vocab_loss_plan(model, tp: int, custom_loss: bool = False) -> tuple[bool, str | None]:
+    """``(eligible, note)``: whether :class:`KerasModelEngine` may compute ``model``'s compiled
+    loss from a vocabulary-parallel head's shard logits (it then does when the last stage's
+    output is such a head's: :func:`~phalanx.layers.tensor_parallel.vocab_logit_shards`), and
+    the one line that says which loss runs for a model with a
+    :class:`~phalanx.layers.VocabParallelEmbedding` cut ``tp > 1`` ways (None for others).
+
+    Eligible: one ``SparseCategoricalCrossentropy(from_logits=True)`` (object, or the function
+    with ``from_logits=True``) on a single output, in float32, over the last axis, no compiled
+    metric (they read the joined ``y_pred``: accuracy would need the full logits), and neither
+    ``compute_loss`` nor ``compute_metrics`` overridden.
+
+    ``model``'s compiled loss must be built (the engine builds it first).
+
+    Example:
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4)])
+        >>> model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        >>> _ = model.evaluate(np.zeros((2, 3)), np.zeros((2,)), verbose=0)  # builds the compiled loss
+        >>> vocab_loss_plan(model, tp=2)  # eligible; no vocabulary-parallel head to speak of
+        (True, None)
+    """
+    reason = None
+    compile_loss = getattr(model, "_compile_loss", None)
+    metrics = getattr(model, "_compile_metrics", None)
+    flat = list(getattr(compile_loss, "_flat_losses", None) or [])
+    if custom_loss:
+        reason = f"{type(model).__name__} overrides compute_loss"
+    elif type(model).compute_metrics is not keras.Model.compute_metrics:
+        reason = f"{type(model).__name__} overrides compute_metrics, which reads the logits"
+    elif metrics is not None and any(m is not None for m in keras.tree.flatten(
+            [metrics._user_metrics, metrics._user_weighted_metrics])):
+        reason = "compiled metrics read the full logits (y_pred)"
+    elif len(flat) != 1 or flat[0].path not in ((), None):
+        reason = "the compiled loss is not one loss on a single output"
+    else:
+        fn = flat[0].loss
+        kwargs = getattr(fn, "_fn_kwargs", {})
+        if getattr(fn, "fn", None) is not keras.losses.sparse_categorical_crossentropy:
+            reason = f"the loss {getattr(fn, 'name', fn)!r} is not SparseCategoricalCrossentropy"
+        elif not kwargs.get("from_logits", False):
+            reason = "SparseCategoricalCrossentropy has from_logits=False (it reads softmax probabilities)"
+        elif kwargs.get("axis", -1) != -1:
+            reason = f"SparseCategoricalCrossentropy has axis={kwargs['axis']} (the vocabulary is the last axis)"
+        elif fn.dtype != "float32":
+            reason = f"the loss computes in {fn.dtype} (the vocabulary-parallel loss computes in float32)"
+    has_head = tp > 1 and any(isinstance(layer, VocabParallelEmbedding) and layer.tp > 1
+                              for layer in model._flatten_layers(include_self=False))
+    if not has_head:
+        return reason is None, None
+    if reason is None:
+        return True, (f"loss: vocabulary-parallel cross-entropy on the tp={tp} shard logits "
+                      f"(the full logits are never on one device)")
+    return False, (f"loss: the tp={tp} shard logits are joined on one device for the compiled loss: {reason} "
+                   f"(vocabulary-parallel: one SparseCategoricalCrossentropy(from_logits=True), no compiled metrics)")
+
+
 def _first_tensor(x) -> tf.Tensor:
     return next(t for t in tf.nest.flatten(x) if t is not None)
 
@@ -413,6 +484,10 @@ class KerasModelEngine:
         # id(variable read for an expert shard) -> the traced step's compute-dtype copy (_expert_casts)
         self._casts: dict[int, tf.Tensor] = {}
         self._build(sample_batch)
+        # Whether the compiled loss may read a vocabulary-parallel head's shard logits (see the
+        # module docstring), and the line that says which loss runs (None: no such head).
+        self.vocab_loss, self.loss_note = (False, None) if inference_only else \
+            vocab_loss_plan(model, mesh.tp, self._custom_loss)
         self._train_fn = tf.function(self._train_step, autograph=False)  # static shapes: one trace per batch shape
         self._test_fn = tf.function(self._test_step, autograph=False)  # static shapes: one trace per batch shape
         self._predict_fn = tf.function(self._predict_step, autograph=False)  # static shapes: one trace per batch shape
@@ -586,7 +661,12 @@ class KerasModelEngine:
             loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sw, training=training)
         else:
             parts = []
-            if model._compile_loss is not None:
+            # (A nested y or sample weight goes Keras's own way: its packing rules, not repeated here.)
+            shards = vocab_logit_shards(y_pred, self.mesh.tp) if self.vocab_loss and isinstance(y, tf.Tensor) \
+                and not tf.nest.is_nested(sw) else None
+            if shards is not None:
+                parts.append(self._vocab_parallel_loss(y, y_pred, shards, sw))
+            elif model._compile_loss is not None:
                 compiled = model._compile_loss(y, y_pred, sw)
                 if compiled is not None:
                     parts.append(compiled)
@@ -601,6 +681,42 @@ class KerasModelEngine:
         model._loss_tracker.update_state(loss, sample_weight=tf.shape(_first_tensor(x))[0])
         model.compute_metrics(x, y, y_pred, sample_weight=sw)
         return loss
+
+    def _vocab_parallel_loss(self, y, y_pred, shards, sw):
+        """The compiled ``SparseCategoricalCrossentropy(from_logits=True)`` of one micro-batch,
+        as Keras's ``CompileLoss`` computes it on the joined ``y_pred``, from the head's shard
+        logits: the per-token losses come from :func:`shard_logits_cross_entropy`, the rest
+        (``ignore_class``, the output mask, sample weights, the reduction, ``loss_weights``) is
+        Keras's code on them."""
+        compile_loss = self.model._compile_loss
+        _, loss_fn, loss_weight, _ = compile_loss._flat_losses[0]
+        in_mask = get_keras_mask(y_pred)
+        ignore = loss_fn._fn_kwargs.get("ignore_class")
+        with tf.name_scope(compile_loss.name), tf.name_scope(loss_fn.name):
+            labels = tf.cast(y, loss_fn.dtype)  # as Loss.__call__ (the op then casts to integers)
+            if labels.shape.rank == y_pred.shape.rank and labels.shape[-1] == 1:  # as sparse_categorical_crossentropy
+                labels = tf.squeeze(labels, axis=-1)
+            valid = None
+            if ignore is not None:
+                valid = tf.not_equal(labels, tf.cast(ignore, labels.dtype))
+                labels = tf.where(valid, labels, tf.zeros_like(labels))
+            labels = tf.cast(labels, "int32")
+            vocab = sum(int(z.shape[-1]) for z in shards)
+            # Keras's SparseSoftmaxCrossEntropyWithLogits refuses such labels on a CPU; the shards
+            # would silently give them the log-sum-exp alone.
+            checks = [tf.debugging.assert_non_negative(labels, message=f"y: labels must be in [0, {vocab})"),
+                      tf.debugging.assert_less(labels, vocab, message=f"y: labels must be in [0, {vocab})")]
+            with tf.control_dependencies(checks):
+                labels = tf.identity(labels)
+            losses = shard_logits_cross_entropy(shards, labels)
+            mask = in_mask
+            if valid is not None:
+                losses = tf.where(valid, losses, tf.zeros_like(losses))
+                mask = valid if in_mask is None else tf.logical_and(tf.cast(in_mask, "bool"), valid)
+            value = reduce_weighted_values(losses, sample_weight=sw, mask=mask, reduction=loss_fn.reduction,
+                                           dtype=loss_fn.dtype)
+        value = tf.cast(value, compile_loss.dtype)
+        return value if loss_weight is None else value * loss_weight
 
     # -- steps ------------------------------------------------------------------------------
 

@@ -261,8 +261,10 @@ class VocabParallelEmbedding(ShardedLayer):
     on its device (zeros for the others); the lookups are summed on shard 0's device. Ids
     outside ``[0, vocab)`` give zeros at tp>1 (an error at tp=1, as
     :class:`keras.layers.Embedding`). ``call(x, reverse=True)`` is the tied output head:
-    logits ``x @ table^T``, the concat of the shard logits (for a loss that never forms the
-    full logits, use :func:`vocab_parallel_cross_entropy`). Weight: ``embeddings``, as
+    logits ``x @ table^T``, the concat of the shard logits (:func:`join_vocab_logits`; for a
+    loss that never forms the full logits, use :func:`vocab_parallel_cross_entropy`, or
+    :func:`shard_logits_cross_entropy` on :func:`vocab_logit_shards` of the output, as
+    ``phalanx.fit`` does). Weight: ``embeddings``, as
     :class:`keras.layers.Embedding`.
 
     Example:
@@ -295,10 +297,7 @@ class VocabParallelEmbedding(ShardedLayer):
             for table in tables:
                 with on_device_of(table):
                     logits.append(matmul(x, table, transpose_b=True))
-            if len(logits) == 1:
-                return logits[0]
-            with on_device_of(tables[0]):
-                return tf.concat(logits, axis=-1)
+            return join_vocab_logits(logits, tables[0])
         return embedding_lookup(inputs, tables)
 
     def compute_output_spec(self, inputs, reverse: bool = False):
@@ -329,6 +328,99 @@ def embedding_lookup(ids, tables, devices=None):
             found = tf.gather(table, tf.where(mine, local, 0))
             parts.append(found * tf.cast(mine, found.dtype)[..., None])
     return add_shards(parts, tables[0], devices)
+
+
+_VOCAB_MARK = "_phalanx_vocab_shards"  # set on a vocab-parallel head's concat op: its tp
+
+
+def join_vocab_logits(logits: list, anchor):
+    """The logits of a vocabulary-parallel output head: the concat of the shard logits
+    ``[..., vocab/tp]`` (rank order) on the device of ``anchor`` (shard 0's value). In a
+    graph the concat op is tagged, so that a loss can take the shard logits instead
+    (:func:`vocab_logit_shards`) and the concat, then unused, is pruned."""
+    if len(logits) == 1:
+        return logits[0]
+    with on_device_of(anchor):
+        y = tf.concat(logits, axis=-1)
+    if not tf.executing_eagerly():
+        setattr(y.op, _VOCAB_MARK, len(logits))
+    return y
+
+
+def vocab_logit_shards(y, tp: int):
+    """The ``tp`` shard logits ``y`` was joined from, when (in a graph) ``y`` is the output of a
+    vocabulary-parallel head cut ``tp`` ways: the reverse call of a
+    :class:`VocabParallelEmbedding` (tied head, :func:`join_vocab_logits`) or a
+    :class:`ColumnParallelDense` (untied head; without a softmax-like activation). Else None.
+
+    Example:
+        >>> emb = VocabParallelEmbedding(8, 4, tp=2)
+        >>> emb.build()
+        >>> @tf.function
+        ... def widths(h):
+        ...     return tf.constant([z.shape[-1] for z in vocab_logit_shards(emb(h, reverse=True), 2)])
+        >>> widths(tf.ones([2, 4])).numpy().tolist()
+        [4, 4]
+        >>> vocab_logit_shards(tf.ones([2, 8]), 2) is None  # an eager tensor was joined from nothing
+        True
+    """
+    if tp < 2 or not isinstance(y, tf.Tensor):
+        return None
+    for mark in (_VOCAB_MARK, _COLUMN_MARK):
+        pieces = concat_pieces(y, mark, tp, -1)
+        if pieces is not None:
+            return pieces
+    return None
+
+
+def shard_logits_cross_entropy(logits: list, labels, devices=None, anchors=None):
+    """Per-token cross-entropy ``-log softmax(z)[label]`` of the logits ``z`` cut by
+    vocabulary into ``logits`` (shard ``r``'s ``[..., vocab/tp]``, rank order), without
+    joining them: each shard reduces its logits to a max, then (after the global max, on
+    shard 0's device) a sum of exps and the target logit when the label is in its range;
+    shard 0 combines ``max + log(sum of sums) - target``. Only those per-token scalars
+    cross devices. The logits are read in float32; the result ``[...]`` (float32) is on
+    shard 0's device. Equal to ``keras.losses.sparse_categorical_crossentropy(labels,
+    concat(logits), from_logits=True)``.
+
+    Args:
+        logits: the shard logits.
+        labels: ``[...]`` integer targets in ``[0, vocab)``.
+        devices: shard ``r``'s device, or None to follow ``anchors[r]`` (default: the shard
+            logits themselves).
+
+    Example:
+        >>> import numpy as np
+        >>> z = np.random.default_rng(0).normal(size=(2, 3, 8)).astype("float32")
+        >>> labels = np.array([[1, 7, 4], [0, 2, 6]])
+        >>> got = shard_logits_cross_entropy([z[..., :4], z[..., 4:]], labels)
+        >>> ref = keras.losses.sparse_categorical_crossentropy(labels, z, from_logits=True)
+        >>> bool(np.allclose(got, ref, rtol=1e-6))
+        True
+    """
+    anchors = logits if anchors is None else anchors
+    labels = tf.cast(labels, "int32")
+    logits = [tf.convert_to_tensor(z) for z in logits]
+    rows = logits[0].shape[-1]
+    floats, maxes = [], []
+    for r, z in enumerate(logits):
+        with shard_scope(devices, r, anchors[r]):
+            z = tf.cast(z, "float32")
+            floats.append(z)
+            maxes.append(tf.reduce_max(z, axis=-1))
+    with shard_scope(devices, 0, anchors[0]):
+        # A shift for a stable log-sum-exp; its gradient cancels exactly, so none flows.
+        top = tf.stop_gradient(tf.reduce_max(tf.stack(maxes), axis=0))
+    sums, targets = [], []
+    for r, z in enumerate(floats):
+        with shard_scope(devices, r, anchors[r]):
+            sums.append(tf.reduce_sum(tf.exp(z - top[..., None]), axis=-1))
+            local = labels - r * rows
+            mine = (local >= 0) & (local < rows)
+            picked = tf.gather(z, tf.where(mine, local, 0)[..., None], batch_dims=labels.shape.rank)[..., 0]
+            targets.append(picked * tf.cast(mine, z.dtype))
+    with shard_scope(devices, 0, anchors[0]):
+        return top + tf.math.log(add_shards(sums, anchors[0])) - add_shards(targets, anchors[0])
 
 
 _REDUCTIONS = ("sum_over_batch_size", "mean_with_sample_weight", "sum", "none")
@@ -379,7 +471,6 @@ def vocab_parallel_cross_entropy(hidden, table, labels, sample_weight=None, redu
         with AutocastScope(None):
             shards = [tf.convert_to_tensor(t) for t in table]
     labels = tf.cast(labels, "int32")
-    rows = shards[0].shape[-1 if transposed else 0]
     # A layer's shards are in its compute dtype; raw shards (an engine's float32 variables)
     # are cast to the hidden states' dtype, so the matmul runs in the compute dtype.
     hidden = tf.convert_to_tensor(hidden)
@@ -390,25 +481,11 @@ def vocab_parallel_cross_entropy(hidden, table, labels, sample_weight=None, redu
             z = matmul(tf.cast(hidden, dtype), shards[0], transpose_b=not transposed)
             losses = kernels_lib.get(kernels).cross_entropy(z, labels)
     else:
-        logits, maxes = [], []
+        logits = []
         for r, table_r in enumerate(shards):
             with shard_scope(devices, r, table_r):
-                z = tf.cast(matmul(tf.cast(hidden, dtype), table_r, transpose_b=not transposed), "float32")
-                logits.append(z)
-                maxes.append(tf.reduce_max(z, axis=-1))
-        with shard_scope(devices, 0, shards[0]):
-            # A shift for a stable log-sum-exp; its gradient cancels exactly, so none flows.
-            top = tf.stop_gradient(tf.reduce_max(tf.stack(maxes), axis=0))
-        sums, targets = [], []
-        for r, (table_r, z) in enumerate(zip(shards, logits)):
-            with shard_scope(devices, r, table_r):
-                sums.append(tf.reduce_sum(tf.exp(z - top[..., None]), axis=-1))
-                local = labels - r * rows
-                mine = (local >= 0) & (local < rows)
-                picked = tf.gather(z, tf.where(mine, local, 0)[..., None], batch_dims=labels.shape.rank)[..., 0]
-                targets.append(picked * tf.cast(mine, z.dtype))
-        with shard_scope(devices, 0, shards[0]):
-            losses = top + tf.math.log(add_shards(sums, shards[0])) - add_shards(targets, shards[0])
+                logits.append(tf.cast(matmul(tf.cast(hidden, dtype), table_r, transpose_b=not transposed), "float32"))
+        losses = shard_logits_cross_entropy(logits, labels, devices, anchors=shards)
     with shard_scope(devices, 0, shards[0]):
         if reduction == "none":
             return losses if sample_weight is None else losses * tf.cast(sample_weight, losses.dtype)

@@ -406,6 +406,8 @@ def _train_epochs(engine, model, cfg, run_dir: Path | None, output: RunOutput | 
     say(f"phalanx.fit: {model.name!r} on {across}dp={engine.dp} pp={engine.pp} (grad_accum {engine.accum}, "
         f"{engine.microbatches} micro-batches), {policy}; run dir {run_dir}")
     say(f"precision: {policy} ({why})")
+    if engine.loss_note:  # a vocabulary-parallel head: whether its loss reads the shard logits
+        say(engine.loss_note)
     epoch_logs: dict = {}
     for epoch in range(start, epochs):
         model.reset_metrics()

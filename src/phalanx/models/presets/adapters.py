@@ -53,6 +53,7 @@ from phalanx.layers.tensor_parallel import (
     ParallelMLP,
     RowParallelDense,
     VocabParallelEmbedding,
+    join_vocab_logits,
     matmul,
     shard_values,
 )
@@ -370,10 +371,7 @@ class ParallelReversibleEmbedding(VocabParallelEmbedding):
                     cap = tf.cast(self.logit_soft_cap, z.dtype)
                     z = tf.tanh(z / cap) * cap
                 logits.append(z)
-        if len(logits) == 1:
-            return logits[0]
-        with on_device_of(tables[0]):
-            return tf.concat(logits, axis=-1)
+        return join_vocab_logits(logits, tables[0])
 
     def compute_output_spec(self, inputs, reverse: bool = False):
         shape = list(inputs.shape)
