@@ -21,9 +21,13 @@ differs where the engines differ, as found in the allocator's record of real ste
   the decayed weight went to a new buffer (every weight held twice), and with ``pp > 1``
   the first stage's decay products waited on the first device (measured 2026-11-26 on the
   shapes below: device 0 held 8.4 MiB more at tp2 float32, 9.3 MiB more at tp2 x pp2);
-* **the loss is Keras's**: the tied head's logits are gathered whole on tensor rank 0 of
-  the last stage (``[micro, seq, vocab]`` in the compute dtype, and float32 inside the
-  loss), not the vocabulary-parallel cross-entropy of the mesh engine;
+* **the loss is Keras's on joined logits**: the tied head's logits gathered whole on tensor
+  rank 0 of the last stage (``[micro, seq, vocab]`` in the compute dtype, and float32 inside
+  the loss), as the engine runs a model with compiled metrics. With no compiled metric the
+  engine computes the vocabulary-parallel loss on the shard logits instead
+  (:func:`phalanx.engines.keras_model.vocab_loss_plan`) and holds less there: this term is then
+  an upper bound (measured 2026-11-26 with it: tp2 +3.3/+2.9%, tp2 x pp2 -1.7..+6.7% in float32,
+  every device within the 10% bound; the terms were not refitted);
 * **the backward's working set** is two float32 copies of one block's tensor-parallel MLP
   hidden activation (the GELU's gradient and the MLP input's), :data:`BACKWARD_MLP_SETS`;
 * **the optimizer phase** holds every gradient (the global-norm clip reads them all) and
