@@ -351,4 +351,5 @@ def test_calibrate_memory_within_tolerance(tmp_path):
     cal = json.loads(proc.stdout)["calibration"]
     (dev,) = cal["devices"]
     assert dev["measured_bytes"] > 0 and cal["measured_step_time_s"] > 0
+    print("calibrate one device: memory error", cal["memory_error"])
     assert abs(cal["memory_error"]) <= 0.10, cal

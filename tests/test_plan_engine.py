@@ -188,10 +188,18 @@ def test_calibrate_within_10_percent_on_every_device(tmp_path, layout, policy):
     assert cal["unplaced_bytes"] == 0                      # every allocation found its device
     assert all(d["measured_bytes"] > 0 and d["predicted_bytes"] > 0 for d in devices)
     # devices peak at different moments: the process-wide peak (allocator chunks) lies between
-    # the largest device's and the sum of all devices' chunk peaks
+    # the largest device's and the sum of all devices' chunk peaks. The process figure also counts
+    # what was in use at the reset besides the variables (the batch, tensors the traced functions
+    # keep), which no device's replay counts: it measured 0.79-0.86 of the sum at dp2 and on 8
+    # devices, 0.97-1.07 at tp2 and pp2 (tp2 mixed_bfloat16 1.01, 1.025 and 1.072 in three runs:
+    # the executor's order moves it) in 2026-11-26's runs, so 1.2 (1.1 left 2.5% of room). An
+    # allocation the replay lost or gave no device still fails: unplaced_bytes above, and a
+    # process peak 20% above what the devices hold.
     peaks = [d["measured_bytes"] for d in devices]
     chunks = [d["allocated_bytes"] for d in devices]
-    assert max(peaks) <= cal["total_check"] <= 1.1 * sum(chunks), (peaks, chunks, cal["total_check"])
+    print(f"calibrate {layout} {policy}: error per device", [round(d["error"], 4) for d in devices],
+          "max peak / process peak / sum of chunks", max(peaks), cal["total_check"], sum(chunks))
+    assert max(peaks) <= cal["total_check"] <= 1.2 * sum(chunks), (peaks, chunks, cal["total_check"])
     assert all(abs(d["error"]) <= 0.10 for d in devices), devices
 
 
