@@ -67,7 +67,7 @@ def test_a_run_dir_without_a_checkpoint_or_config_is_a_clear_error(tmp_path):
         export_run(tmp_path, "keras")
 
 
-@pytest.mark.parametrize("name", ["formats", "calibration", "quantization", "report", "gpt_keras"])
+@pytest.mark.parametrize("name", ["formats", "calibration", "quantization", "report", "gpt_keras", "output"])
 def test_doctests(name):
     import doctest
     import importlib

@@ -53,6 +53,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 import warnings
@@ -91,7 +92,8 @@ _HASH_CHUNK = 1 << 18
 __all__ = [
     "AsyncSaver", "CheckpointError", "CheckpointWarning", "Reader", "Restored", "ShardSet", "Slot", "all_checkpoints",
     "check_finite", "estimate_bytes", "gather", "latest", "latest_valid", "load_into", "load_shard_sets",
-    "open_reader", "prune", "quarantine_after", "restore", "restore_latest", "save", "sha256_file", "state_of",
+    "open_reader", "print_warning", "prune", "quarantine_after", "restore", "restore_latest", "resume_latest",
+    "save", "sha256_file", "state_of",
     "step_dir", "step_of", "variable_sets", "verify", "whole_tensor_sets", "write_shard_set",
 ]
 
@@ -614,6 +616,28 @@ def restore_latest(root: str | Path, warn: Callable[[str], None] | None = None) 
     when it holds some but none is valid.
     """
     return _newest(root, restore, warn)
+
+
+def print_warning(text: str) -> None:
+    """``warning: <text>`` on stderr, flushed: how every phalanx command and loop reports a
+    skipped checkpoint, whatever its verbosity (a damaged file never passes unnoticed)."""
+    print(f"warning: {text}", file=sys.stderr, flush=True)
+
+
+def resume_latest(root: str | Path, warn: Callable[[str], None] = print_warning,
+                  move_damaged: bool = True) -> Restored | None:
+    """What a training loop resumes from: :func:`restore_latest`, then (``move_damaged``:
+    the process that owns the run directory) the damaged newer checkpoints it skipped moved
+    to ``root/damaged/`` (:func:`quarantine_after`), each move reported through ``warn``.
+
+    ``phalanx train`` and ``phalanx.fit`` both resume through this; readers (``eval``,
+    ``generate``, ``export``) call :func:`restore_latest` and move nothing.
+    """
+    restored = restore_latest(root, warn=warn)
+    if restored is not None and move_damaged:
+        for moved in quarantine_after(root, restored.step):
+            warn(f"moved the skipped checkpoint to {moved}")
+    return restored
 
 
 def latest_valid(root: str | Path, warn: Callable[[str], None] | None = None) -> Path | None:

@@ -14,6 +14,7 @@ Example (a user's model; ``phalanx.export`` is this function):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -30,8 +31,10 @@ from phalanx.config import ConfigError, load_config
 from phalanx.data.pipeline import make_datasets
 from phalanx.export import calibration, formats, report as report_lib
 from phalanx.export.formats import META_FILE, MODEL_FILES, REPORT_FILE
+from phalanx.export.output import check_output, io_error, make_temporary, move_into_place
 from phalanx.export.quantization import copy_model, keras_quantize
 from phalanx.export.runtime import load_artifact
+from phalanx.fsutil import RunLock
 
 SINGLE_DEVICE = ["parallel.dp=1", "parallel.tp=1", "parallel.pp=1", "parallel.zero=0", "parallel.microbatches=1",
                  "parallel.devices=auto", "parallel.strategy=auto", "parallel.recompute=none",
@@ -57,33 +60,32 @@ def default_output(run_dir: str | Path, fmt: str, quantize: str) -> Path:
 
 def export_run(run_dir: str | Path, format: str = "litert", quantize: str = "none", *,  # noqa: A002
                calibration_batches: int = calibration.DEFAULT_BATCHES, output: str | Path | None = None,
-               overrides: list[str] | tuple[str, ...] = (), eval_batches: int | None = None,
+               overwrite: bool = False, overrides: list[str] | tuple[str, ...] = (), eval_batches: int | None = None,
                quiet: bool = False, print_table: bool = True) -> dict:
-    """Export the latest checkpoint of the built-in GPT's run at ``run_dir``.
+    """Export the newest valid checkpoint of the built-in GPT's run at ``run_dir``.
 
     ``overrides`` (``section.key=value``) change the run's config for this export, e.g.
     ``data.source=...`` for calibration and held-out data, ``train.eval_batches=...``.
-    Raises :class:`ConfigError` for an unknown format or mode, an unsupported pair, a run
-    directory without a config or a checkpoint, and int8 without calibration data.
+    ``output`` (default ``run_dir/export/FORMAT-QUANTIZE``) must not exist, nor be a run
+    directory or inside one (but under its ``export/``); ``overwrite`` lets a previous
+    export there be replaced (:mod:`phalanx.export.output`). The checkpoint is read under
+    the run's lock (:class:`~phalanx.fsutil.RunLock`: not while a trainer writes it); a
+    damaged newest checkpoint is skipped with a ``warning:`` line for the one before, as
+    ``phalanx eval`` does. Raises :class:`ConfigError` for an unknown format or mode, an
+    unsupported pair, an output it may not write, a run directory without a config or a
+    valid checkpoint, and int8 without calibration data.
     """
     mode = formats.check_request(format, quantize)
     calibration.check_batches(calibration_batches)
-    run_dir = Path(run_dir)
+    run_dir = Path(run_dir).expanduser()
     say = _sayer(quiet)
     cfg_path = run_dir / "config.yaml"
     if not cfg_path.is_file():
         raise ConfigError("RUN_DIR", f"{str(run_dir)!r} has no config.yaml; is it a phalanx run directory "
                                      f"(made by `phalanx train`)?")
-
+    out = check_output(output if output is not None else default_output(run_dir, format, quantize), overwrite,
+                       run_dir)
     cfg = load_config(cfg_path, SINGLE_DEVICE + [f"run.dir={run_dir}"] + list(overrides))
-    latest = checkpoint.latest(run_dir / "checkpoints")
-    if latest is None:
-        raise ConfigError("RUN_DIR", f"{str(run_dir)!r} has no checkpoint (no checkpoints/step-*/); train it "
-                                     f"first with `phalanx train` (checkpoints are written every checkpoint.every "
-                                     f"steps and at the end)")
-    say(f"restoring {latest}")
-    restored = checkpoint.restore(latest)
-
     if getattr(cfg.model, "experts", 0):
         raise ConfigError("model.experts", f"{cfg.model.experts}: exporting a mixture-of-experts GPT is not "
                                            f"supported yet (the export model has dense MLPs only); export a dense "
@@ -92,13 +94,22 @@ def export_run(run_dir: str | Path, format: str = "litert", quantize: str = "non
     from phalanx.export import gpt_keras
     from phalanx.models import gpt
 
-    names = list(gpt.weight_shapes(cfg.model))
-    missing = [n for n in names if n not in restored.tensors]
-    if missing:
-        raise ConfigError("RUN_DIR", f"checkpoint {latest} lacks {', '.join(missing[:3])}: it does not hold the "
-                                     f"built-in GPT of {cfg_path} (a Keras-model run? export that model with "
-                                     f"phalanx.export(model, ...))")
-    weights = {n: np.asarray(restored.tensors[n], np.float32) for n in names}
+    with _run_lock(run_dir):  # everything read from the run directory is read here
+        restored = checkpoint.restore_latest(run_dir / "checkpoints", warn=checkpoint.print_warning)
+        if restored is None:
+            raise ConfigError("RUN_DIR", f"{str(run_dir)!r} has no checkpoint (no checkpoints/step-*/); train it "
+                                         f"first with `phalanx train` (checkpoints are written every "
+                                         f"checkpoint.every steps and at the end)")
+        latest = restored.path
+        say(f"restoring {latest}")
+        names = list(gpt.weight_shapes(cfg.model))
+        missing = [n for n in names if n not in restored.tensors]
+        if missing:
+            raise ConfigError("RUN_DIR", f"checkpoint {latest} lacks {', '.join(missing[:3])}: it does not hold "
+                                         f"the built-in GPT of {cfg_path} (a Keras-model run? export that model "
+                                         f"with phalanx.export(model, ...))")
+        weights = {n: np.asarray(restored.tensors[n], np.float32) for n in names}
+        run_files = _read_files(run_dir, ["config.yaml", "tokenizer"])
     float_model = gpt_keras.build(cfg.model, weights)
 
     datasets, data_error = None, None
@@ -126,7 +137,6 @@ def export_run(run_dir: str | Path, format: str = "litert", quantize: str = "non
             return gpt_keras.build(cfg.model, weights, mask_value=gpt_keras.INT8_MASK_VALUE), {}
         return float_model, {}
 
-    out = Path(output) if output is not None else default_output(run_dir, format, quantize)
     meta = {"kind": "gpt", "format": format, "quantize": quantize, "mode": mode.description,
             "source": str(run_dir), "checkpoint": str(latest), "step": restored.step,
             "model": cfg.to_dict()["model"], "inputs": {"tokens": ["batch", cfg.model.seq_len], "dtype": "int32"},
@@ -134,9 +144,9 @@ def export_run(run_dir: str | Path, format: str = "litert", quantize: str = "non
             "eval_source": f"validation split of {cfg.data.source}"}
 
     def extra(tmp: Path) -> None:
-        shutil.copy2(cfg_path, tmp / "config.yaml")
-        if (run_dir / "tokenizer").is_dir():
-            shutil.copytree(run_dir / "tokenizer", tmp / "tokenizer")
+        for rel, data in run_files.items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / rel).write_bytes(data)
 
     def eval_batches_fn():
         n = eval_batches or cfg.train.eval_batches
@@ -150,8 +160,38 @@ def export_run(run_dir: str | Path, format: str = "litert", quantize: str = "non
     if datasets is None:
         notes.append(f"held-out data unavailable ({data_error}); sizes only")
     total = min(eval_batches or cfg.train.eval_batches, datasets.val_batches) if datasets is not None else None
-    return _export(float_model, make_artifact_model, format, mode, out, representative, meta, extra,
+    return _export(float_model, make_artifact_model, format, mode, out, overwrite, representative, meta, extra,
                    "lm", eval_batches_fn if datasets is not None else None, total, notes, say, print_table)
+
+
+def _run_lock(run_dir: Path):
+    """The trainer's lock on ``run_dir`` (:class:`~phalanx.fsutil.RunLock`), so that no
+    trainer writes or prunes a checkpoint while it is read; refused naming the trainer's pid
+    when one runs. A run directory this process cannot write has no room for the lock file,
+    and no trainer of ours can write there either: it is read as it is."""
+    if not os.access(run_dir, os.W_OK):
+        return contextlib.nullcontext()
+    lock = RunLock(run_dir)
+    try:
+        lock.acquire()
+    except ConfigError as err:
+        raise ConfigError("RUN_DIR", f"cannot export the run while it is being trained ({err}); export once "
+                                     f"the trainer has stopped") from None
+    return lock  # held: entering it again keeps it, leaving releases it
+
+
+def _read_files(root: Path, names: list[str]) -> dict[str, bytes]:
+    """The bytes of the files ``names`` (files or folders) under ``root``, by relative path."""
+    out = {}
+    for name in names:
+        path = root / name
+        found = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else []
+        for file in found:
+            try:
+                out[file.relative_to(root).as_posix()] = file.read_bytes()
+            except OSError as err:
+                raise ConfigError("RUN_DIR", f"cannot read {str(file)!r}: {err.strerror or err}") from None
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -160,7 +200,7 @@ def export_run(run_dir: str | Path, format: str = "litert", quantize: str = "non
 
 def export(model, path: str | Path, format: str = "keras", quantize: str = "none", *,  # noqa: A002
            calibration_data=None, calibration_batches: int = calibration.DEFAULT_BATCHES,
-           eval_data=None, batch_size: int = 32, kind: str = "auto", quiet: bool = False,
+           eval_data=None, batch_size: int = 32, kind: str = "auto", overwrite: bool = False, quiet: bool = False,
            print_table: bool = True) -> dict:
     """Export a built Keras 3 ``model`` to the directory ``path``; returns the report.
 
@@ -175,9 +215,12 @@ def export(model, path: str | Path, format: str = "keras", quantize: str = "none
       (accuracy), ``regressor`` (mse) or ``auto`` (integer or one-hot labels with a
       multi-column output make a classifier).
 
-    The model passed in is not changed: Keras quantization works on a copy.
+    ``path`` must not exist (``overwrite=True`` replaces a previous export there, nothing
+    else; :mod:`phalanx.export.output`). The model passed in is not changed: Keras
+    quantization works on a copy.
     """
     mode = formats.check_request(format, quantize, "format", "quantize")
+    out = check_output(path, overwrite, key="path")
     import keras
 
     if not isinstance(model, keras.Model):
@@ -204,7 +247,7 @@ def export(model, path: str | Path, format: str = "keras", quantize: str = "none
     notes = [] if eval_data is not None else ["no eval_data given: sizes only (pass eval_data=(x, y) to score it)"]
     meta = {"kind": "keras", "format": format, "quantize": quantize, "mode": mode.description,
             "source": f"keras model {model.name!r}", "eval_source": "eval_data"}
-    return _export(model, make_artifact_model, format, mode, Path(path), representative, meta, None,
+    return _export(model, make_artifact_model, format, mode, out, overwrite, representative, meta, None,
                    resolved_kind, batches_fn, total, notes, say, print_table)
 
 
@@ -244,13 +287,13 @@ def _user_eval(model, eval_data, batch_size: int, kind: str):
 # Shared: write, reload in the runtime, score, report
 
 
-def _export(float_model, make_artifact_model, fmt: str, mode, out: Path, representative, meta: dict,
-            extra: Callable[[Path], None] | None, kind: str, batches_fn, total: int | None, notes: list[str],
-            say: Callable[[str], None], print_table: bool) -> dict:
-
-    out = out.expanduser()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+def _export(float_model, make_artifact_model, fmt: str, mode, out: Path, overwrite: bool, representative,
+            meta: dict, extra: Callable[[Path], None] | None, kind: str, batches_fn, total: int | None,
+            notes: list[str], say: Callable[[str], None], print_table: bool) -> dict:
+    """Build the export in a temporary sibling of ``out`` (checked by
+    :func:`~phalanx.export.output.check_output`), score it there, and rename it into place:
+    a failure leaves nothing at ``out``; an I/O error is one ConfigError naming the path."""
+    tmp = make_temporary(out)
     try:
         model, info = make_artifact_model()
         if info:
@@ -268,36 +311,33 @@ def _export(float_model, make_artifact_model, fmt: str, mode, out: Path, represe
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2, default=str) + "\n")
         if extra is not None:
             extra(tmp)
-        if out.exists():
-            old = out.parent / f".tmp-old-{out.name}-{os.getpid()}"
-            os.rename(out, old)
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
+
+        artifact_size = formats.size_on_disk(tmp / MODEL_FILES[fmt])
+        if mode.name == "none":
+            float_size = artifact_size
         else:
-            os.rename(tmp, out)
+            say(f"writing the float32 {fmt} model too, to compare sizes")
+            with tempfile.TemporaryDirectory(prefix="phalanx-float-") as ftmp:
+                fpath = Path(ftmp) / MODEL_FILES[fmt]
+                formats.write(fmt, float_model, fpath, "none")
+                float_size = formats.size_on_disk(fpath)
+
+        quality = None
+        if batches_fn is not None:
+            say(f"loading {out} in its runtime and scoring it beside the float model")
+            art = load_artifact(tmp)
+            quality = report_lib.compare(lambda x: float_model.predict_on_batch(x), art.predict, batches_fn(), kind,
+                                         progress=say, total=total)
+        rep = report_lib.build({**meta, "artifact": str(out / MODEL_FILES[fmt])}, quality, float_size,
+                               artifact_size, notes)
+        report_lib.write(rep, tmp / REPORT_FILE)
+        move_into_place(tmp, out, overwrite)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise io_error(out, err) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-    artifact_size = formats.size_on_disk(out / MODEL_FILES[fmt])
-    if mode.name == "none":
-        float_size = artifact_size
-    else:
-        say(f"writing the float32 {fmt} model too, to compare sizes")
-        with tempfile.TemporaryDirectory(prefix="phalanx-float-") as ftmp:
-            fpath = Path(ftmp) / MODEL_FILES[fmt]
-            formats.write(fmt, float_model, fpath, "none")
-            float_size = formats.size_on_disk(fpath)
-
-    quality = None
-    if batches_fn is not None:
-        say(f"loading {out} in its runtime and scoring it beside the float model")
-        art = load_artifact(out)
-        quality = report_lib.compare(lambda x: float_model.predict_on_batch(x), art.predict, batches_fn(), kind,
-                                     progress=say, total=total)
-    rep = report_lib.build({**meta, "artifact": str(out / MODEL_FILES[fmt])}, quality, float_size,
-                           artifact_size, notes)
-    report_lib.write(rep, out / REPORT_FILE)
     if print_table:
         print(report_lib.table(rep), flush=True)
         print(f"wrote {out / MODEL_FILES[fmt]} and {out / REPORT_FILE}", flush=True)

@@ -3,6 +3,7 @@
 Examples:
     $ phalanx export runs/demo --format litert --quantize int8
     $ phalanx export runs/demo --format keras --quantize int4-weight --output served/demo-int4
+    $ phalanx export runs/demo --format litert --overwrite          # replaces runs/demo/export/litert-none
     $ phalanx export runs/demo --format litert --quantize int8 --calibration-batches 16 train.eval_batches=50
 """
 
@@ -22,7 +23,8 @@ def _epilog() -> str:
     for fmt in FORMATS:
         ok = [m for m in QUANTIZE_MODES if (fmt, m) not in UNSUPPORTED]
         lines.append(f"  {fmt:<11} {', '.join(ok)}")
-    lines += ["", "The export directory (default RUN_DIR/export/FORMAT-QUANTIZE) holds the model, export.json,",
+    lines += ["", "The export directory (default RUN_DIR/export/FORMAT-QUANTIZE; an existing one is refused",
+              "unless --overwrite, and then only a previous export) holds the model, export.json,",
               "export_report.json (size, held-out loss/perplexity, tokens/s beside the float model), and",
               "the run's config.yaml and tokenizer/: `phalanx eval` and `phalanx generate` accept it."]
     return "\n".join(lines)
@@ -42,16 +44,22 @@ def main(argv: list[str]) -> int:
                         help=f"training batches that calibrate int8 (default {calibration.DEFAULT_BATCHES})")
     parser.add_argument("--eval-batches", type=int, default=None,
                         help="held-out batches to score (default train.eval_batches of the run)")
-    parser.add_argument("--output", default=None, help="export directory (default RUN_DIR/export/FORMAT-QUANTIZE)")
+    parser.add_argument("--output", default=None, help="export directory, which must not exist (default "
+                        "RUN_DIR/export/FORMAT-QUANTIZE)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a previous export at the output (never "
+                        "anything else: a run directory, a file, a folder export did not write)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
     ns = parser.parse_intermixed_args(argv)
     if ns.eval_batches is not None and ns.eval_batches < 1:
         raise ConfigError("--eval-batches", f"must be >= 1, got {ns.eval_batches}")
     check_request(ns.format, ns.quantize)  # before TensorFlow starts: a bad flag fails at once
-    report = export_run(ns.run_dir, ns.format, ns.quantize, calibration_batches=ns.calibration_batches,
-                        output=ns.output, overrides=ns.overrides, eval_batches=ns.eval_batches,
-                        quiet=ns.quiet, print_table=not ns.json)
+    try:
+        report = export_run(ns.run_dir, ns.format, ns.quantize, calibration_batches=ns.calibration_batches,
+                            output=ns.output, overwrite=ns.overwrite, overrides=ns.overrides,
+                            eval_batches=ns.eval_batches, quiet=ns.quiet, print_table=not ns.json)
+    except OSError as err:  # reading the run (a disk error, permissions): one line naming the file
+        raise ConfigError(str(err.filename or ns.run_dir), f"{err.strerror or err}; nothing was exported") from None
     if ns.json:
         print(json.dumps(report, default=str))
     return 0

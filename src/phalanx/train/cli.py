@@ -76,7 +76,7 @@ def _restored_engine(cfg: Config):
     from phalanx.engines.task import GPTTask
 
     # The newest checkpoint that verifies: a damaged newer one is skipped with a warning.
-    restored = checkpoint.restore_latest(Path(cfg.run.dir) / "checkpoints")
+    restored = checkpoint.restore_latest(Path(cfg.run.dir) / "checkpoints", warn=checkpoint.print_warning)
     if restored is None:
         raise ConfigError("run.dir", f"{cfg.run.dir!r} has no checkpoint yet")
     engine = build_engine(cfg, GPTTask(cfg.model, cfg.precision.policy, cfg.train.seed))

@@ -159,13 +159,10 @@ class Trainer:
         belongs to other data, is refused with a ConfigError naming the key.
         """
         builtin_data = isinstance(self._datasets, pipeline.Datasets)
-        restored = checkpoint.restore_latest(self.ckpt_dir, warn=self._warn)
+        restored = checkpoint.resume_latest(self.ckpt_dir, warn=self._warn, move_damaged=self.is_chief)
         if restored is None:
             return 0, (self._datasets.train_iterator(0) if builtin_data else iter(self._datasets.train))
         path = restored.path
-        if self.is_chief:
-            for moved in checkpoint.quarantine_after(self.ckpt_dir, restored.step):
-                self._warn(f"moved the skipped checkpoint to {moved}")
         self._check_model(restored)
         try:
             # Every device reads only the boxes of each tensor it holds (any layout wrote them).
@@ -341,7 +338,7 @@ class Trainer:
     def _warn(self, text: str) -> None:
         """A warning the user must see (a skipped checkpoint), even with quiet=True."""
         if self.is_chief:
-            print(f"warning: {text}", file=sys.stderr, flush=True)
+            checkpoint.print_warning(text)
 
 
 def _skipped_steps(engine) -> int:
