@@ -9,7 +9,8 @@ again only once the data is used up, and an iterator that runs dry inside an epo
 that epoch with a warning.
 
 Arrays are cut into batches of ``batch_size`` (default 32) rows, shuffled every pass by
-a seeded permutation when ``shuffle`` is on. A batch whose rows the layout cannot split
+a permutation that depends on ``(seed, pass)`` only when ``shuffle`` is on, so that a
+resumed fit (:meth:`Batches.seek`) reads the data in the order of an uninterrupted one. A batch whose rows the layout cannot split
 evenly (``divisor`` = dp x grad_accum x micro-batches; only a last, partial batch can be
 one) is skipped with a warning that says how many samples it held.
 
@@ -123,20 +124,25 @@ class Batches:
 
     # -- iteration ----------------------------------------------------------------------------
 
-    def _one_pass(self, advance: bool = True) -> Iterator:
+    def _one_pass(self, index: int, start: int = 0) -> Iterator:
+        """Pass ``index`` over the data from its batch ``start``: its order depends on
+        ``(seed, index)`` only, so that a resumed run sees the order of an uninterrupted one."""
         if self.arrays is not None:
             x, y, sw = self.arrays
             order = np.arange(self.samples)
             if self.shuffle:
-                order = np.random.default_rng([self.seed, self._pass]).permutation(self.samples)
-            self._pass += int(advance)
-            for start in range(0, self.samples, self.batch_size):
-                index = order[start:start + self.batch_size]
-                yield tf.nest.map_structure(lambda a: None if a is None else a[index], (x, y, sw))
+                order = np.random.default_rng([self.seed, index]).permutation(self.samples)
+            for begin in range(start * self.batch_size, self.samples, self.batch_size):
+                rows = order[begin:begin + self.batch_size]
+                yield tf.nest.map_structure(lambda a: None if a is None else a[rows], (x, y, sw))
         else:
             import keras
-            for element in self.dataset:
+            for element in (self.dataset.skip(start) if start else self.dataset):
                 yield keras.utils.unpack_x_y_sample_weight(element)
+
+    def _start_pass(self) -> None:
+        self._iterator, self._seen = self._one_pass(self._pass), 0
+        self._pass += 1
 
     def _usable(self, batch) -> bool:
         rows = int(_leaves(batch[0])[0].shape[0])
@@ -152,13 +158,15 @@ class Batches:
     def epoch(self) -> Iterator:
         """The batches of the next epoch (Keras's rules, see the module docstring)."""
         if self.steps_per_epoch is None:
-            for batch in self._one_pass():
+            self._start_pass()
+            for batch in self._iterator:
                 if self._usable(batch):
                     yield batch
+            self._iterator = None
             return
         for _ in range(self.steps_per_epoch):
             if self._iterator is None:
-                self._iterator, self._seen = self._one_pass(), 0
+                self._start_pass()
             if self.num_batches is not None and self._seen >= self.num_batches:
                 self._warn_ran_out()
                 self._iterator = None
@@ -175,13 +183,55 @@ class Batches:
         if self.num_batches is not None and self._seen >= self.num_batches:
             self._iterator = None
 
+    def seek(self, epochs_done: int) -> None:
+        """Stand where ``epochs_done`` whole epochs from the start leave the data: the next
+        :meth:`epoch` yields the batches, in the order, that an uninterrupted run's epoch
+        ``epochs_done`` sees (a resumed fit starts here).
+
+        Without ``steps_per_epoch`` every epoch is one pass. With it, the running iterator's
+        pass and position follow from the batch count; a dataset of unknown length is
+        assumed not to have run dry before (the position is then ``epochs_done x
+        steps_per_epoch`` batches into it). A dataset's own randomness (``.shuffle()``) is
+        its own: only arrays are shuffled here.
+
+        >>> import numpy as np
+        >>> a = Batches(np.arange(6.0)[:, None], np.zeros(6), batch_size=2, shuffle=True, steps_per_epoch=2)
+        >>> _ = [list(a.epoch()) for _ in range(3)]
+        >>> b = Batches(np.arange(6.0)[:, None], np.zeros(6), batch_size=2, shuffle=True, steps_per_epoch=2)
+        >>> b.seek(3)
+        >>> [float(t[0][0, 0]) for t in a.epoch()] == [float(t[0][0, 0]) for t in b.epoch()]
+        True
+        """
+        self._pass, self._seen, self._iterator = 0, 0, None
+        if self.steps_per_epoch is None:
+            self._pass = epochs_done
+            return
+        if self.num_batches is None:  # unknown length: one running iterator, never dry (see above)
+            if epochs_done:
+                self._seen, self._pass = epochs_done * self.steps_per_epoch, 1
+                self._iterator = self._one_pass(0, self._seen)
+            return
+        running = False
+        for _ in range(epochs_done):  # epoch()'s bookkeeping, without reading the data
+            for _ in range(self.steps_per_epoch):
+                if not running:
+                    running, self._seen, self._pass = True, 0, self._pass + 1
+                if self._seen >= self.num_batches:
+                    running = False
+                    break
+                self._seen += 1
+            if running and self._seen >= self.num_batches:
+                running = False
+        if running:
+            self._iterator = self._one_pass(self._pass - 1, self._seen)
+
     def _warn_ran_out(self) -> None:
         warnings.warn("your input ran out of data inside an epoch; the epoch ends early. Make sure the data "
                       "holds at least steps_per_epoch x epochs batches (.repeat() a dataset)", stacklevel=3)
 
     def first(self):
         """One batch, to build the model's state before tracing (not consumed)."""
-        for batch in self._one_pass(advance=False):
+        for batch in self._one_pass(self._pass):
             return batch
         raise ValueError("x: the dataset yields no batch")
 

@@ -380,6 +380,7 @@ def _fit_loop(engine, model, cfg, run_dir: Path | None, train: Batches, val, *, 
             f"raise epochs or use a new run.dir to train more")
         return history
     start = max(initial_epoch, done)
+    train.seek(start)  # epoch e reads the data in the order of an uninterrupted run's epoch e
     if run_dir is not None:
         (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     # a resumed run repeats no row: the rows past the restored step are dropped
