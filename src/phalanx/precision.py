@@ -17,6 +17,11 @@ The configuration resolves ``auto`` when it is built (:class:`phalanx.config.Con
 every reader of ``cfg.precision.policy`` sees the policy that runs; :func:`describe` is the
 line a run prints, e.g. ``precision: mixed_bfloat16 (auto: CPU has avx512_bf16)``.
 
+A user's Keras model on ``phalanx.fit`` trains in the precision it was built in unless the
+policy is set explicitly: ``auto`` never switches a float32-built model to a mixed policy
+(:func:`phalanx.engines.keras_model.precision_of`; the run's precision line says how to
+ask for it where this module would have chosen it). phalanx's own GPT follows ``auto``.
+
 ``PHALANX_AUTO_PRECISION=<policy>`` in the environment fixes what ``auto`` means (the
 test suite sets ``float32`` so that its numerics do not depend on the machine).
 

@@ -98,14 +98,23 @@ MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")
 # -- precision --------------------------------------------------------------------------
 
 
-def precision_of(model, cfg: Config) -> tuple[str, str]:
+def precision_of(model, cfg: Config, *, auto_switches: bool = False) -> tuple[str, str]:
     """``(policy, reason)``: the Keras dtype policy ``model`` trains under with ``cfg``.
 
-    A model built under a mixed Keras policy (``model.dtype_policy``: the global policy when it
-    was made) runs as built: its layers' own policies, a float32 softmax head included, are the
-    user's choice. ``precision.policy=auto`` leaves such a model as built; an explicit policy
-    that differs from it is a ConfigError (it could not be honoured without discarding the
-    layers' choices). A model built under float32 takes ``precision.policy``.
+    A model trains in the precision it was built in unless ``precision.policy`` is set
+    explicitly, so that the default run gives Keras's own numbers on every machine:
+
+    * built under a mixed Keras policy (``model.dtype_policy``: the global policy when it was
+      made): it runs as built, its layers' own policies (a float32 softmax head included) being
+      the user's choice. ``precision.policy=auto`` keeps it; an explicit policy that differs is
+      a ConfigError (it could not be honoured without discarding the layers' choices);
+    * built under float32: ``precision.policy=auto`` keeps float32 — where ``auto`` would have
+      chosen ``mixed_bfloat16`` (the hardware has bfloat16 units) the reason says how to get it
+      (``precision.policy=mixed_bfloat16``), and a run prints it as its precision line; an
+      explicit policy is taken.
+
+    ``auto_switches=True`` lets ``auto`` switch a float32-built model to the policy it resolved
+    to: for phalanx's own GPT (its numbers are phalanx's, not a user's Keras run to reproduce).
 
     Example:
         >>> import keras
@@ -116,16 +125,27 @@ def precision_of(model, cfg: Config) -> tuple[str, str]:
     """
     policy, reason = resolve_policy(cfg)
     built = model.dtype_policy.name
+    auto = reason.startswith("auto")  # the config records how auto resolved (phalanx.config.Config)
     if built in MIXED_POLICIES and built != policy:
-        if reason.startswith("auto"):
+        if auto:
             return built, f"the model was built under {built}; precision.policy=auto keeps it"
         raise ConfigError("precision.policy", f"{policy}, but model {model.name!r} was built under the Keras policy "
                                               f"{built}: set precision.policy={built} (or auto), or build the model "
                                               f"under float32 and let phalanx apply {policy}")
+    if auto and built not in MIXED_POLICIES and policy != built and not auto_switches:
+        return _kept_as_built(built, policy, reason)
     return policy, reason
 
 
-def apply_precision(model, cfg: Config) -> None:
+def _kept_as_built(built: str, policy: str, reason: str) -> tuple[str, str]:
+    """The reason ``auto`` leaves a model built under ``built`` as it is, naming the ``policy``
+    auto chose and the setting that would run it."""
+    why = reason.split(":", 1)[1].strip() if ":" in reason else reason
+    return built, (f"the model was built under {built}; precision.policy=auto keeps it ({why}: set "
+                   f"precision.policy={policy} for mixed precision)")
+
+
+def apply_precision(model, cfg: Config, *, auto_switches: bool = False) -> None:
     """Run ``model`` under :func:`precision_of` its config, as if it had been built under it.
 
     A model built under float32 takes a mixed ``precision.policy`` on every layer still on
@@ -136,7 +156,7 @@ def apply_precision(model, cfg: Config) -> None:
     at ``precision.loss_scale_init`` and grown every ``precision.loss_scale_growth_interval``
     good steps.
     """
-    policy, _ = precision_of(model, cfg)
+    policy, _ = precision_of(model, cfg, auto_switches=auto_switches)
     if policy not in MIXED_POLICIES:
         return
     if model.dtype_policy.name != policy:  # built under float32: the layers that took the default take the policy

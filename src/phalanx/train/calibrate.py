@@ -170,7 +170,8 @@ def keras_gpt(cfg, tp: int):
     cut for ``tp`` tensor ranks, from ``train.seed``), compiled as :func:`phalanx.fit` compiles
     a model given no optimizer: Keras's AdamW from ``train.*``
     (:func:`phalanx.train.keras_api.default_optimizer`, over ``train.steps``) and the token
-    cross-entropy on the logits; under ``precision.policy`` as ``phalanx.fit`` runs it."""
+    cross-entropy on the logits; under ``precision.policy`` (``auto`` included: phalanx's own
+    GPT takes the policy auto resolved to, as ``phalanx train`` runs it)."""
     import keras
 
     from phalanx.engines.keras_model import apply_precision
@@ -180,7 +181,7 @@ def keras_gpt(cfg, tp: int):
     model = gpt(cfg.model, tp=tp, seed=cfg.train.seed)
     model.compile(optimizer=default_optimizer(cfg, cfg.train.steps),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    apply_precision(model, cfg)
+    apply_precision(model, cfg, auto_switches=True)
     return model
 
 
