@@ -36,7 +36,7 @@ import yaml
 from phalanx import checkpoint
 from phalanx.config import Config, ConfigError
 from phalanx.data.keras_inputs import Batches
-from phalanx.engines import keras_cluster
+from phalanx.engines import custom_step, keras_cluster
 from phalanx.engines.keras_model import KerasModelEngine, apply_precision, precision_of
 from phalanx.fsutil import RunLock
 from phalanx.layers import TransformerBlock
@@ -84,7 +84,7 @@ def resolve_model(model, cfg: Config):
         raise ValueError(f"model: {model.name!r} is not compiled; call model.compile(optimizer=..., loss=..., "
                          f"metrics=[...]) first")
     custom_loss = type(model).compute_loss is not keras.Model.compute_loss
-    if model._compile_loss is None and not custom_loss:
+    if model._compile_loss is None and not custom_loss and not custom_step.overridden(model, "train_step"):
         raise ValueError(f"model: {model.name!r} was compiled without a loss; call model.compile(loss=...)")
     return model
 
@@ -295,7 +295,30 @@ def _callbacks(callbacks, model, verbose: int, epochs: int, steps, history=None)
                                         verbose=verbose, epochs=epochs, steps=steps)
 
 
+def _step_logs(engine, model, returned) -> dict:
+    """A step's logs for the callbacks: a model's own step returns them (Keras's rules,
+    :mod:`phalanx.engines.custom_step`); phalanx's step leaves them in the compiled metrics."""
+    if getattr(engine, "returns_logs", False):
+        return custom_step.logs_as_numbers(returned)
+    return _logs(model)
+
+
+def _engine(model, cfg: Config, mesh: Mesh, sample_batch, method: str, workers=None, inference_only=False):
+    """The engine that runs ``method`` of ``model``: the model's own (overridden) step
+    (:class:`~phalanx.engines.custom_step.CustomStepEngine`), or phalanx's. A fit whose model
+    overrides ``test_step`` only validates with that (``engine.evaluator``)."""
+    if custom_step.overridden(model, method):
+        methods = ["train_step", "test_step"] if method == "train_step" else [method]
+        return custom_step.CustomStepEngine(model, cfg, mesh, sample_batch, inference_only=inference_only,
+                                            workers=workers, methods=methods)
+    engine = KerasModelEngine(model, cfg, mesh, sample_batch, inference_only=inference_only, workers=workers)
+    if method == "train_step" and custom_step.overridden(model, "test_step"):
+        engine.evaluator = custom_step.CustomStepEngine(model, cfg, mesh, sample_batch, methods=["test_step"])
+    return engine
+
+
 def _evaluate_loop(engine: KerasModelEngine, model, batches: Batches, callbacks, steps=None) -> dict:
+    engine = getattr(engine, "evaluator", engine)  # a model's own test_step, when it has one
     model.reset_metrics()
     callbacks.on_test_begin()
     logs = {}
@@ -303,10 +326,9 @@ def _evaluate_loop(engine: KerasModelEngine, model, batches: Batches, callbacks,
         if steps is not None and step >= steps:
             break
         callbacks.on_test_batch_begin(step)
-        engine.test_step(batch)
-        logs = _logs(model)
+        logs = _step_logs(engine, model, engine.test_step(batch))
         callbacks.on_test_batch_end(step, logs)
-    logs = _logs(model)
+    logs = logs if getattr(engine, "returns_logs", False) else _logs(model)
     callbacks.on_test_end(logs)
     return logs
 
@@ -326,14 +348,17 @@ def fit(model, cfg: Config, mesh: Mesh, x=None, y=None, *, batch_size=None, epoc
     # Across the workers of a cluster (None in one process): every worker runs this fit.
     workers = keras_cluster.join(cfg)
     world = 1 if workers is None else workers.size
+    own_step = custom_step.overridden(model, "train_step")
+    if own_step or custom_step.overridden(model, "test_step"):  # refused layouts: before any data is read
+        custom_step.check_layout(model, cfg, mesh, ["train_step", "test_step"], world)
     train = Batches(x, y, sample_weight, batch_size=batch_size, steps_per_epoch=steps_per_epoch, shuffle=shuffle,
-                    seed=cfg.train.seed, divisor=_divisor(cfg, mesh) * world)
+                    seed=cfg.train.seed, divisor=1 if own_step else _divisor(cfg, mesh) * world)
     val = _validation_batches(validation_data, validation_batch_size or batch_size, cfg, mesh)
     split_for_tensor_parallel(model, cfg, mesh, verbose)
     apply_precision(model, cfg)
     if model.optimizer is None:
         model.optimizer = default_optimizer(cfg, (train.steps or 1) * epochs)
-    engine = KerasModelEngine(model, cfg, mesh, train.first(), workers=workers)
+    engine = _engine(model, cfg, mesh, train.first(), "train_step", workers=workers)
     run_dir = run_directory(cfg)
     loop = dict(epochs=epochs, initial_epoch=initial_epoch, callbacks=callbacks, verbose=verbose,
                 validation_steps=validation_steps, validation_freq=validation_freq)
@@ -417,10 +442,10 @@ def _train_epochs(engine, model, cfg, run_dir: Path | None, output: RunOutput | 
         steps_run = 0
         for step, batch in enumerate(train.epoch()):
             callback_list.on_train_batch_begin(step)
-            engine.train_step(batch)
+            returned = engine.train_step(batch)
             moe.update()
             steps_run += 1
-            logs = _logs(model)
+            logs = _step_logs(engine, model, returned)
             callback_list.on_train_batch_end(step, logs)
             if model.stop_training:
                 break
@@ -450,9 +475,11 @@ def evaluate(model, cfg: Config, mesh: Mesh, x=None, y=None, *, batch_size=None,
     _check_positive("steps", steps, allow_none=True)
     verbose = _verbose(verbose) if keras_cluster.is_chief(cfg) else 0  # every worker evaluates; the chief prints
     batches = Batches(x, y, sample_weight, batch_size=batch_size, divisor=1)
+    if custom_step.overridden(model, "test_step"):
+        custom_step.check_layout(model, cfg, mesh, ["test_step"])
     split_for_tensor_parallel(model, cfg, mesh, verbose)
     apply_precision(model, cfg)
-    engine = KerasModelEngine(model, cfg, mesh, batches.first())
+    engine = _engine(model, cfg, mesh, batches.first(), "test_step")
     callback_list = _callbacks(callbacks, model, verbose, 1, steps or batches.steps)
     logs = _evaluate_loop(engine, model, batches, callback_list, steps)
     if return_dict:
@@ -472,7 +499,9 @@ def predict(model, cfg: Config, mesh: Mesh, x, *, batch_size=None, steps=None, c
     split_for_tensor_parallel(model, cfg, mesh, verbose)
     apply_precision(model, cfg)
     first = batches.first()
-    engine = KerasModelEngine(model, cfg, mesh, (first[0], None, None), inference_only=True)
+    if custom_step.overridden(model, "predict_step"):
+        custom_step.check_layout(model, cfg, mesh, ["predict_step"])
+    engine = _engine(model, cfg, mesh, (first[0], None, None), "predict_step", inference_only=True)
     callback_list = _callbacks(callbacks, model, verbose, 1, steps or batches.steps)
     callback_list.on_predict_begin()
     outputs = []

@@ -1,0 +1,176 @@
+"""A model's own train_step / test_step / predict_step under phalanx.fit / evaluate / predict,
+against Keras's own one-device fit / evaluate / predict of the same model from the same weights.
+
+The model is the shape of keras.io's "Customizing what happens in fit": its train_step
+updates only its head and tracks its own metrics. On one device phalanx runs the method as
+Keras does; over two data replicas each replica runs it on half the rows and the recorded
+gradients are averaged before one apply (MirroredStrategy's numbers). float32, SGD: the
+sums differ from one device's only by the order of additions (~1e-7 relative per step), so
+rtol 1e-4 over a few steps holds with a wide margin.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import phalanx
+from phalanx.config import ConfigError
+
+LAYOUTS = {"one": ["parallel.devices=cpu:1"], "dp2": ["parallel.devices=cpu:2", "parallel.dp=2"]}
+N, BATCH, EPOCHS = 32, 8, 2
+
+
+class HeadOnly(keras.Model):
+    """Trains its head only; tracks its loss and a mean absolute error of its own."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.body = keras.layers.Dense(8, activation="tanh", name="body")
+        self.head = keras.layers.Dense(1, name="head")
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+        self.mae = keras.metrics.MeanAbsoluteError(name="mae")
+
+    def call(self, x):
+        return self.head(self.body(x))
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker, self.mae]
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+        grads = tape.gradient(loss, self.head.trainable_variables)
+        self.optimizer.apply(grads, self.head.trainable_variables)
+        self.loss_tracker.update_state(loss)
+        self.mae.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+    def test_step(self, data):
+        x, y = data
+        y_pred = self(x, training=False)
+        self.mae.update_state(y, y_pred)
+        # "centre" is no metric's: Keras returns the last batch's value (the replicas' mean here)
+        return {"mae": self.mae.result(), "centre": keras.ops.mean(y_pred)}
+
+    def predict_step(self, data):
+        x = data[0] if isinstance(data, tuple) else data
+        y_pred = self(x, training=False)
+        return {"pred": y_pred, "shifted": y_pred + 1.0}
+
+
+def _data():
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(N, 4)).astype("float32")
+    return x, (x @ np.array([[1.0], [-2.0], [0.5], [1.5]], "float32")).astype("float32")
+
+
+def _model(weights=None):
+    model = HeadOnly(name="head_only")
+    model(np.zeros((1, 4), "float32"))  # builds the layers
+    if weights is not None:
+        model.set_weights(weights)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    return model
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    """Keras's own one-device fit, evaluate and predict: (initial weights, history, weights, eval, pred)."""
+    x, y = _data()
+    keras.utils.set_random_seed(0)
+    model = _model()
+    start = [w.copy() for w in model.get_weights()]
+    history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    evaluated = model.evaluate(x, y, batch_size=BATCH, return_dict=True, verbose=0)
+    predicted = model.predict(x, batch_size=BATCH, verbose=0)
+    return start, history.history, model.get_weights(), evaluated, predicted
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_own_steps_equal_keras(layout, oracle, tmp_path):
+    start, history, weights, evaluated, predicted = oracle
+    x, y = _data()
+    cfg = phalanx.init(*LAYOUTS[layout], f"run.dir={tmp_path}")
+    model = _model(start)
+    got = phalanx.fit(model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, config=cfg, verbose=0)
+    assert sorted(got.history) == ["loss", "mae"]
+    for key in ("loss", "mae"):
+        np.testing.assert_allclose(got.history[key], history[key], rtol=1e-4, err_msg=key)
+    assert history["mae"][-1] > 0  # the custom metric is tracked
+    for name, w, want, before in zip([v.path for v in model.weights], model.get_weights(), weights, start):
+        np.testing.assert_allclose(w, want, rtol=1e-4, atol=1e-6, err_msg=name)
+        if "body" in name:  # the step never updates the body
+            np.testing.assert_array_equal(w, before, err_msg=name)
+        else:
+            assert not np.allclose(w, before), name
+    ev = phalanx.evaluate(model, x, y, batch_size=BATCH, return_dict=True, config=cfg, verbose=0)
+    assert sorted(ev) == ["centre", "mae"]
+    for key in ev:
+        np.testing.assert_allclose(ev[key], evaluated[key], rtol=1e-4, atol=1e-6, err_msg=key)
+    pred = phalanx.predict(model, x, batch_size=BATCH, config=cfg, verbose=0)
+    assert sorted(pred) == ["pred", "shifted"]
+    for key in pred:
+        np.testing.assert_allclose(pred[key], predicted[key], rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["parallel.devices=cpu:2", "parallel.pp=2", "parallel.microbatches=2"], "parallel.pp"),
+    (["train.grad_accum=2"], "train.grad_accum"),
+])
+def test_other_layouts_refuse_before_any_step(overrides, key, tmp_path):
+    x, y = _data()
+    model = _model()
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ConfigError) as err:
+        phalanx.fit(model, x, y, batch_size=BATCH, epochs=1, overrides=[*overrides, f"run.dir={tmp_path / 'r'}"],
+                    verbose=0)
+    assert err.value.key == key and "HeadOnly.train_step is overridden" in str(err.value)
+    assert not (tmp_path / "r").exists()
+    for w, b in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(w, b)
+    if key == "parallel.pp":  # evaluate runs no accumulation: there only the pipeline is refused
+        with pytest.raises(ConfigError, match="HeadOnly.test_step is overridden"):
+            phalanx.evaluate(model, x, y, batch_size=BATCH, overrides=overrides, verbose=0)
+
+
+class TwoUpdates(HeadOnly):
+    """Applies twice per step (as a GAN's two optimizers would)."""
+
+    def train_step(self, data):
+        x, y = data
+        for layer in (self.head, self.body):
+            with tf.GradientTape() as tape:
+                loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+            self.optimizer.apply(tape.gradient(loss, layer.trainable_variables), layer.trainable_variables)
+        return {"loss": loss}
+
+
+def test_two_updates_per_step_refused_over_replicas(tmp_path):
+    x, y = _data()
+    model = TwoUpdates(name="two")
+    model(np.zeros((1, 4), "float32"))
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match="more than once per step"):
+        phalanx.fit(model, x, y, batch_size=BATCH, epochs=1, verbose=0,
+                    overrides=["parallel.devices=cpu:2", "parallel.dp=2", f"run.dir={tmp_path}"])
+    for w, b in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(w, b)
+
+
+def test_compute_loss_override_still_phalanx_step():
+    """A model that overrides compute_loss only keeps phalanx's own step (every layout)."""
+    from phalanx.engines import custom_step
+
+    class Scaled(keras.Sequential):
+        def compute_loss(self, *args, **kwargs):
+            return 2.0 * super().compute_loss(*args, **kwargs)
+
+    model = Scaled([keras.Input((2,)), keras.layers.Dense(1)])
+    assert not any(custom_step.overridden(model, m) for m in custom_step.METHODS)
