@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[cpu,test]'
 	# keras-hub's models are tested as user models; --no-deps because its tensorflow-text
 	# requirement would pull the CUDA TensorFlow wheel (its backbones need only regex).
 	$(BIN)/python -m pip install --quiet --no-deps 'keras-hub==0.32.*' regex

@@ -25,7 +25,7 @@ from phalanx.config import ConfigError, load_config
 from phalanx.core.costs import ModelSpec
 from phalanx.engines.keras_model import KerasModelEngine
 from phalanx.mesh import Mesh
-from phalanx.plan import cli
+from phalanx.commands import plan as cli
 from phalanx.plan.keras_memory import keras_devices, keras_memory_per_device
 from phalanx.train.calibrate import calibrate_keras, engine_blocks_per_stage, keras_engine_variables, keras_gpt
 
@@ -127,7 +127,7 @@ def test_keras_calibrate_within_10_percent_on_every_device(tmp_path, layout, pol
     -0.2/+1.6/+2.4/+4.9%. The constants of
     phalanx.plan.keras_memory were read off this shape; its docstring has a shape they were
     not read from."""
-    argv = [sys.executable, "-m", "phalanx.plan.cli", "model.layers=4", "model.d_model=256", "model.heads=4",
+    argv = [sys.executable, "-m", "phalanx.commands.plan", "model.layers=4", "model.d_model=256", "model.heads=4",
             "model.seq_len=128", "train.global_batch=8", f"precision.policy={policy}",
             *CALIBRATE_LAYOUTS[layout], "--hardware", "this-cpu", "--keras", "--calibrate", "--calibrate-steps", "3",
             "--json"]
@@ -200,7 +200,7 @@ def test_expert_parallel_calibrate_on_every_device(tmp_path, layout):
     freed; +26.7% on device 3 in the clean-clone CI run of 8e0ffa1, planner +2.0/+19.7/+3.6/+33.5%).
     With four inter-op threads (the replicas run concurrently): +3.3/+2.5%,
     +1.0/+2.4/-0.7/+5.5%, +1.1/+6.3/+0.9/+0.0%."""
-    argv = [sys.executable, "-m", "phalanx.plan.cli", *EP_MODEL, *EP_LAYOUTS[layout], "--hardware", "this-cpu",
+    argv = [sys.executable, "-m", "phalanx.commands.plan", *EP_MODEL, *EP_LAYOUTS[layout], "--hardware", "this-cpu",
             "--calibrate", "--calibrate-steps", "3", "--json"]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", HOME=str(tmp_path))
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)

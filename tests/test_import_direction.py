@@ -1,12 +1,13 @@
 """The packages of phalanx import in one direction, bottom to top (docs/DESIGN.md):
 
     config, fsutil, precision  <-  core  <-  mesh  <-  layers, data, checkpoint  <-  models  <-  parallel, prune
-        <-  plan, cluster  <-  engines  <-  export  <-  train  <-  api, cli
+        <-  plan, cluster  <-  engines  <-  export  <-  train  <-  api, cli, commands
 
 A module may import its own package and any package below it, never one above (function-
 local imports included: a cycle dodged inside a function is still a cycle). ``from
-phalanx.pkg import module`` counts as an import of ``phalanx.pkg.module``. Command-line
-modules (``*/cli.py``, ``*_cli.py``) are entry points and stand with ``cli``. ``KNOWN`` lists
+phalanx.pkg import module`` counts as an import of ``phalanx.pkg.module``. A command-line
+module has the level of the package it lives in (``data/cli.py`` is ``data``); a command that
+needs packages above its own lives in ``commands`` at the top. ``KNOWN`` lists
 the imports against the direction that the code still has, each to be removed by moving
 the module that causes it; the test fails on any new one, and on a listed one that is gone
 (so the list only shrinks).
@@ -30,7 +31,7 @@ LEVELS = [
     ("engines",),
     ("export",),
     ("train",),
-    ("api", "cli", "__init__", "__main__"),
+    ("api", "cli", "commands", "__init__", "__main__"),
 ]
 RANK = {package: level for level, packages in enumerate(LEVELS) for package in packages}
 
@@ -39,11 +40,9 @@ KNOWN: set[tuple[str, str]] = set()
 
 
 def package_of(module: str) -> str:
-    """The package whose level ``module`` has; a command-line module (``plan/cli.py``,
-    ``parallel/schedule_cli.py``) is an entry point and stands with ``cli``."""
+    """The package whose level ``module`` has: the one it lives in, command-line modules
+    included (``phalanx.data.cli`` is ``data``)."""
     parts = module.split(".")
-    if parts[-1] == "cli" or parts[-1].endswith("_cli"):
-        return "cli"
     return parts[1] if len(parts) > 1 else "__init__"
 
 
@@ -81,6 +80,34 @@ def test_every_package_has_a_level():
     packages = {p.stem if p.is_file() else p.name for p in SRC.iterdir()
                 if (p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists()))}
     assert packages - set(RANK) == set(), "give the new package a level in LEVELS (and docs/DESIGN.md)"
+
+
+def test_a_command_module_has_its_package_level():
+    assert package_of("phalanx.train.cli") == "train"
+    assert package_of("phalanx.data.cli") == "data"
+    assert package_of("phalanx.commands.plan") == "commands"
+    assert package_of("phalanx.cli") == "cli"
+
+
+def test_no_package_cycle():
+    """No two packages import each other, directly or through others (a cycle through a
+    function-local import or a command module counts)."""
+    edges: dict[str, set[str]] = {}
+    for a, b in imports():
+        if package_of(a) != package_of(b):
+            edges.setdefault(package_of(a), set()).add(package_of(b))
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in edges.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    cycles = sorted(p for p in edges if p in reach(p))
+    assert not cycles, f"packages on an import cycle: {cycles}"
 
 
 def test_imports_follow_the_direction():

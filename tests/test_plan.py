@@ -8,7 +8,8 @@ import json
 import pytest
 
 from phalanx.core import costs
-from phalanx.plan import cli, estimate as estimate_mod, layout as layout_mod, memory, search as search_mod
+from phalanx.commands import plan as cli
+from phalanx.plan import estimate as estimate_mod, layout as layout_mod, memory, search as search_mod
 from phalanx.plan import engine_memory, engine_rules, precheck, timing
 from phalanx.core.costs import ModelSpec, active_param_count, flops_per_token, param_count
 from phalanx.plan.estimate import estimate
@@ -343,7 +344,7 @@ def test_calibrate_memory_within_tolerance(tmp_path):
     import sys
 
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", HOME=str(tmp_path))  # fresh probe cache: no shared state
-    argv = [sys.executable, "-m", "phalanx.plan.cli", "model.layers=2", "model.d_model=128", "model.heads=4",
+    argv = [sys.executable, "-m", "phalanx.commands.plan", "model.layers=2", "model.d_model=128", "model.heads=4",
             "model.ffn=512", "model.seq_len=128", "train.global_batch=8", "--hardware", "this-cpu",
             "--calibrate", "--calibrate-steps", "2", "--json"]
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)

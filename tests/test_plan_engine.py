@@ -15,7 +15,8 @@ import pytest
 from phalanx.config import ConfigError, load_config
 from phalanx.core.costs import layer_costs
 from phalanx.parallel.partition import partition
-from phalanx.plan import cli, engine_rules
+from phalanx.commands import plan as cli
+from phalanx.plan import engine_rules
 from phalanx.core.costs import ModelSpec, param_count
 from phalanx.plan.engine_rules import plan_only_reasons, stage_bounds
 from phalanx.plan.estimate import estimate
@@ -175,7 +176,7 @@ def test_calibrate_within_10_percent_on_every_device(tmp_path, layout, policy):
     every device. The optimizer step is the same in every run (ShardedAdamW updates one group
     after another per device, once the norm exists); what still moves between runs (up to
     1.7 MiB of 50, e.g. tp2 CPU:1) is the forward and backward's order."""
-    argv = [sys.executable, "-m", "phalanx.plan.cli", "model.layers=4", "model.d_model=256", "model.heads=4",
+    argv = [sys.executable, "-m", "phalanx.commands.plan", "model.layers=4", "model.d_model=256", "model.heads=4",
             "model.seq_len=128", "train.global_batch=8", f"precision.policy={policy}", *CALIBRATE_LAYOUTS[layout],
             "--hardware", "this-cpu", "--calibrate", "--calibrate-steps", "3", "--json"]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", HOME=str(tmp_path))

@@ -6,7 +6,8 @@ import doctest
 
 import pytest
 
-from phalanx.parallel import schedule_cli, schedule_plot, schedules
+from phalanx.commands import schedule as schedule_cli
+from phalanx.parallel import schedule_plot, schedules
 from phalanx.parallel.schedules import (Action, Schedule, build_schedule, bubble_formula, dependencies,
                                         peak_in_flight, render_text, validate_order)
 from phalanx.plan import simulator

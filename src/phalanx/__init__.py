@@ -13,6 +13,19 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+
+def _require_tensorflow() -> None:
+    """phalanx depends on no TensorFlow build itself: the ``cpu`` and ``gpu`` extras each
+    install one (two builds in one environment overwrite each other's ``tensorflow`` module).
+    Say which to install before anything fails deeper down. Finding it does not import it."""
+    import importlib.util
+    if importlib.util.find_spec("tensorflow") is None:
+        raise ImportError("phalanx needs TensorFlow 2.21, and none is installed: pip install 'phalanx[cpu]' "
+                          "(CPU build) or 'phalanx[gpu]' (CUDA build); from a clone: pip install -e '.[cpu]'")
+
+
+_require_tensorflow()
+
 _LAZY = {
     "Config": ("phalanx.config", "Config"),
     "ConfigError": ("phalanx.config", "ConfigError"),

@@ -18,8 +18,8 @@ COMMANDS = {
     "eval": ("phalanx.train.cli", "main_eval", "loss / perplexity of a run's latest checkpoint"),
     "generate": ("phalanx.train.cli", "main_generate", "sample text from a run's latest checkpoint"),
     "data": ("phalanx.data.cli", "main", "prepare / inspect TFRecord datasets"),
-    "plan": ("phalanx.plan.cli", "main", "memory, FLOPs, time and layout search before training"),
-    "schedule": ("phalanx.parallel.schedule_cli", "main", "print and draw a pipeline schedule"),
+    "plan": ("phalanx.commands.plan", "main", "memory, FLOPs, time and layout search before training"),
+    "schedule": ("phalanx.commands.schedule", "main", "print and draw a pipeline schedule"),
     "launch": ("phalanx.cluster.launch", "main", "run a local multi-process TensorFlow cluster"),
     "export": ("phalanx.export.cli", "main", "a run's model as keras/savedmodel/litert, quantized, + quality report"),
 }

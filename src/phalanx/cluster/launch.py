@@ -94,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
+    command = resolve_command(command)
     problems = [msg for bad, msg in (
         (args.workers < 1, f"--workers must be >= 1, got {args.workers}"),
         (args.ps < 0, f"--ps must be >= 0, got {args.ps}"),
@@ -108,6 +109,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     launcher = Launcher(command=command, workers=args.workers, ps=args.ps, restarts=args.restarts,
                         timeout=args.timeout, grace=args.grace, network=args.network)
     return launcher.run()
+
+
+def resolve_command(command: list[str], bin_dir: str | None = None) -> list[str]:
+    """``command`` with a bare ``phalanx`` replaced by the ``phalanx`` installed next to this
+    Python (``bin_dir``, default ``sys.executable``'s directory), so that
+    ``.venv/bin/phalanx launch -- phalanx train ...`` runs the same installation without an
+    activated environment. Any other command, a path, or no such file: unchanged.
+
+    >>> import os, tempfile
+    >>> d = tempfile.mkdtemp(); open(os.path.join(d, "phalanx"), "w").close(); os.chmod(os.path.join(d, "phalanx"), 0o755)
+    >>> resolve_command(["phalanx", "train"], d) == [os.path.join(d, "phalanx"), "train"]
+    True
+    >>> resolve_command(["python", "-c", "pass"], d)
+    ['python', '-c', 'pass']
+    """
+    if not command or command[0] != "phalanx":
+        return list(command)
+    own = os.path.join(bin_dir or os.path.dirname(sys.executable), "phalanx")
+    if os.path.isfile(own) and os.access(own, os.X_OK):
+        return [own, *command[1:]]
+    return list(command)
 
 
 # ---------------------------------------------------------------------------

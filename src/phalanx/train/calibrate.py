@@ -35,7 +35,7 @@ made one device's peak vary by 11% from step to step (tp2, 4 layers), against 2%
 requested bytes. The chunk figure is reported beside it (``allocated_bytes``). The
 sum over devices is checked against ``get_memory_info``'s process-wide peak
 (``total_check``). ``TF_CPU_ALLOCATOR_USE_BFC=true`` must be set before TensorFlow
-starts: :func:`phalanx.plan.cli.main` sets it for ``--calibrate`` before any import.
+starts: :func:`phalanx.commands.plan.main` sets it for ``--calibrate`` before any import.
 
 Example (needs TensorFlow and a fresh process; runs real steps):
     >>> from phalanx.config import load_config                                  # doctest: +SKIP
