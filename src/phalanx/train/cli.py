@@ -45,7 +45,13 @@ def main_train(argv: list[str]) -> int:
     check_fits(cfg)  # before TensorFlow builds anything: a clear refusal instead of an OOM
     cluster = _runtime_first(cfg)
     from phalanx.train.trainer import Trainer
-    Trainer(cfg, cluster=cluster, quiet=ns.quiet).fit()
+    try:
+        Trainer(cfg, cluster=cluster, quiet=ns.quiet).fit()
+    except KeyboardInterrupt:  # a second Ctrl-C (the first one saves and stops at the step's end)
+        newest = checkpoint.latest(Path(cfg.run.dir).expanduser() / "checkpoints")
+        print(f"error: interrupted: stopped at once without saving; the checkpoints are as they were (newest: "
+              f"{newest or 'none'})", file=sys.stderr, flush=True)
+        return 130
     return 0
 
 

@@ -4,8 +4,11 @@
 parallelism, the mesh engine for tensor/pipeline parallelism, ZeRO or
 recomputation), the input pipeline, resumes from the newest checkpoint in
 ``<run.dir>/checkpoints``, then runs ``train.steps`` steps with logging, periodic
-evaluation and checkpoints. SIGTERM (preemption) saves a checkpoint at the next
-step boundary and returns normally.
+evaluation and checkpoints. SIGTERM (preemption) or SIGINT (Ctrl-C) saves a
+checkpoint at the next step boundary and returns normally (``Summary.stopped_early``;
+``phalanx train`` exits 0); a second SIGINT raises KeyboardInterrupt at once, the
+checkpoints already written left as they were
+(:class:`phalanx.cluster.preemption.StopSignals`).
 
 Example (a 3-step run on the embedded corpus):
     >>> from phalanx.config import load_config
@@ -20,9 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ import numpy as np
 import yaml
 
 from phalanx import checkpoint, precision, prune
-from phalanx.cluster.preemption import stop_agreement
+from phalanx.cluster.preemption import StopSignals, stop_agreement
 from phalanx.config import Config, ConfigError
 from phalanx.data import pipeline
 from phalanx.data.tokenize import save_tokenizer
@@ -78,27 +79,6 @@ def device_count(engine) -> int:
     if strategy is not None:
         return int(strategy.num_replicas_in_sync)
     return 1
-
-
-class _StopFlag:
-    """Set by SIGTERM/SIGINT: the loop saves a checkpoint at the next step boundary."""
-
-    def __init__(self):
-        self.set = False
-        self._previous = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM,):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.set = True
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 class Trainer:
@@ -283,7 +263,7 @@ class Trainer:
         agree_stop = stop_agreement(self.cluster)
         with RunOutput(self.run_dir, t.steps, start, self.interactive, self.quiet,
                        write=self.is_chief) as out, \
-                _StopFlag() as stop:
+                StopSignals(announce=True) as stop:
             while step < t.steps:
                 batch = next(iterator)
                 if self.pruner is not None:
@@ -320,7 +300,8 @@ class Trainer:
                     saved_path = self._save(step, iterator) or saved_path
                 if stopping:
                     stopped = True
-                    out.message(f"signal received: checkpoint saved at step {step}, stopping")
+                    why = f" ({stop.signal})" if stop.signal else " (by another worker)"
+                    out.message(f"signal received: checkpoint saved at step {step}, stopping{why}")
                     break
         skipped = _skipped_steps(self.engine) if self.is_chief else 0
         if self.is_chief:
