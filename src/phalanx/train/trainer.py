@@ -134,32 +134,50 @@ class Trainer:
     def _restore(self):
         """Load the newest valid checkpoint (if any); return (step, train iterator positioned after it).
 
-        Damaged newer checkpoints are skipped with a warning and moved to
+        A newer checkpoint that is damaged, or that fails while it is loaded (a piece
+        holding NaN or inf, a tensor that does not fit though the recorded config agrees, an
+        unreadable data position), is skipped with a warning and moved to
         ``checkpoints/damaged/``; a checkpoint of another model, or whose data position
         belongs to other data, is refused with a ConfigError naming the key.
         """
         builtin_data = isinstance(self._datasets, pipeline.Datasets)
-        restored = checkpoint.resume_latest(self.ckpt_dir, warn=self._warn, move_damaged=self.is_chief)
+        found = {}
+
+        def accept(restored) -> None:
+            self._check_model(restored)  # another model: a ConfigError by key, no fallback
+            path = restored.path
+            try:
+                # Every device reads only the boxes of each tensor it holds (any layout wrote them).
+                checkpoint.load_into(self.engine, restored)
+            except checkpoint.CheckpointError:
+                raise
+            except (KeyError, ValueError) as err:
+                index = checkpoint.INDEX if restored.meta.get("format") == 3 else checkpoint.TENSORS
+                raise checkpoint.CheckpointError(path / index, f"does not fit this model: "
+                                                 f"{str(err).strip(chr(34))}; use the run's own model.* keys or a "
+                                                 f"new run.dir") from None
+            if builtin_data and (path / "data").is_dir():
+                try:
+                    found["iterator"] = pipeline.restore_iterator(self._datasets, path / "data")
+                except ConfigError:
+                    raise  # other data (batch, seed, dataset): by key, no fallback
+                except FileNotFoundError:
+                    raise checkpoint.CheckpointError(path / checkpoint.DATA_POSITION, "missing, though the data/ "
+                                                     "folder is there (removed, with its manifest entry?)") from None
+                except (OSError, ValueError, KeyError, TypeError) as err:
+                    raise checkpoint.CheckpointError(path / checkpoint.DATA_POSITION, f"unreadable data position "
+                                                     f"({type(err).__name__}: {err})") from None
+            elif builtin_data:
+                found["iterator"] = self._datasets.train_iterator(restored.step)
+            else:  # a user's dataset: no position to restore, skip what was consumed
+                found["iterator"] = iter(self._datasets.train.skip(restored.step))
+
+        restored = checkpoint.resume_latest(self.ckpt_dir, warn=self._warn, accept=accept,
+                                            move_damaged=self.is_chief)
         if restored is None:
             return 0, (self._datasets.train_iterator(0) if builtin_data else iter(self._datasets.train))
-        path = restored.path
-        self._check_model(restored)
-        try:
-            # Every device reads only the boxes of each tensor it holds (any layout wrote them).
-            checkpoint.load_into(self.engine, restored)
-        except (KeyError, ValueError) as err:
-            index = checkpoint.INDEX if restored.meta.get("format") == 3 else checkpoint.TENSORS
-            raise checkpoint.CheckpointError(path / index, f"does not fit this model: "
-                                             f"{str(err).strip(chr(34))}; use the run's own model.* keys or a "
-                                             f"new run.dir") from None
-        if builtin_data and (path / "data").is_dir():
-            iterator = pipeline.restore_iterator(self._datasets, path / "data")
-        elif builtin_data:
-            iterator = self._datasets.train_iterator(restored.step)
-        else:  # a user's dataset: no position to restore, skip what was consumed
-            iterator = iter(self._datasets.train.skip(restored.step))
-        self._say(f"resumed from {path} (step {restored.step})")
-        return restored.step, iterator
+        self._say(f"resumed from {restored.path} (step {restored.step})")
+        return restored.step, found["iterator"]
 
     def _check_model(self, restored) -> None:
         """Refuse a checkpoint written for another model shape (even with no config.yaml
