@@ -249,3 +249,186 @@ def test_the_python_export_refuses_an_existing_path_too(tmp_path):
     report = phalanx.export(model, tmp_path / "new", quiet=True, print_table=False)
     assert report["format"] == "keras" and (tmp_path / "new" / "model.keras").is_file()
     np.testing.assert_equal(sorted(os.listdir(tmp_path)), ["new", "taken"])
+
+
+# ---------------------------------------------------------------------------
+# Tampered checkpoints: consistent checksums (re-signed), wrong contents
+
+
+def sign(ckpt: Path, rel: str) -> None:
+    """Re-sign ``rel`` in the manifest: what only the content checks can catch."""
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    path = ckpt / rel
+    if path.exists():
+        manifest["files"][rel] = {"bytes": path.stat().st_size, "sha256": checkpoint.sha256_file(path)}
+    else:
+        del manifest["files"][rel]
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+def edit_index(ckpt: Path, name: str, change) -> dict:
+    index = json.loads((ckpt / "index.json").read_text())
+    entry = index["tensors"][name]
+    change(entry)
+    (ckpt / "index.json").write_text(json.dumps(index))
+    sign(ckpt, "index.json")
+    return entry
+
+
+#: a (32, 32) float32 tensor of the tiny GPT, stored as one piece on one device
+TENSOR = "embed/positions"
+
+
+def _overlapping(ckpt: Path) -> None:
+    def change(entry):
+        [piece] = entry["pieces"]
+        # the same 1024 elements counted (rows 0-16 and 8-24): the summed volume is right, rows 24-32
+        # are never read, and the two pieces lie back to back in the file as the writer puts them
+        entry["pieces"] = [{**piece, "box": [[0, 16], [0, 32]]},
+                           {**piece, "offset": piece["offset"] + 16 * 32 * 4, "box": [[8, 24], [0, 32]]}]
+    edit_index(ckpt, TENSOR, change)
+
+
+def _uncovered(ckpt: Path) -> None:
+    edit_index(ckpt, TENSOR, lambda e: e["pieces"][0].update(box=[[0, 16], [0, 32]]))
+
+
+def _narrower_dtype(ckpt: Path) -> None:
+    edit_index(ckpt, TENSOR, lambda e: e.update(dtype="float16"))
+
+
+def _other_family_dtype(ckpt: Path) -> None:  # same item size: the file's layout still agrees
+    edit_index(ckpt, TENSOR, lambda e: e.update(dtype="int32"))
+
+
+def _other_shape(ckpt: Path) -> None:  # the same 1024 elements, another shape: consistent in itself
+    def change(entry):
+        entry["shape"] = [16, 64]
+        entry["pieces"][0]["box"] = [[0, 16], [0, 64]]
+    edit_index(ckpt, TENSOR, change)
+
+
+def _nan_weights(ckpt: Path) -> None:
+    index = json.loads((ckpt / "index.json").read_text())
+    [piece] = index["tensors"][TENSOR]["pieces"]
+    data = bytearray((ckpt / piece["file"]).read_bytes())
+    data[piece["offset"] + 40: piece["offset"] + 44] = np.array([np.nan], np.float32).tobytes()
+    (ckpt / piece["file"]).write_bytes(bytes(data))
+    sign(ckpt, piece["file"])
+
+
+def _no_data_position(ckpt: Path) -> None:
+    (ckpt / "data" / "data_iterator.json").unlink()
+    sign(ckpt, "data/data_iterator.json")
+
+
+TAMPERED = {
+    # case: (tamper, caught by verification alone (restore) or only when loaded, words of the warning)
+    "overlapping boxes": (_overlapping, True, f"index.json: bad entry for '{TENSOR}': pieces [[0, 16], [0, 32]] "
+                                              f"and [[8, 24], [0, 32]] overlap"),
+    "uncovered tensor": (_uncovered, True, "pieces cover 512 of its 1024 elements"),
+    "dtype float16 for float32 bytes": (_narrower_dtype, True, "the index's dtypes or shapes do not describe the "
+                                                               "file"),
+    "dtype int32 for float32 bytes": (_other_family_dtype, False, f"does not fit this model: checkpoint tensor "
+                                                                  f"'{TENSOR}' is int32, the model holds float32"),
+    "shape changed, same size": (_other_shape, False, f"does not fit this model: checkpoint tensor '{TENSOR}' has "
+                                                      f"shape (16, 64), the model expects (32, 32)"),
+    "NaN weights, re-signed": (_nan_weights, False, f"holds non-finite values in {TENSOR}"),
+    "data position and its manifest entry removed": (_no_data_position, False,
+                                                     "data/data_iterator.json: missing, though the data/ folder is "
+                                                     "there"),
+}
+
+
+@pytest.mark.parametrize("case", [c for c, (_, verified, _) in TAMPERED.items() if verified])
+def test_a_tampered_checkpoint_fails_verification_and_is_skipped(run_copy, case):
+    tamper, _, words = TAMPERED[case]
+    root = run_copy / "checkpoints"
+    tamper(root / "step-00000004")
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        checkpoint.verify(root / "step-00000004")
+    assert words in str(err.value)
+    heard = []
+    assert checkpoint.restore_latest(root, warn=heard.append).step == 2
+    assert len(heard) == 1 and heard[0].startswith("skipping damaged checkpoint step-00000004: ") and words in heard[0]
+
+
+@pytest.mark.parametrize("case", list(TAMPERED))
+def test_phalanx_train_resumes_past_a_tampered_checkpoint_from_the_previous_one(run_copy, case, capsys):
+    """Each kind of tampering (re-signed: the checksums agree) makes ``phalanx train`` fall back
+    to step 2 with the warning naming the fault, and move step 4 to damaged/."""
+    from phalanx.train.trainer import Trainer
+    tamper, _, words = TAMPERED[case]
+    root = run_copy / "checkpoints"
+    tamper(root / "step-00000004")
+    cfg = load_config(run_copy / "config.yaml", [f"run.dir={run_copy}", "train.steps=5"])
+    summary = Trainer(cfg, quiet=True).fit()
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    warning = next(line for line in err.splitlines() if line.startswith("warning: skipping damaged checkpoint"))
+    assert warning.startswith("warning: skipping damaged checkpoint step-00000004: ") and words in warning, warning
+    assert "warning: moved the skipped checkpoint to " in err
+    assert [p.name.split("-2")[0] for p in (root / "damaged").iterdir()] == ["step-00000004"]
+    assert summary.steps == 5
+    rows = [json.loads(line) for line in (run_copy / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]  # steps 3 and 4 trained again from step 2
+    assert checkpoint.latest_valid(root).name == "step-00000005"
+
+
+def test_eval_and_export_fall_back_past_nan_weights_that_verify(run_copy, tmp_path, capsys):
+    _nan_weights(run_copy / "checkpoints" / "step-00000004")
+    checkpoint.verify(run_copy / "checkpoints" / "step-00000004")  # the checksums agree
+    assert main(["eval", str(run_copy), "--json", "train.eval_batches=1"]) == 0
+    captured = capsys.readouterr()
+    assert f"warning: skipping damaged checkpoint step-00000004: " in captured.err
+    assert f"holds non-finite values in {TENSOR}" in captured.err
+    assert json.loads(captured.out.strip().splitlines()[-1])["step"] == 2
+    assert export_cli(run_copy, "--output", str(tmp_path / "out")) == 0
+    assert f"holds non-finite values in {TENSOR}" in capsys.readouterr().err
+    assert json.loads((tmp_path / "out" / "export.json").read_text())["step"] == 2
+
+
+# ---------------------------------------------------------------------------
+# phalanx.fit: a damaged checkpoint is reported and moved whatever verbose is
+
+
+def test_fit_with_verbose_0_reports_and_moves_a_damaged_checkpoint(tmp_path, capsys):
+    import keras
+
+    import phalanx
+
+    def build():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        return model
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((32, 6)).astype(np.float32)
+    y = rng.standard_normal((32, 1)).astype(np.float32)
+    run = [f"run.dir={tmp_path / 'run'}"]
+    phalanx.fit(build(), x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, overrides=run)
+    root = tmp_path / "run" / "checkpoints"
+    first, newest = checkpoint.all_checkpoints(root)  # one per epoch: steps 4 and 8
+    flip_byte(newest / "shards" / "tensors.bin")
+    capsys.readouterr()
+
+    resumed = build()
+    history = phalanx.fit(resumed, x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, overrides=run)
+    err = capsys.readouterr().err
+    assert f"warning: skipping damaged checkpoint {newest.name}: " in err and "checksum mismatch" in err
+    assert f"warning: moved the skipped checkpoint to {root / 'damaged' / newest.name}-" in err
+    assert [p.name.split("-2")[0] for p in (root / "damaged").iterdir()] == [newest.name]
+    # resumed after epoch 1 (the valid checkpoint): epochs 2 and 3 as Keras's own fit trains them
+    reference = build()
+    ref = reference.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0).history
+    np.testing.assert_allclose(history.history["loss"], ref["loss"], rtol=1e-5)
+    for a, b in zip(resumed.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("module", ["phalanx.checkpoint.boxes", "phalanx.cluster.preemption"])
+def test_doctests(module):
+    import doctest
+    import importlib
+    assert doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS).failed == 0

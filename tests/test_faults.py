@@ -8,7 +8,11 @@
 * disk full on a real 1 MiB tmpfs (skipped where mounting is impossible; simulated in
   test_reliability.py): exit 2 naming the path and the bytes, older checkpoints intact;
   rerunning with a lower checkpoint.keep prunes first and finishes;
-* two trainers on one run.dir: the second exits 2 at once naming the first one's pid.
+* two trainers on one run.dir: the second exits 2 at once naming the first one's pid;
+* Ctrl-C (SIGINT to the process group): a checkpoint at the step boundary, exit 0, and the
+  resumed run's losses equal the uninterrupted run's; a second Ctrl-C (during a save made
+  slow by a patched writer) stops at once with one line and exit 130, the previous
+  checkpoint loadable and the resume going on from it.
 
 Every subprocess runs in its own process group, is bounded by a timeout and killed in a
 finally block.
@@ -85,17 +89,27 @@ def kill_group(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
-def test_kill_loop_ends_with_the_uninterrupted_losses(tmp_path, cache):
-    # Every step saves a checkpoint (~0.1 s each); the kills stop by step steps - 2 and each attempt
-    # moves 1-6 steps on, so 40 steps leave room for all six.
-    steps, kills = 40, 6
-    # The uninterrupted run saves no checkpoint on the way (only at its end): saving must not change
-    # the training either (and each save waits ~0.1 s on fsync).
-    reference = tmp_path / "reference"
-    done = run(args(cache, reference, f"train.steps={steps}", "checkpoint.every=0"))
+STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cache, tmp_path_factory) -> list[float]:
+    """The per-step losses of an uninterrupted STEPS-step run. It saves no checkpoint on the
+    way (only at its end): saving must not change the training either (and each save waits
+    ~0.1 s on fsync)."""
+    reference = tmp_path_factory.mktemp("reference") / "run"
+    done = run(args(cache, reference, f"train.steps={STEPS}", "checkpoint.every=0"))
     assert done.returncode == 0, done.stderr[-3000:]
     expected = [r["loss"] for r in metrics(reference)]
-    assert len(expected) == steps
+    assert len(expected) == STEPS
+    return expected
+
+
+def test_kill_loop_ends_with_the_uninterrupted_losses(tmp_path, cache, uninterrupted):
+    # Every step saves a checkpoint (~0.1 s each); the kills stop by step steps - 2 and each attempt
+    # moves 1-6 steps on, so 40 steps leave room for all six.
+    steps, kills = STEPS, 6
+    expected = uninterrupted
 
     seed = int(os.environ.get("PHALANX_KILL_SEED", time.time_ns() % 10_000))
     rng = random.Random(seed)
@@ -212,3 +226,93 @@ def test_a_second_trainer_on_the_same_run_dir_exits_2_naming_the_pid(tmp_path, c
         kill_group(first)
     steps = [r["step"] for r in metrics(run_dir)]
     assert steps == list(range(1, len(steps) + 1))  # one writer: no interleaved rows
+
+
+def wait_for(condition, proc: subprocess.Popen, logs: Path, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"exited ({proc.returncode}) before {what}:\n" + logs.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s:\n" + logs.read_text()[-3000:]
+        time.sleep(0.01)
+
+
+def test_ctrl_c_saves_at_the_step_boundary_and_the_resume_gives_the_uninterrupted_losses(
+        tmp_path, cache, uninterrupted):
+    run_dir = tmp_path / "run"
+    cmd = args(cache, run_dir, f"train.steps={STEPS}", "checkpoint.every=0")
+    proc = start(cmd, tmp_path / "first")
+    err = tmp_path / "first.err"
+    try:
+        wait_for(lambda: last_step(run_dir) >= 3, proc, err, "step 3")
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends: the whole group
+        assert proc.wait(timeout=120) == 0, err.read_text()[-3000:]  # as on SIGTERM
+    finally:
+        kill_group(proc)
+    text = err.read_text()
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    assert "SIGINT received: stopping at the end of this step with a checkpoint (Ctrl-C again stops at once" in text
+    stopped = int(text.split("signal received: checkpoint saved at step ")[1].split(",")[0])
+    assert f"checkpoint saved at step {stopped}, stopping (SIGINT)" in text
+    assert 3 <= stopped < STEPS
+    newest = checkpoint.latest_valid(run_dir / "checkpoints")
+    assert newest.name == f"step-{stopped:08d}" and checkpoint.restore(newest).step == stopped
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, stopped + 1))
+
+    resumed = run(cmd)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"(step {stopped})" in resumed.stderr and "resumed from" in resumed.stderr
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([r["loss"] for r in rows], uninterrupted, rtol=1e-6)
+
+
+#: `phalanx train` whose shard writer sleeps (10 min) once the file $PHALANX_TEST_SLOW_SAVE exists:
+#: a save in progress that only a second Ctrl-C can end early
+SLOW_SAVE = [sys.executable, "-c", """
+import os, sys, time
+from phalanx import checkpoint
+real = checkpoint.write_shard_set
+def slow(*args, **kwargs):
+    if os.path.exists(os.environ["PHALANX_TEST_SLOW_SAVE"]):
+        time.sleep(600)
+    return real(*args, **kwargs)
+checkpoint.write_shard_set = slow
+from phalanx.cli import main
+sys.exit(main())
+""", "train"]
+
+
+def test_a_second_ctrl_c_stops_at_once_and_the_previous_checkpoint_resumes(tmp_path, cache):
+    run_dir = tmp_path / "run"
+    marker = tmp_path / "slow-now"
+    overrides = [*TINY, f"data.cache_dir={cache}", f"run.dir={run_dir}", "train.steps=1000", "checkpoint.every=2"]
+    err = tmp_path / "first.err"
+    proc = subprocess.Popen([*SLOW_SAVE, *overrides], stdout=open(tmp_path / "first.out", "w"), stderr=open(err, "w"),
+                            env={**env(), "PHALANX_TEST_SLOW_SAVE": str(marker)}, start_new_session=True)
+    try:
+        wait_for(lambda: checkpoint.latest(run_dir / "checkpoints") is not None and last_step(run_dir) >= 3,
+                 proc, err, "a first checkpoint")
+        marker.touch()  # every save from now on hangs in its shard writer
+        os.killpg(proc.pid, signal.SIGINT)
+        wait_for(lambda: "SIGINT received" in err.read_text(), proc, err, "the first Ctrl-C's notice")
+        wait_for(lambda: list((run_dir / "checkpoints").glob(".tmp-*")), proc, err, "a save in progress")
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(timeout=120)  # the save would hang 10 minutes
+    finally:
+        kill_group(proc)
+    text = err.read_text()
+    assert code == 130, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    newest = checkpoint.latest(run_dir / "checkpoints")
+    [line] = [x for x in text.splitlines() if x.startswith("error: ")]
+    assert line == (f"error: interrupted: stopped at once without saving; the checkpoints are as they were "
+                    f"(newest: {newest})")
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))  # the abandoned save cleaned up
+    assert checkpoint.latest_valid(run_dir / "checkpoints") == newest
+    saved = checkpoint.step_of(newest)
+    assert saved >= 2 and checkpoint.restore(newest).tensors  # loadable
+
+    resumed = run(args(cache, run_dir, f"train.steps={saved + 2}", "checkpoint.every=2"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"(step {saved})" in resumed.stderr
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, saved + 3))

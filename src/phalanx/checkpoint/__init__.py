@@ -68,7 +68,7 @@ import numpy as np
 
 from phalanx.checkpoint import boxes
 from phalanx.checkpoint.sharded import (ALIGN, DTYPES, MAX_THREADS, SHARDS, DictReader, LazyTensors, Reader,
-                                        ShardedReader, ShardSet, Slot, Written, build_index, gather,
+                                        ShardedReader, ShardSet, Slot, Written, build_index, check_dtype, gather,
                                         load_shard_sets, snapshot, variable_sets, whole_tensor_sets,
                                         write_shard_set)
 from phalanx.config import ConfigError
@@ -91,7 +91,7 @@ _HASH_CHUNK = 1 << 18
 
 __all__ = [
     "AsyncSaver", "CheckpointError", "CheckpointWarning", "Reader", "Restored", "ShardSet", "Slot", "all_checkpoints",
-    "check_finite", "estimate_bytes", "gather", "latest", "latest_valid", "load_into", "load_shard_sets",
+    "check_dtype", "check_finite", "estimate_bytes", "gather", "latest", "latest_valid", "load_into", "load_shard_sets",
     "open_reader", "print_warning", "prune", "quarantine_after", "restore", "restore_latest", "resume_latest",
     "save", "sha256_file", "state_of",
     "step_dir", "step_of", "variable_sets", "verify", "whole_tensor_sets", "write_shard_set",
@@ -524,6 +524,9 @@ def _verify(path: Path) -> tuple[dict, dict | None]:
         raise CheckpointError(path / META, f"says step {meta_step!r}, but its directory {path.name} is step "
                                            f"{step}; it was renamed or damaged")
     index = _read_index(path, listed, step) if fmt == 3 else None
+    count = meta.get("tensors")
+    if index is not None and isinstance(count, int) and count != len(index):
+        raise CheckpointError(path / INDEX, f"holds {len(index)} tensors, meta.json says {count}")
     if has_position:
         position = _read_json(path / DATA_POSITION, "the data position")
         data_step = position.get("step")
@@ -536,7 +539,9 @@ def _verify(path: Path) -> tuple[dict, dict | None]:
 
 def _read_index(path: Path, listed: dict[str, dict], step: int) -> dict[str, dict]:
     """The ``tensors`` table of ``index.json``, checked: shapes, dtypes, boxes inside their
-    tensors and covering them, pieces inside files the manifest lists."""
+    tensors, not overlapping and covering them, pieces inside files the manifest lists and
+    lying in each file exactly where the writer puts them (so each piece's bytes are the
+    dtype and box the index says: a dtype or shape edited in the index moves them)."""
     where = path / INDEX
     doc = _read_json(where, "index.json")
     if doc.get("step") != step:
@@ -544,6 +549,7 @@ def _read_index(path: Path, listed: dict[str, dict], step: int) -> dict[str, dic
     tensors = doc.get("tensors")
     if not isinstance(tensors, dict):
         raise CheckpointError(where, "has no 'tensors' table of {name: {shape, dtype, pieces}}")
+    spans: dict[str, list[tuple[int, int, str]]] = {}  # file -> (offset, end, tensor) of its pieces
     for name, entry in tensors.items():
         try:
             shape, dtype, pieces = entry["shape"], entry["dtype"], entry["pieces"]
@@ -551,8 +557,10 @@ def _read_index(path: Path, listed: dict[str, dict], step: int) -> dict[str, dic
                 raise ValueError(f"shape {shape!r}")
             if dtype not in DTYPES:
                 raise ValueError(f"dtype {dtype!r}")
+            if not isinstance(pieces, list):
+                raise ValueError(f"pieces {pieces!r}")
             itemsize = np.dtype(dtype).itemsize
-            covered = 0
+            covered, seen = 0, []
             for piece in pieces:
                 box = boxes.from_json(piece["box"])
                 file, offset = piece["file"], piece["offset"]
@@ -560,14 +568,41 @@ def _read_index(path: Path, listed: dict[str, dict], step: int) -> dict[str, dic
                     raise ValueError(f"box {piece['box']} outside shape {shape}")
                 if file not in listed or not isinstance(offset, int) or offset < 0:
                     raise ValueError(f"piece in {file!r} at {offset!r}, a file the manifest does not list")
-                if offset + boxes.volume(box) * itemsize > listed[file]["bytes"]:
+                end = offset + boxes.volume(box) * itemsize
+                if end > listed[file]["bytes"]:
                     raise ValueError(f"piece at byte {offset} of {file} runs past its end")
+                seen.append(box)
+                spans.setdefault(file, []).append((offset, end, name))
                 covered += boxes.volume(box)
+            overlap = boxes.first_overlap(seen)
+            if overlap is not None:
+                raise ValueError(f"pieces {boxes.to_json(overlap[0])} and {boxes.to_json(overlap[1])} overlap "
+                                 f"(each element is stored once)")
             if covered != int(np.prod(shape, dtype=np.int64)):
                 raise ValueError(f"pieces cover {covered} of its {int(np.prod(shape))} elements")
         except (KeyError, TypeError, ValueError) as err:
             raise CheckpointError(where, f"bad entry for {name!r}: {err}") from None
+    for file, found in spans.items():
+        _check_layout(where, file, sorted(found), listed[file]["bytes"])
     return tensors
+
+
+def _check_layout(where: Path, file: str, spans: list[tuple[int, int, str]], size: int) -> None:
+    """The pieces of a data file, by offset, lie back to back, each at the next multiple of
+    :data:`ALIGN`, and the last ends at the file's end: how :func:`write_shard_set` lays them
+    out. A piece elsewhere means the index no longer describes the bytes (its dtype or
+    shape was changed, or pieces were dropped or added)."""
+    expected = 0
+    for offset, end, name in spans:
+        expected += -expected % ALIGN
+        if offset != expected:
+            raise CheckpointError(where, f"the piece of {name!r} starts at byte {offset:,} of {file}, where its writer "
+                                         f"put byte {expected:,}: the index's dtypes or shapes do not describe "
+                                         f"the file")
+        expected = end
+    if expected != size:
+        raise CheckpointError(where, f"its pieces of {file} end at byte {expected:,}, the file has {size:,}: the "
+                                     f"index's dtypes or shapes do not describe the file")
 
 
 def restore(path: str | Path, verify_files: bool = True) -> Restored:
@@ -607,15 +642,27 @@ def _read_npz(path: Path) -> dict[str, np.ndarray]:
         raise CheckpointError(path, f"unreadable ({type(err).__name__}: {err})") from None
 
 
-def restore_latest(root: str | Path, warn: Callable[[str], None] | None = None) -> Restored | None:
-    """The newest checkpoint under ``root`` that loads and verifies (:func:`restore`).
+def restore_latest(root: str | Path, warn: Callable[[str], None] | None = None,
+                   accept: Callable[[Restored], Any] | None = None) -> Restored | None:
+    """The newest checkpoint under ``root`` that loads and verifies (:func:`restore`) and
+    that ``accept`` takes.
 
-    A damaged newer one is skipped with a warning (``warn(text)``, by default a
-    :class:`CheckpointWarning`) naming the file and the fault. Returns None when
-    ``root`` holds no checkpoint; raises :class:`CheckpointError` listing every fault
-    when it holds some but none is valid.
+    ``accept(restored)`` is where the caller reads it (loads it into a model, reads the
+    data position, ...): a :class:`CheckpointError` it raises (a piece holding NaN or inf
+    though the manifest agrees, a tensor that does not fit) skips that checkpoint like a
+    damaged file; any other error propagates. A damaged newer one is skipped with a warning
+    (``warn(text)``, by default a :class:`CheckpointWarning`) naming the file and the
+    fault. Returns None when ``root`` holds no checkpoint; raises :class:`CheckpointError`
+    listing every fault when it holds some but none is valid.
     """
-    return _newest(root, restore, warn)
+    if accept is None:
+        return _newest(root, restore, warn)
+
+    def load(path: Path) -> Restored:
+        restored = restore(path)
+        accept(restored)
+        return restored
+    return _newest(root, load, warn)
 
 
 def print_warning(text: str) -> None:
@@ -625,15 +672,16 @@ def print_warning(text: str) -> None:
 
 
 def resume_latest(root: str | Path, warn: Callable[[str], None] = print_warning,
-                  move_damaged: bool = True) -> Restored | None:
-    """What a training loop resumes from: :func:`restore_latest`, then (``move_damaged``:
-    the process that owns the run directory) the damaged newer checkpoints it skipped moved
-    to ``root/damaged/`` (:func:`quarantine_after`), each move reported through ``warn``.
+                  accept: Callable[[Restored], Any] | None = None, move_damaged: bool = True) -> Restored | None:
+    """What a training loop resumes from: :func:`restore_latest` (``accept`` loads it), then
+    (``move_damaged``: the process that owns the run directory) the damaged newer
+    checkpoints it skipped moved to ``root/damaged/`` (:func:`quarantine_after`), each move
+    reported through ``warn``.
 
     ``phalanx train`` and ``phalanx.fit`` both resume through this; readers (``eval``,
     ``generate``, ``export``) call :func:`restore_latest` and move nothing.
     """
-    restored = restore_latest(root, warn=warn)
+    restored = restore_latest(root, warn=warn, accept=accept)
     if restored is not None and move_damaged:
         for moved in quarantine_after(root, restored.step):
             warn(f"moved the skipped checkpoint to {moved}")

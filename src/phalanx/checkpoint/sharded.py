@@ -404,13 +404,30 @@ class LazyTensors(Mapping):
 # Loading into slots
 
 
+def _family(dtype) -> str:
+    kind = np.dtype(dtype).kind
+    return "float" if kind in "fc" else "integer" if kind in "biu" else kind
+
+
+def check_dtype(name: str, stored, wanted) -> None:
+    """Raise ValueError if a stored tensor's dtype is of another family (float vs integer /
+    bool) than the variable it loads into: its bytes would be read as something else. A
+    float32 checkpoint loads into float16 variables (and int32 into int64): a cast."""
+    if _family(stored) != _family(wanted):
+        raise ValueError(f"checkpoint tensor {name!r} is {np.dtype(stored).name}, the model holds "
+                         f"{np.dtype(wanted).name}")
+
+
 def check_fits(reader: Reader, sets: Sequence[ShardSet]) -> None:
-    """Raise KeyError naming missing tensors, ValueError naming a shape that differs."""
+    """Raise KeyError naming missing tensors, ValueError naming a shape that differs or a
+    dtype of another family (:func:`check_dtype`)."""
     wanted: dict[str, tuple] = {}
+    dtypes: dict[str, Any] = {}
     optional: set[str] = set()
     for s in sets:
         for slot in s.slots:
             wanted.setdefault(slot.name, tuple(slot.shape))
+            dtypes.setdefault(slot.name, slot.dtype)
             if slot.optional:
                 optional.add(slot.name)
     missing = sorted(n for n in wanted if n not in reader and n not in optional)
@@ -424,6 +441,7 @@ def check_fits(reader: Reader, sets: Sequence[ShardSet]) -> None:
         if have != shape:
             raise ValueError(f"checkpoint tensor {name!r} has shape {have}, the model expects {shape}: "
                              f"a different model config?")
+        check_dtype(name, reader.dtype(name), dtypes[name])
 
 
 def load_shard_set(reader: Reader, shard: ShardSet) -> None:

@@ -94,21 +94,33 @@ def export_run(run_dir: str | Path, format: str = "litert", quantize: str = "non
     from phalanx.export import gpt_keras
     from phalanx.models import gpt
 
+    shapes = gpt.weight_shapes(cfg.model)
+    weights: dict[str, np.ndarray] = {}
+
+    def accept(restored) -> None:
+        """Read the GPT's weights (each piece checked finite as it is read)."""
+        missing = [n for n in shapes if n not in restored.tensors]
+        if missing:
+            raise ConfigError("RUN_DIR", f"checkpoint {restored.path} lacks {', '.join(missing[:3])}: it does not "
+                                         f"hold the built-in GPT of {cfg_path} (a Keras-model run? export that "
+                                         f"model with phalanx.export(model, ...))")
+        weights.clear()
+        for name, shape in shapes.items():
+            if tuple(restored.reader.shape(name)) != tuple(shape):
+                raise checkpoint.CheckpointError(restored.path / checkpoint.INDEX, f"does not fit this model: "
+                                                 f"{name} has shape {list(restored.reader.shape(name))}, "
+                                                 f"{cfg_path} makes it {list(shape)}")
+            weights[name] = np.asarray(restored.tensors[name], np.float32)
+
     with _run_lock(run_dir):  # everything read from the run directory is read here
-        restored = checkpoint.restore_latest(run_dir / "checkpoints", warn=checkpoint.print_warning)
+        # The newest checkpoint that verifies and reads: a damaged newer one is skipped with a warning.
+        restored = checkpoint.restore_latest(run_dir / "checkpoints", warn=checkpoint.print_warning, accept=accept)
         if restored is None:
             raise ConfigError("RUN_DIR", f"{str(run_dir)!r} has no checkpoint (no checkpoints/step-*/); train it "
                                          f"first with `phalanx train` (checkpoints are written every "
                                          f"checkpoint.every steps and at the end)")
         latest = restored.path
-        say(f"restoring {latest}")
-        names = list(gpt.weight_shapes(cfg.model))
-        missing = [n for n in names if n not in restored.tensors]
-        if missing:
-            raise ConfigError("RUN_DIR", f"checkpoint {latest} lacks {', '.join(missing[:3])}: it does not hold "
-                                         f"the built-in GPT of {cfg_path} (a Keras-model run? export that model "
-                                         f"with phalanx.export(model, ...))")
-        weights = {n: np.asarray(restored.tensors[n], np.float32) for n in names}
+        say(f"restored {latest}")
         run_files = _read_files(run_dir, ["config.yaml", "tokenizer"])
     float_model = gpt_keras.build(cfg.model, weights)
 

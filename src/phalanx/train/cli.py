@@ -45,7 +45,13 @@ def main_train(argv: list[str]) -> int:
     check_fits(cfg)  # before TensorFlow builds anything: a clear refusal instead of an OOM
     cluster = _runtime_first(cfg)
     from phalanx.train.trainer import Trainer
-    Trainer(cfg, cluster=cluster, quiet=ns.quiet).fit()
+    try:
+        Trainer(cfg, cluster=cluster, quiet=ns.quiet).fit()
+    except KeyboardInterrupt:  # a second Ctrl-C (the first one saves and stops at the step's end)
+        newest = checkpoint.latest(Path(cfg.run.dir).expanduser() / "checkpoints")
+        print(f"error: interrupted: stopped at once without saving; the checkpoints are as they were (newest: "
+              f"{newest or 'none'})", file=sys.stderr, flush=True)
+        return 130
     return 0
 
 
@@ -75,12 +81,22 @@ def _restored_engine(cfg: Config):
     from phalanx.engines.factory import build_engine
     from phalanx.engines.task import GPTTask
 
-    # The newest checkpoint that verifies: a damaged newer one is skipped with a warning.
-    restored = checkpoint.restore_latest(Path(cfg.run.dir) / "checkpoints", warn=checkpoint.print_warning)
+    engine = build_engine(cfg, GPTTask(cfg.model, cfg.precision.policy, cfg.train.seed))
+
+    def accept(restored) -> None:
+        try:
+            engine.load_state_dict(restored.tensors)
+        except checkpoint.CheckpointError:
+            raise  # e.g. a piece holding NaN: skipped like a damaged file
+        except (KeyError, ValueError) as err:
+            raise checkpoint.CheckpointError(restored.path / checkpoint.INDEX, f"does not fit this model: "
+                                             f"{str(err).strip(chr(34))}") from None
+
+    # The newest checkpoint that verifies and loads: a damaged newer one is skipped with a warning.
+    restored = checkpoint.restore_latest(Path(cfg.run.dir) / "checkpoints", warn=checkpoint.print_warning,
+                                         accept=accept)
     if restored is None:
         raise ConfigError("run.dir", f"{cfg.run.dir!r} has no checkpoint yet")
-    engine = build_engine(cfg, GPTTask(cfg.model, cfg.precision.policy, cfg.train.seed))
-    engine.load_state_dict(restored.tensors)
     return engine, restored.step
 
 

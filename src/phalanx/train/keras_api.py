@@ -220,35 +220,49 @@ def _state(model) -> dict[str, np.ndarray]:
 
 
 def _restore(run_dir: Path, model, say) -> tuple[int, dict]:
-    """Load the newest valid checkpoint of ``run_dir`` into ``model``; (epochs done, history)."""
-    # The newest checkpoint that verifies; a damaged newer one is skipped with a warning.
-    restored = checkpoint.restore_latest(run_dir / "checkpoints", warn=say)
+    """Load the newest valid checkpoint of ``run_dir`` into ``model``; (epochs done, history).
+
+    As ``phalanx train`` resumes (:func:`phalanx.checkpoint.resume_latest`): a damaged newer
+    checkpoint, or one that fails while loaded (NaN pieces, a dtype of another family), is
+    skipped with a ``warning:`` line on stderr whatever ``verbose`` is, and moved to
+    ``checkpoints/damaged/``."""
+
+    def accept(restored) -> None:
+        meta = restored.meta
+        saved = meta.get("keras_variables")
+        if saved is None:
+            raise ConfigError("run.dir", f"{str(run_dir)!r} holds checkpoints of phalanx's built-in GPT, not of a "
+                                         f"Keras model; pass another run.dir")
+        mine = _variables_signature(model)
+        if saved != mine:
+            first = next((f"{a} vs {b}" for a, b in zip(saved, mine) if a != b),
+                         f"{len(saved)} variables saved vs {len(mine)} in the model")
+            raise ConfigError("run.dir", f"{str(run_dir)!r} holds checkpoints of a different model (first "
+                                         f"difference: checkpoint {first}); pass a new run.dir, or fit the same "
+                                         f"model to resume")
+        optimizer_vars = keras_state.optimizer_entries(model)
+        wanted = {f"optimizer/{i:05d}" for i in range(len(optimizer_vars))}
+        have = {k for k in restored.tensors if k.startswith("optimizer/")}
+        if wanted != have:
+            raise ConfigError("run.dir", f"{str(run_dir)!r}: the checkpoint's optimizer state has {len(have)} tensors "
+                                         f"but {type(model.optimizer).__name__} has {len(wanted)}; compile with the "
+                                         f"optimizer (and precision policy) of the saved run, or pass a new run.dir")
+        entries = [(f"model/{i:05d}", e) for i, e in enumerate(keras_state.model_entries(model))]
+        entries += [(f"optimizer/{i:05d}", e) for i, e in enumerate(optimizer_vars)]
+        try:
+            for key, entry in entries:
+                checkpoint.check_dtype(key, restored.reader.dtype(key), entry.variables[0].dtype)
+        except ValueError as err:
+            raise checkpoint.CheckpointError(restored.path / checkpoint.INDEX, f"does not fit this model: "
+                                             f"{err}") from None
+        for key, entry in entries:
+            entry.assign(restored.tensors[key])  # each piece checked finite as it is read
+
+    restored = checkpoint.resume_latest(run_dir / "checkpoints", accept=accept)
     if restored is None:
         return 0, {}
-    path, meta = restored.path, restored.meta
-    saved = meta.get("keras_variables")
-    if saved is None:
-        raise ConfigError("run.dir", f"{str(run_dir)!r} holds checkpoints of phalanx's built-in GPT, not of a Keras "
-                                     f"model; pass another run.dir")
-    mine = _variables_signature(model)
-    if saved != mine:
-        first = next((f"{a} vs {b}" for a, b in zip(saved, mine) if a != b),
-                     f"{len(saved)} variables saved vs {len(mine)} in the model")
-        raise ConfigError("run.dir", f"{str(run_dir)!r} holds checkpoints of a different model (first difference: "
-                                     f"checkpoint {first}); pass a new run.dir, or fit the same model to resume")
-    optimizer_vars = keras_state.optimizer_entries(model)
-    wanted = {f"optimizer/{i:05d}" for i in range(len(optimizer_vars))}
-    have = {k for k in restored.tensors if k.startswith("optimizer/")}
-    if wanted != have:
-        raise ConfigError("run.dir", f"{str(run_dir)!r}: the checkpoint's optimizer state has {len(have)} tensors but "
-                                     f"{type(model.optimizer).__name__} has {len(wanted)}; compile with the optimizer "
-                                     f"(and precision policy) of the saved run, or pass a new run.dir")
-    for i, entry in enumerate(keras_state.model_entries(model)):
-        entry.assign(restored.tensors[f"model/{i:05d}"])
-    for i, entry in enumerate(optimizer_vars):
-        entry.assign(restored.tensors[f"optimizer/{i:05d}"])
-    say(f"resumed from {path} (epoch {meta['epoch']})")
-    return int(meta["epoch"]), meta.get("history", {})
+    say(f"resumed from {restored.path} (epoch {restored.meta['epoch']})")
+    return int(restored.meta["epoch"]), restored.meta.get("history", {})
 
 
 def _save(run_dir: Path, cfg: Config, model, epoch: int, history: dict, step: int) -> Path:

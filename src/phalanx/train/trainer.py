@@ -4,8 +4,11 @@
 parallelism, the mesh engine for tensor/pipeline parallelism, ZeRO or
 recomputation), the input pipeline, resumes from the newest checkpoint in
 ``<run.dir>/checkpoints``, then runs ``train.steps`` steps with logging, periodic
-evaluation and checkpoints. SIGTERM (preemption) saves a checkpoint at the next
-step boundary and returns normally.
+evaluation and checkpoints. SIGTERM (preemption) or SIGINT (Ctrl-C) saves a
+checkpoint at the next step boundary and returns normally (``Summary.stopped_early``;
+``phalanx train`` exits 0); a second SIGINT raises KeyboardInterrupt at once, the
+checkpoints already written left as they were
+(:class:`phalanx.cluster.preemption.StopSignals`).
 
 Example (a 3-step run on the embedded corpus):
     >>> from phalanx.config import load_config
@@ -20,9 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ import numpy as np
 import yaml
 
 from phalanx import checkpoint, precision, prune
-from phalanx.cluster.preemption import stop_agreement
+from phalanx.cluster.preemption import StopSignals, stop_agreement
 from phalanx.config import Config, ConfigError
 from phalanx.data import pipeline
 from phalanx.data.tokenize import save_tokenizer
@@ -78,27 +79,6 @@ def device_count(engine) -> int:
     if strategy is not None:
         return int(strategy.num_replicas_in_sync)
     return 1
-
-
-class _StopFlag:
-    """Set by SIGTERM/SIGINT: the loop saves a checkpoint at the next step boundary."""
-
-    def __init__(self):
-        self.set = False
-        self._previous = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM,):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.set = True
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 class Trainer:
@@ -154,32 +134,50 @@ class Trainer:
     def _restore(self):
         """Load the newest valid checkpoint (if any); return (step, train iterator positioned after it).
 
-        Damaged newer checkpoints are skipped with a warning and moved to
+        A newer checkpoint that is damaged, or that fails while it is loaded (a piece
+        holding NaN or inf, a tensor that does not fit though the recorded config agrees, an
+        unreadable data position), is skipped with a warning and moved to
         ``checkpoints/damaged/``; a checkpoint of another model, or whose data position
         belongs to other data, is refused with a ConfigError naming the key.
         """
         builtin_data = isinstance(self._datasets, pipeline.Datasets)
-        restored = checkpoint.resume_latest(self.ckpt_dir, warn=self._warn, move_damaged=self.is_chief)
+        found = {}
+
+        def accept(restored) -> None:
+            self._check_model(restored)  # another model: a ConfigError by key, no fallback
+            path = restored.path
+            try:
+                # Every device reads only the boxes of each tensor it holds (any layout wrote them).
+                checkpoint.load_into(self.engine, restored)
+            except checkpoint.CheckpointError:
+                raise
+            except (KeyError, ValueError) as err:
+                index = checkpoint.INDEX if restored.meta.get("format") == 3 else checkpoint.TENSORS
+                raise checkpoint.CheckpointError(path / index, f"does not fit this model: "
+                                                 f"{str(err).strip(chr(34))}; use the run's own model.* keys or a "
+                                                 f"new run.dir") from None
+            if builtin_data and (path / "data").is_dir():
+                try:
+                    found["iterator"] = pipeline.restore_iterator(self._datasets, path / "data")
+                except ConfigError:
+                    raise  # other data (batch, seed, dataset): by key, no fallback
+                except FileNotFoundError:
+                    raise checkpoint.CheckpointError(path / checkpoint.DATA_POSITION, "missing, though the data/ "
+                                                     "folder is there (removed, with its manifest entry?)") from None
+                except (OSError, ValueError, KeyError, TypeError) as err:
+                    raise checkpoint.CheckpointError(path / checkpoint.DATA_POSITION, f"unreadable data position "
+                                                     f"({type(err).__name__}: {err})") from None
+            elif builtin_data:
+                found["iterator"] = self._datasets.train_iterator(restored.step)
+            else:  # a user's dataset: no position to restore, skip what was consumed
+                found["iterator"] = iter(self._datasets.train.skip(restored.step))
+
+        restored = checkpoint.resume_latest(self.ckpt_dir, warn=self._warn, accept=accept,
+                                            move_damaged=self.is_chief)
         if restored is None:
             return 0, (self._datasets.train_iterator(0) if builtin_data else iter(self._datasets.train))
-        path = restored.path
-        self._check_model(restored)
-        try:
-            # Every device reads only the boxes of each tensor it holds (any layout wrote them).
-            checkpoint.load_into(self.engine, restored)
-        except (KeyError, ValueError) as err:
-            index = checkpoint.INDEX if restored.meta.get("format") == 3 else checkpoint.TENSORS
-            raise checkpoint.CheckpointError(path / index, f"does not fit this model: "
-                                             f"{str(err).strip(chr(34))}; use the run's own model.* keys or a "
-                                             f"new run.dir") from None
-        if builtin_data and (path / "data").is_dir():
-            iterator = pipeline.restore_iterator(self._datasets, path / "data")
-        elif builtin_data:
-            iterator = self._datasets.train_iterator(restored.step)
-        else:  # a user's dataset: no position to restore, skip what was consumed
-            iterator = iter(self._datasets.train.skip(restored.step))
-        self._say(f"resumed from {path} (step {restored.step})")
-        return restored.step, iterator
+        self._say(f"resumed from {restored.path} (step {restored.step})")
+        return restored.step, found["iterator"]
 
     def _check_model(self, restored) -> None:
         """Refuse a checkpoint written for another model shape (even with no config.yaml
@@ -283,7 +281,7 @@ class Trainer:
         agree_stop = stop_agreement(self.cluster)
         with RunOutput(self.run_dir, t.steps, start, self.interactive, self.quiet,
                        write=self.is_chief) as out, \
-                _StopFlag() as stop:
+                StopSignals(announce=True) as stop:
             while step < t.steps:
                 batch = next(iterator)
                 if self.pruner is not None:
@@ -320,7 +318,8 @@ class Trainer:
                     saved_path = self._save(step, iterator) or saved_path
                 if stopping:
                     stopped = True
-                    out.message(f"signal received: checkpoint saved at step {step}, stopping")
+                    why = f" ({stop.signal})" if stop.signal else " (by another worker)"
+                    out.message(f"signal received: checkpoint saved at step {step}, stopping{why}")
                     break
         skipped = _skipped_steps(self.engine) if self.is_chief else 0
         if self.is_chief:
