@@ -14,6 +14,12 @@ resumed fit (:meth:`Batches.seek`) reads the data in the order of an uninterrupt
 evenly (``divisor`` = dp x grad_accum x micro-batches; only a last, partial batch can be
 one) is skipped with a warning that says how many samples it held.
 
+Data that would train wrong is refused with an error that names the argument, the index and
+the sample or batch (:mod:`phalanx.data.checks`): NaN or inf in ``x``, ``y`` or
+``sample_weight`` (arrays when they are given, a dataset's batches as they are read, before
+the step that would train on them), complex or text arrays, and, once the model's sparse
+losses are known (:meth:`Batches.check_labels`), labels that are no class id of theirs.
+
 Example:
     >>> import numpy as np
     >>> batches = Batches(np.zeros([10, 3]), np.zeros([10]), batch_size=4)
@@ -30,6 +36,14 @@ from typing import Iterator
 import numpy as np
 import tensorflow as tf
 
+from phalanx.data.checks import ClassLabels, check_class_ids, check_finite, named_leaves, resolve
+
+
+def _unpack(element) -> tuple:
+    """``(x, y, sample_weight)`` of a dataset element (Keras's rule)."""
+    import keras
+    return keras.utils.unpack_x_y_sample_weight(element)
+
 
 def _leaves(structure) -> list:
     return [t for t in tf.nest.flatten(structure) if t is not None]
@@ -42,6 +56,9 @@ def _as_arrays(value, name: str):
         if array.dtype == object or array.dtype.kind in "USV":
             raise ValueError(f"{name}: arrays of dtype {array.dtype} cannot be fed to a model; convert them to "
                              f"numbers (e.g. float32 features, int32 class ids)")
+        if array.dtype.kind == "c":
+            raise ValueError(f"{name}: arrays of dtype {array.dtype} hold complex numbers, whose imaginary part a "
+                             f"model's real inputs would drop; pass the real and imaginary parts as two real arrays")
         if array.ndim == 0:
             raise ValueError(f"{name}: got a scalar; pass one row per sample (an array with a leading sample axis)")
         return array
@@ -67,6 +84,8 @@ class Batches:
         self._iterator = None
         self._seen = 0
         self._pass = 0
+        self._label_rules: list[ClassLabels] = []
+        self._output_names: list[str] | None = None
         self.dropped_warned = False
         if isinstance(x, tf.data.Dataset):
             self._init_dataset(x, y, sample_weight, batch_size)
@@ -87,6 +106,13 @@ class Batches:
             raise ValueError(f"batch_size: {batch_size} cannot be used with a tf.data.Dataset, whose elements are "
                              f"already batches; batch the dataset instead")
         self.dataset, self.arrays = dataset, None
+        x_spec, y_spec, sw_spec = _unpack(dataset.element_spec)
+        for arg, spec in (("x", x_spec), ("y", y_spec), ("sample_weight", sw_spec)):
+            for label, leaf in named_leaves(spec, arg):
+                dtype = getattr(leaf, "dtype", None)
+                if dtype is not None and (dtype.is_complex or (arg != "x" and dtype == tf.string)):
+                    raise ValueError(f"{label}: the dataset yields {dtype.name} values, which cannot be fed to "
+                                     f"a model's real inputs and losses; map them to real numbers first")
         cardinality = int(dataset.cardinality())
         self.infinite = cardinality == int(tf.data.INFINITE_CARDINALITY)
         self.num_batches = cardinality if cardinality >= 0 else None
@@ -121,6 +147,40 @@ class Batches:
         self.arrays, self.dataset, self.infinite = (x, y, sample_weight), None, False
         self.batch_size = int(batch_size)
         self.num_batches = math.ceil(self.samples / self.batch_size)
+        for arg, value in (("x", x), ("y", y), ("sample_weight", sample_weight)):
+            for label, leaf in named_leaves(value, arg):
+                check_finite(leaf, label, self._where)
+
+    def _where(self, row: int) -> str:
+        if self.arrays is None:
+            return f"row {row} of the batch"
+        return f"sample {row}, in batch {row // self.batch_size} of batch_size {self.batch_size} in the given order"
+
+    def check_labels(self, rules: list[ClassLabels], output_names: list[str] | None = None) -> None:
+        """Refuse targets that are no class ids of the sparse losses ``rules`` (``output_names``:
+        the model's, which a rule's path may use on a list of targets): arrays at once, a
+        dataset's batches as they are read."""
+        self._label_rules, self._output_names = list(rules), output_names
+        if self.arrays is not None:
+            self._check_labels(self.arrays[1], self._where)
+
+    def _check_labels(self, y, where) -> None:
+        for rule in self._label_rules:
+            labels = resolve(y, rule.path, self._output_names)
+            if labels is not None:
+                name = "y" + "".join(f"[{k!r}]" for k in rule.path)
+                check_class_ids(np.asarray(labels), name, rule, where)
+
+    def _check_batch(self, batch, index: int) -> None:
+        """A dataset's batch ``index``: finite numbers, class ids (arrays are checked whole)."""
+        where = lambda row: f"batch {index} of the dataset, row {row}"  # noqa: E731
+        for arg, value in zip(("x", "y", "sample_weight"), batch):
+            for label, leaf in named_leaves(value, arg):
+                if isinstance(leaf, tf.Tensor) and leaf.dtype.is_floating:
+                    check_finite(leaf.numpy(), label, where)
+        if self._label_rules and batch[1] is not None:
+            dense = tf.nest.map_structure(lambda t: t.numpy() if isinstance(t, tf.Tensor) else None, batch[1])
+            self._check_labels(dense, where)
 
     # -- iteration ----------------------------------------------------------------------------
 
@@ -136,9 +196,10 @@ class Batches:
                 rows = order[begin:begin + self.batch_size]
                 yield tf.nest.map_structure(lambda a: None if a is None else a[rows], (x, y, sw))
         else:
-            import keras
-            for element in (self.dataset.skip(start) if start else self.dataset):
-                yield keras.utils.unpack_x_y_sample_weight(element)
+            for index, element in enumerate(self.dataset.skip(start) if start else self.dataset, start):
+                batch = _unpack(element)
+                self._check_batch(batch, index)
+                yield batch
 
     def _start_pass(self) -> None:
         self._iterator, self._seen = self._one_pass(self._pass), 0

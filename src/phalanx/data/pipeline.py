@@ -56,6 +56,7 @@ import numpy as np
 
 from phalanx.config import Config, ConfigError
 from phalanx.data import corpus as corpus_lib
+from phalanx.data.checks import check_token_ids
 from phalanx.data import records
 from phalanx.data.records import MANIFEST, Manifest
 from phalanx.data.tokenize import Tokenizer
@@ -246,8 +247,11 @@ def make_datasets(cfg: Config, worker_index: int = 0, num_workers: int = 1, *,
     check_compatible(cfg, manifest, tokenizer)
 
     batch_size = global_batch // num_workers
+    train_array = records.load_split_array(manifest, "train")
+    check_ids(cfg, manifest, "train", train_array)
+    check_ids(cfg, manifest, "val", records.load_split_array(manifest, "val"))
     with tf.device("/cpu:0"):
-        examples = tf.constant(records.load_split_array(manifest, "train"))
+        examples = tf.constant(train_array)
     n_val = manifest.splits["val"]["examples"]
     val, val_batches = _val_dataset(manifest, global_batch, worker_index, batch_size)
     train = _train_stream(examples, cfg.train.seed, global_batch, worker_index * batch_size, batch_size, 0)
@@ -292,6 +296,23 @@ def check_compatible(cfg: Config, manifest: Manifest, tokenizer: Tokenizer) -> N
         raise ConfigError("model.vocab", f"{cfg.model.vocab} is smaller than the {tokenizer.name} tokenizer's "
                                          f"vocabulary of {tokenizer.vocab_size} ids (data in {where!r}); "
                                          f"use model.vocab >= {tokenizer.vocab_size}")
+
+
+def check_ids(cfg: Config, manifest: Manifest, split: str, examples: np.ndarray) -> None:
+    """Every token id of ``examples`` (``split`` of ``manifest``) must be one of the model's
+    ``[0, model.vocab)``: ConfigError on ``data.source`` naming the shard file, the record and
+    the position of the first that is not (one vectorised pass)."""
+    shards = manifest.shard_paths(split)
+
+    def where(index) -> str:
+        example, position = index[0], index[1] if len(index) > 1 else 0
+        # prepare_dataset writes example e to shard e % S as its record e // S (records.read_split)
+        return (f"{split} example {example}, position {position}: record {example // len(shards)} of "
+                f"{shards[example % len(shards)]!r}")
+
+    problem = check_token_ids(examples, cfg.model.vocab, "model.vocab", where)
+    if problem is not None:
+        raise ConfigError("data.source", f"{str(manifest.directory)!r}: {problem}")
 
 
 def resolve_source(cfg: Config, *, progress: bool | None = None) -> Manifest:

@@ -42,7 +42,7 @@ from phalanx.fsutil import RunLock
 from phalanx.layers import TransformerBlock
 from phalanx.mesh import Mesh
 from phalanx.models import parallelize
-from phalanx.train import keras_state
+from phalanx.train import keras_state, keras_targets
 from phalanx.train.moe_stats import MoEStats
 from phalanx.train.progress import RunOutput
 
@@ -372,7 +372,9 @@ def fit(model, cfg: Config, mesh: Mesh, x=None, y=None, *, batch_size=None, epoc
     apply_precision(model, cfg)
     if model.optimizer is None:
         model.optimizer = default_optimizer(cfg, (train.steps or 1) * epochs)
-    engine = _engine(model, cfg, mesh, train.first(), "train_step", workers=workers)
+    first = train.first()
+    engine = _engine(model, cfg, mesh, first, "train_step", workers=workers)
+    _check_labels(model, first, train, val)
     run_dir = run_directory(cfg)
     loop = dict(epochs=epochs, initial_epoch=initial_epoch, callbacks=callbacks, verbose=verbose,
                 validation_steps=validation_steps, validation_freq=validation_freq)
@@ -382,6 +384,15 @@ def fit(model, cfg: Config, mesh: Mesh, x=None, y=None, *, batch_size=None, epoc
         return _fit_loop(engine, model, cfg, None, train, val, workers=workers, **loop)
     with RunLock(run_dir):
         return _fit_loop(engine, model, cfg, run_dir, train, val, workers=workers, **loop)
+
+
+def _check_labels(model, first, *batches) -> None:
+    """Refuse targets that are no class ids of the model's sparse losses, before step 1 (the
+    engine has built the compiled loss)."""
+    rules = keras_targets.sparse_label_rules(model, first[0])
+    for each in batches:
+        if each is not None and rules:
+            each.check_labels(rules, list(getattr(model, "output_names", None) or []) or None)
 
 
 def _validation_batches(validation_data, batch_size, cfg: Config, mesh: Mesh):
@@ -493,7 +504,9 @@ def evaluate(model, cfg: Config, mesh: Mesh, x=None, y=None, *, batch_size=None,
         custom_step.check_layout(model, cfg, mesh, ["test_step"])
     split_for_tensor_parallel(model, cfg, mesh, verbose)
     apply_precision(model, cfg)
-    engine = _engine(model, cfg, mesh, batches.first(), "test_step")
+    first = batches.first()
+    engine = _engine(model, cfg, mesh, first, "test_step")
+    _check_labels(model, first, batches)
     callback_list = _callbacks(callbacks, model, verbose, 1, steps or batches.steps)
     logs = _evaluate_loop(engine, model, batches, callback_list, steps)
     if return_dict:
