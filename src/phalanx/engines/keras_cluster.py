@@ -36,7 +36,9 @@ global batch:
   and sums its gradients locally; the dense gradients are then summed across workers in
   one packed all-reduce per dtype, and ``IndexedSlices`` (an embedding's gradient) are
   all-gathered, rows in worker order — the rows one tape over the global batch gives, so
-  Keras's optimizers treat them as on one device. Every worker then applies the model's
+  Keras's optimizers treat them as on one device — except a lookup whose indices are the
+  same in every micro-batch (a position table), whose values are summed in the all-reduce
+  (:mod:`phalanx.parallel.gradients`). Every worker then applies the model's
   own optimizer to the same gradients (identical updates, no broadcast needed).
 * **Metrics.** The loss tracker and the compiled metrics accumulate additive states
   (totals and counts): each worker's change of every metric variable during the step
@@ -81,6 +83,7 @@ import tensorflow as tf
 from phalanx.cluster.strategies import multi_worker_strategy
 from phalanx.cluster.tf_config import ClusterInfo, cluster_info_from_env
 from phalanx.config import Config, ConfigError, parse_devices
+from phalanx.parallel.gradients import SparseGradient
 
 #: Group key of the one collective every fit starts with (agreeing on a fresh group key).
 _BOOTSTRAP_GROUP = 0x7068
@@ -359,23 +362,35 @@ class WorkerGroup:
         return [v.value.read_value() for v in model.metrics_variables]
 
     def exchange(self, model, grads: list, metrics_before: list, state: list, loss_sum):
-        """The step's all-reduce: gradients summed (IndexedSlices gathered), metric
+        """The step's all-reduce: gradients summed (sparse ones: rows gathered, lookups with the
+        same indices everywhere summed; :class:`~phalanx.parallel.gradients.SparseGradient`), metric
         variables set to their global values, ``state`` (float non-trainable values)
         averaged, the loss sum and the batch fingerprint summed. Returns
         ``(grads, state, loss_sum)``."""
         metric_vars = list(model.metrics_variables)
-        dense = [i for i, g in enumerate(grads) if g is not None and not isinstance(g, tf.IndexedSlices)]
-        sparse = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
+        dense = [i for i, g in enumerate(grads) if g is not None and not isinstance(g, (tf.IndexedSlices,
+                                                                                         SparseGradient))]
+        sparse = [i for i, g in enumerate(grads) if isinstance(g, (tf.IndexedSlices, SparseGradient))]
+        # A sparse gradient's lookups with the same indices on every worker are summed like dense
+        # gradients; its other rows are gathered (parallel.gradients: what one device's tape gives).
+        grads = [SparseGradient(g.dense_shape, rows=[g]) if isinstance(g, tf.IndexedSlices) else
+                 SparseGradient(g.dense_shape, dict(g.shared), list(g.rows)) if isinstance(g, SparseGradient) else g
+                 for g in grads]  # copies: filled in below
+        shared = [(i, key) for i in sparse for key in grads[i].shared]
         floating = [i for i, s in enumerate(state) if tf.as_dtype(s.dtype).is_floating]
         deltas = [v.value.read_value() - before for v, before in zip(metric_vars, metrics_before)]
         with tf.control_dependencies(deltas):
             fingerprint = self._fingerprint.read_value()
-        summed = self.sum_all([grads[i] for i in dense] + deltas + [state[i] for i in floating] +
-                              [tf.cast(loss_sum, tf.float32), fingerprint])
+        summed = self.sum_all([grads[i] for i in dense] + [grads[i].shared[key].values for i, key in shared] +
+                              deltas + [state[i] for i in floating] + [tf.cast(loss_sum, tf.float32), fingerprint])
         grads = list(grads)
         for i, g in zip(dense, summed[:len(dense)]):
             grads[i] = g
         rest = summed[len(dense):]
+        for (i, key), values in zip(shared, rest[:len(shared)]):
+            piece = grads[i].shared[key]
+            grads[i].shared[key] = tf.IndexedSlices(values, piece.indices, piece.dense_shape)
+        rest = rest[len(shared):]
         for v, before, total in zip(metric_vars, metrics_before, rest[:len(deltas)]):
             v.value.assign(before + total)
         rest = rest[len(deltas):]
@@ -386,6 +401,8 @@ class WorkerGroup:
         self._fingerprint_sum.assign(fingerprint_sum)
         for i in sparse:
             g = grads[i]
-            values, indices = self.gather_rows([g.values, g.indices])
-            grads[i] = tf.IndexedSlices(values, indices, g.dense_shape)
+            if g.rows:
+                rows = SparseGradient(g.dense_shape, rows=g.rows).slices()
+                values, indices = self.gather_rows([rows.values, rows.indices])
+                g.rows = [tf.IndexedSlices(values, indices, g.dense_shape)]
         return grads, state, loss_sum

@@ -88,8 +88,9 @@ from phalanx.layers.moe import MoE, attach_compute_copy, is_step_total
 from phalanx.layers.sharding import placement_of
 from phalanx.layers.tensor_parallel import VocabParallelEmbedding, shard_logits_cross_entropy, vocab_logit_shards
 from phalanx.mesh import Mesh
+from phalanx.parallel.gradients import finish, join_gradients
 from phalanx.parallel.keras_graph import split_keras_model
-from phalanx.parallel.pipeline import accumulate_gradient, run_schedule, schedule_for
+from phalanx.parallel.pipeline import run_schedule, schedule_for
 from phalanx.precision import resolve_policy
 
 MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")
@@ -821,13 +822,13 @@ class KerasModelEngine:
         for v in self.model.trainable_variables:
             with tf.device(v.value.device):
                 g = None
-                for part in parts[id(v)]:
-                    g = accumulate_gradient(g, part, keep_sparse=True)
+                for part in parts[id(v)]:  # sparse ones as one device's tape gives them (parallel.gradients)
+                    g = join_gradients(g, part)
                 if id(v) in reg_grads:
                     reg = tf.cast(reg_grads[id(v)], tf.float32) * scale / float(self.world)  # once over the workers
-                    g = reg if g is None else tf.convert_to_tensor(g) + reg
+                    g = join_gradients(g, reg)
                 # None: no stage used the weight this step; Keras's optimizer skips it, as in fit.
-                grads.append(None if g is None else tf.cast(g, v.dtype))
+                grads.append(g)
             variables.append(v)
         loss_sum = tf.add_n(losses)
         if self.workers is not None:  # across workers: gradients, metrics, float state (keras_cluster)
@@ -837,6 +838,11 @@ class KerasModelEngine:
                                                               [state[s][k] for s, k in changed], loss_sum)
             for (s, k), value in zip(changed, averaged):
                 state[s][k] = value
+        joined = grads
+        grads = []
+        for g, v in zip(joined, variables):
+            with tf.device(v.value.device):
+                grads.append(None if g is None else finish(g, v.dtype))
         # The whole update waits for every gradient of the step. Keras's AdamW decays each
         # weight first and needs no gradient for it, so the executor would run the decay as
         # soon as the forward read the weight, while that read is still held for the backward:

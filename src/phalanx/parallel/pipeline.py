@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 import tensorflow as tf
 
 from phalanx.config import Config, ConfigError
+from phalanx.parallel.gradients import SparseGradient, join_gradients
 from phalanx.parallel.schedules import Schedule, build_schedule, iter_actions
 
 
@@ -65,17 +66,14 @@ def schedule_for(cfg: Config, pp: int) -> Schedule:
         raise ConfigError("parallel.schedule", str(err)) from None
 
 
-def accumulate_gradient(total, grad, keep_sparse: bool = False):
-    """``total + grad`` in float32. With ``keep_sparse``, two ``IndexedSlices`` (an
-    embedding's gradient) are joined by concatenating their rows, not densified: that is
-    the gradient one tape over the whole batch would give, and Keras's optimizers treat
-    it differently from its dense sum (e.g. Adam squares each row separately)."""
-    if keep_sparse and isinstance(grad, tf.IndexedSlices) and not isinstance(total, tf.Tensor):
-        grad = tf.IndexedSlices(tf.cast(grad.values, tf.float32), grad.indices, grad.dense_shape)
-        if total is None:
-            return grad
-        return tf.IndexedSlices(tf.concat([total.values, grad.values], 0), tf.concat([total.indices, grad.indices], 0),
-                                total.dense_shape)
+def accumulate_gradient(total, grad, keep_sparse: bool = False, origin=None):
+    """``total + grad`` in float32. With ``keep_sparse``, sparse gradients (an embedding's
+    ``IndexedSlices``) are joined as one device's tape over the whole batch gives them, not
+    densified (:func:`phalanx.parallel.gradients.join_gradients`: rows of lookups by the
+    batch's ids kept, lookups with the same indices in every micro-batch summed per row);
+    Keras's optimizers treat that differently from the dense sum (Adam squares each row)."""
+    if keep_sparse:
+        return join_gradients(total, grad, origin)
     grad = tf.cast(tf.convert_to_tensor(grad), tf.float32)  # gather grads are IndexedSlices
     if total is None:
         return grad
@@ -91,8 +89,10 @@ def run_schedule(schedule: Schedule, forward: StageForward, params: Sequence[Seq
     ``sum over micro-batches of loss_i x loss_weight`` w.r.t. ``params[s][j]``;
     ``loss_sum`` is the sum of the (unweighted) micro-batch losses. Activations handed
     between stages may be single tensors or lists; only their floating-point members
-    are differentiated. ``keep_sparse``: see :func:`accumulate_gradient`; a weight that
-    received no gradient is then ``None`` instead of zeros. ``initial`` (shaped like
+    are differentiated. ``keep_sparse``: see :func:`accumulate_gradient` (a sparse
+    gradient is then a :class:`~phalanx.parallel.gradients.SparseGradient`, its lookups keyed
+    by stage; :func:`~phalanx.parallel.gradients.finish` makes it the optimizer's); a weight
+    that received no gradient is then ``None`` instead of zeros. ``initial`` (shaped like
     ``grads``, e.g. the previous accumulation step's): sums the micro-batches' gradients
     start from, so gradient accumulation keeps one running sum per weight.
 
@@ -163,8 +163,9 @@ def run_schedule(schedule: Schedule, forward: StageForward, params: Sequence[Seq
                     if g is None:  # a weight this stage lists but does not use (e.g. a tied copy)
                         continue
                     with tf.device(var.device):
-                        acc[stage][j] = accumulate_gradient(acc[stage][j], g, keep_sparse)
-                    summed.append(acc[stage][j])
+                        acc[stage][j] = accumulate_gradient(acc[stage][j], g, keep_sparse, origin=stage)
+                    summed.extend(acc[stage][j].tensors() if isinstance(acc[stage][j], SparseGradient)
+                                  else [acc[stage][j]])
                 # The running sums are part of the marker: the rank's next action waits for them,
                 # so each micro-batch's gradient is added (and freed) before the next action
                 # starts. An addition that drives a control edge is also one Grappler's
