@@ -9,9 +9,10 @@ again only once the data is used up, and an iterator that runs dry inside an epo
 that epoch with a warning.
 
 Arrays are cut into batches of ``batch_size`` (default 32) rows, shuffled every pass by
-a seeded permutation when ``shuffle`` is on. A batch whose rows the layout cannot split
-evenly (``divisor`` = dp x grad_accum x micro-batches; only a last, partial batch can be
-one) is skipped with a warning that says how many samples it held.
+a seeded permutation when ``shuffle`` is on. Any batch size trains (the engine cuts a
+batch unevenly when it must); only a batch the workers of a cluster cannot share evenly
+(``divisor`` = the number of workers; only a last, partial batch can be one) is skipped,
+with a warning that says how many samples it held.
 
 Example:
     >>> import numpy as np
@@ -143,8 +144,8 @@ class Batches:
         if rows % self.divisor == 0:
             return True
         if not self.dropped_warned:
-            warnings.warn(f"a batch of {rows} samples cannot be split evenly over dp x grad_accum x microbatches = "
-                          f"{self.divisor}; it is skipped (Keras would train on it). Choose a batch_size and a "
+            warnings.warn(f"a batch of {rows} samples cannot be split evenly over the {self.divisor} workers "
+                          f"of the fit; it is skipped (Keras would train on it). Choose a batch_size and a "
                           f"sample count that are multiples of {self.divisor} to use every sample", stacklevel=3)
             self.dropped_warned = True
         return False
