@@ -174,3 +174,11 @@ def test_compute_loss_override_still_phalanx_step():
 
     model = Scaled([keras.Input((2,)), keras.layers.Dense(1)])
     assert not any(custom_step.overridden(model, m) for m in custom_step.METHODS)
+
+
+def test_doctests():
+    import doctest
+
+    from phalanx.engines import custom_step
+
+    assert doctest.testmod(custom_step).failed == 0

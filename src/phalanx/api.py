@@ -108,14 +108,15 @@ def _mesh(cfg: Config, overrides: Sequence[str]):
 
 def fit(model, x=None, y=None, *, batch_size=None, epochs=1, steps_per_epoch=None, validation_data=None,
         validation_steps=None, validation_batch_size=None, validation_freq=1, initial_epoch=0, callbacks=None,
-        shuffle=True, sample_weight=None, overrides: Sequence[str] = (), config: Config | None = None,
-        verbose="auto"):
+        shuffle=True, sample_weight=None, validation_split=0.0, class_weight=None, overrides: Sequence[str] = (),
+        config: Config | None = None, verbose="auto"):
     """Train a compiled Keras model like ``model.fit``, on the layout of ``config``.
 
     ``model``: a compiled ``keras.Model`` (Sequential, Functional or subclassed), or a
     function returning one (called under the precision policy). ``x``/``y``/
     ``sample_weight``: NumPy arrays (or lists/dicts of them), or ``x`` a ``tf.data.Dataset``
-    of batches. Epochs, steps, validation and callbacks follow Keras's rules. Returns a
+    of batches. Epochs, steps, validation (``validation_split`` included), ``class_weight``
+    and callbacks follow Keras's rules; a batch of any size trains (a last, smaller one too). Returns a
     ``keras.callbacks.History``; the model object holds the trained weights, statistics
     and optimizer state afterwards, on every layout.
 
@@ -129,7 +130,8 @@ def fit(model, x=None, y=None, *, batch_size=None, epochs=1, steps_per_epoch=Non
                          steps_per_epoch=steps_per_epoch, validation_data=validation_data,
                          validation_steps=validation_steps, validation_batch_size=validation_batch_size,
                          validation_freq=validation_freq, initial_epoch=initial_epoch, callbacks=callbacks,
-                         shuffle=shuffle, sample_weight=sample_weight, verbose=verbose)
+                         shuffle=shuffle, sample_weight=sample_weight, verbose=verbose,
+                         validation_split=validation_split, class_weight=class_weight)
 
 
 def evaluate(model, x=None, y=None, *, batch_size=None, steps=None, sample_weight=None, callbacks=None,

@@ -10,9 +10,10 @@ that epoch with a warning.
 
 Arrays are cut into batches of ``batch_size`` (default 32) rows, shuffled every pass by
 a permutation that depends on ``(seed, pass)`` only when ``shuffle`` is on, so that a
-resumed fit (:meth:`Batches.seek`) reads the data in the order of an uninterrupted one. A batch whose rows the layout cannot split
-evenly (``divisor`` = dp x grad_accum x micro-batches; only a last, partial batch can be
-one) is skipped with a warning that says how many samples it held.
+resumed fit (:meth:`Batches.seek`) reads the data in the order of an uninterrupted one. Any
+batch size trains (the engine cuts a batch unevenly when it must); only a batch the workers
+of a cluster cannot share evenly (``divisor`` = the number of workers; only a last, partial
+batch can be one) is skipped, with a warning that says how many samples it held.
 
 Data that would train wrong is refused with an error that names the argument, the index and
 the sample or batch (:mod:`phalanx.data.checks`): NaN or inf in ``x``, ``y`` or
@@ -210,8 +211,8 @@ class Batches:
         if rows % self.divisor == 0:
             return True
         if not self.dropped_warned:
-            warnings.warn(f"a batch of {rows} samples cannot be split evenly over dp x grad_accum x microbatches = "
-                          f"{self.divisor}; it is skipped (Keras would train on it). Choose a batch_size and a "
+            warnings.warn(f"a batch of {rows} samples cannot be split evenly over the {self.divisor} workers "
+                          f"of the fit; it is skipped (Keras would train on it). Choose a batch_size and a "
                           f"sample count that are multiples of {self.divisor} to use every sample", stacklevel=3)
             self.dropped_warned = True
         return False

@@ -28,8 +28,10 @@ compiled metrics. The engine only decides *where* things run:
   (:func:`phalanx.parallel.pipeline.run_schedule`); each stage runs *statelessly* on the
   replica's weight values. The last stage computes the compiled loss plus the model's own
   losses, updates the loss tracker and the compiled metrics, and weights the loss by
-  ``loss_scale / (dp x grad_accum x microbatches)``, so the summed gradient is the gradient
-  of the mean loss over the global batch, exactly as on one device. Gradients are summed
+  ``loss_scale / (dp x grad_accum x microbatches)`` times the micro-batch's share of the rows
+  (1 when they divide evenly; a batch of any size is cut as evenly as it goes:
+  :func:`row_plan`), so the summed gradient is the gradient of the mean loss over the global
+  batch, exactly as on one device. Gradients are summed
   over replicas on each weight's device and applied by ``model.optimizer`` (a
   ``LossScaleOptimizer`` under ``mixed_float16``, which unscales and skips non-finite
   steps itself, as in Keras).
@@ -427,6 +429,35 @@ def _slice(batch, start: int, size: int):
     return tf.nest.map_structure(lambda t: None if t is None else t[start:start + size], batch)
 
 
+def _even(rows: int, parts: int) -> list[int]:
+    """``rows`` cut into ``parts`` counts that differ by at most one, the larger first."""
+    base, extra = divmod(rows, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def row_plan(rows: int, dp: int, accum: int, microbatches: int) -> list[list[list[int]]]:
+    """``plan[d][a]``: the row counts of the micro-batches of replica ``d``'s accumulation
+    step ``a``, in batch order. Rows are cut as evenly as they go (replicas, then steps,
+    then micro-batches; the larger parts first); a step with fewer rows than
+    ``microbatches`` runs that many one-row micro-batches, one with none is left out. Each
+    micro-batch's mean loss is then weighted by its share of the rows, so a batch of any size
+    gives the gradient of its mean loss, as one device would.
+
+    Example:
+        >>> row_plan(7, 2, 1, 2)
+        [[[2, 2]], [[2, 1]]]
+        >>> row_plan(3, 2, 1, 2)
+        [[[1, 1]], [[1]]]
+    """
+    plan = []
+    for replica_rows in _even(rows, dp):
+        steps = []
+        for step_rows in _even(replica_rows, accum):
+            steps.append([n for n in _even(step_rows, min(microbatches, step_rows))] if step_rows else [])
+        plan.append(steps)
+    return plan
+
+
 class KerasModelEngine:
     """One training, evaluation or prediction step of a compiled Keras model on ``mesh``.
 
@@ -767,6 +798,17 @@ class KerasModelEngine:
                             casts[id(param)] = tf.cast(tf.convert_to_tensor(param), dtypes[id(v)])
         return casts
 
+    def _weighted(self, out, stage: int, share: float):
+        """The last stage's loss times its micro-batch's share of the rows (:func:`row_plan`)."""
+        return out * share if stage == self.chunks - 1 and share != 1.0 else out
+
+    def _schedule_of(self, microbatches: int):
+        """The schedule for a step of ``microbatches`` micro-batches (fewer than configured only
+        for a batch with fewer rows than micro-batches)."""
+        if microbatches == self.microbatches:
+            return self.schedule
+        return schedule_for(self.cfg.replace(parallel={"microbatches": microbatches}), self.pp)
+
     def _micro_batches(self, batch, replica: int, per_replica: int, parts: int) -> list:
         size = per_replica // parts
         with tf.device(self.stage_device(replica, 0)):
@@ -787,9 +829,9 @@ class KerasModelEngine:
         batch = (x, y, sw)
         rows = _rows(x)
         total = self.dp * self.accum * self.microbatches
-        if rows % total:
-            raise ValueError(f"a batch of {rows} rows cannot be split over dp x grad_accum x microbatches = "
-                             f"{self.dp} x {self.accum} x {self.microbatches}")
+        plan = row_plan(rows, self.dp, self.accum, self.microbatches)
+        # A micro-batch's loss is its mean: weighted by its share of the rows (1 when they divide evenly).
+        share = [[[n * total / rows for n in sizes] for sizes in steps] for steps in plan]
         scale = tf.cast(self.optimizer.scale_loss(tf.constant(1.0)), tf.float32)
         metrics_before = None if self.workers is None else self.workers.read_metrics(self.model)
         self._reg_value, reg_grads = self._regularization() if self.regularized else (None, {})
@@ -798,14 +840,21 @@ class KerasModelEngine:
         start = [list(values) for values in state]
         acc = [[[] for _ in stage.trainable_variables] for stage in self.stages]
         losses = []
+        first = 0
         for d in range(self.dp):
-            micro = self._micro_batches(batch, d, rows // self.dp, self.accum * self.microbatches)
             params = [self._params(d, s) for s in range(self.chunks)]
             for a in range(self.accum):
-                group = micro[a * self.microbatches:(a + 1) * self.microbatches]
+                if not plan[d][a]:
+                    continue
+                with tf.device(self.stage_device(d, 0)):
+                    group = []
+                    for n in plan[d][a]:
+                        group.append(_slice(batch, first, n))
+                        first += n
                 grads, loss_sum = run_schedule(
-                    self.schedule,
-                    lambda s, i, h, _d=d, _g=group: self._forward(_d, s, h, _g[i], state, "train"),
+                    self._schedule_of(len(group)),
+                    lambda s, i, h, _d=d, _g=group, _w=share[d][a]: self._weighted(
+                        self._forward(_d, s, h, _g[i], state, "train"), s, _w[i]),
                     params, scale / float(total * self.world), prefix=f"dp{d}_acc{a}", keep_sparse=True)
                 losses.append(loss_sum)
                 for s, stage_grads in enumerate(grads):

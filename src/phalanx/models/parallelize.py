@@ -227,11 +227,105 @@ def _check(model, tp: int, compiled, matches: list[Match]) -> None:
             widths = set()
 
 
-def _check_optimizer(model) -> None:
+# ---------------------------------------------------------------------------------------------
+# The optimizer's state across a swap
+# ---------------------------------------------------------------------------------------------
+
+def _logical_groups(model) -> dict[int, tuple[list, int | None]]:
+    """Variable id -> (its logical weight's shard variables, cut axis), for sharded weights."""
+    out = {}
+    for _, layer, _ in layer_paths(model):
+        if isinstance(layer, ShardedLayer):
+            for variables, axis, _ in layer._logical.values():
+                for v in variables:
+                    out[id(v)] = (list(variables), axis if len(variables) > 1 else None)
+    return out
+
+
+def _join(values, axis):
+    import numpy as np
+
+    return values[0] if axis is None else np.concatenate(values, axis=axis)
+
+
+def _trainable_logical(model) -> list[tuple[list, int | None]]:
+    """The trainable weights as logical weights: (variables in shard order, cut axis)."""
+    groups, seen, out = _logical_groups(model), set(), []
+    for v in model.trainable_variables:
+        if id(v) in seen:
+            continue
+        members, axis = groups.get(id(v), ([v], None))
+        seen.update(id(m) for m in members)
+        out.append((members, axis))
+    return out
+
+
+def _slots_of(optimizer, variables) -> dict[int, dict[str, object]]:
+    """id(variable) -> {slot suffix: slot variable}: Keras names a slot
+    ``<the variable's path, '/' -> '_'>_<suffix>`` (the longest matching prefix wins)."""
+    prefixes = sorted(((v.path.replace("/", "_") + "_", v) for v in variables), key=lambda item: -len(item[0]))
+    out: dict[int, dict[str, object]] = {}
+    for slot in optimizer.variables:
+        owner = next((v for prefix, v in prefixes if slot.name.startswith(prefix)), None)
+        if owner is not None and tuple(slot.shape) == tuple(owner.shape):
+            out.setdefault(id(owner), {})[slot.name[len(owner.path.replace("/", "_")) + 1:]] = slot
+    return out
+
+
+def _capture_optimizer(model):
+    """The state a built optimizer keeps per trainable weight, as logical values, before the
+    layers holding the weights are swapped: ``(optimizer, [(weight value, {suffix: slot
+    value})])``, or None for an optimizer not built yet (it builds on the new weights)."""
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and getattr(optimizer, "built", False):
-        raise ValueError(f"model {model.name!r}'s optimizer already holds state for the weights parallelize would "
-                         f"replace: parallelize before training (or re-compile with a fresh optimizer)")
+    inner = getattr(optimizer, "inner_optimizer", optimizer)  # a LossScaleOptimizer's slots are its inner's
+    if inner is None or not getattr(inner, "built", False):
+        return None
+    slots = _slots_of(inner, model.trainable_variables)
+    records = []
+    for members, axis in _trainable_logical(model):
+        value = _join([m.numpy() for m in members], axis)
+        suffixes = set().union(*[set(slots.get(id(m), {})) for m in members])
+        state = {}
+        for suffix in suffixes:
+            parts = [slots.get(id(m), {}).get(suffix) for m in members]
+            if all(part is not None for part in parts):
+                state[suffix] = _join([part.numpy() for part in parts], axis)
+        records.append((value, state))
+    return inner, records
+
+
+def _restore_optimizer(model, captured) -> None:
+    """Rebuild the optimizer ``_capture_optimizer`` read, in place (the same object, its
+    step count and other own variables kept), for the model's new weights, and give each
+    new weight the slots of the old weight it was copied from. A swap copies values exactly,
+    so the old weight is the one of equal shape and value (equal ones in model order)."""
+    import numpy as np
+
+    if captured is None:
+        return
+    inner, records = captured
+    old_slots = {id(s) for d in _slots_of(inner, inner._trainable_variables).values() for s in d.values()}
+    inner._variables = [v for v in inner._variables if id(v) not in old_slots]
+    inner._trainable_variables_indices = {}
+    inner.built = False
+    inner.build(model.trainable_variables)
+    slots = _slots_of(inner, model.trainable_variables)
+    unused = list(range(len(records)))
+    for members, axis in _trainable_logical(model):
+        value = _join([m.numpy() for m in members], axis)
+        k = next((k for k in unused if records[k][0].shape == value.shape and np.array_equal(records[k][0], value)),
+                 None)
+        if k is None:
+            raise ValueError(f"weight {members[0].path!r}: no weight of the model before the swap holds its value, "
+                             f"so its optimizer state cannot be carried over; re-compile with a fresh optimizer")
+        unused.remove(k)
+        for suffix, saved in records[k][1].items():
+            parts = [slots.get(id(m), {}).get(suffix) for m in members]
+            if any(part is None for part in parts):
+                continue
+            pieces = [saved] if axis is None else np.split(saved, len(members), axis=axis)
+            for part, piece in zip(parts, pieces):
+                part.assign(piece)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -424,7 +518,9 @@ def parallelize(model, tp, rules=None):
     in (as logical values: the model computes the same function). Returns ``model``.
 
     Raises ``ValueError`` naming the layer or rule when the rules would give a wrong split
-    (see the module docstring); nothing has changed then. ``tp=1`` also converts (to
+    (see the module docstring); nothing has changed then. A built optimizer (a model trained
+    before) is rebuilt for the new weights in place, its state carried over: each shard's
+    slots are the slices of the weight's slots, the step count stays. ``tp=1`` also converts (to
     one-shard layers), so a model trains the same code path at every ``tp``.
     """
     if isinstance(tp, Mesh):  # its tensor axis
@@ -440,8 +536,7 @@ def parallelize(model, tp, rules=None):
     compiled = _compile(rules)
     matches = match(model, rules)
     _check(model, tp, compiled, matches)
-    _check_optimizer(model)
-
+    captured = _capture_optimizer(model)
 
     for m in matches:
         if m.kind == "replicated":
@@ -451,6 +546,7 @@ def parallelize(model, tp, rules=None):
             continue
         replace_layer(model, m.layer, CONVERSIONS[m.kind].convert(m.layer, tp))
     _after_swaps(model)
+    _restore_optimizer(model, captured)
     return model
 
 
@@ -458,11 +554,14 @@ def unparallelize(model):
     """Put plain layers back where :func:`parallelize` put tensor-parallel ones, in place:
     each rebuilt from the config of the layer it replaced (never a kept copy) and holding
     the current (trained) weights. The model then saves, and reloads with Keras (and
-    keras-hub) alone, and generates. Tensor-parallel layers that :func:`parallelize` did not
+    keras-hub) alone, and generates; its optimizer is rebuilt for the plain weights in place,
+    with its state (step count, each weight's slots joined from its shards'), so Keras's
+    ``fit``, ``evaluate`` and ``save`` go on from it. Tensor-parallel layers that :func:`parallelize` did not
     make (a model built from phalanx's layers, or loaded from a file) become their plain
     Keras twin when they have one (Dense, Embedding, ReversibleEmbedding,
     MultiHeadAttention) and stay otherwise. Returns ``model``."""
 
+    captured = _capture_optimizer(model)
     for _, layer, _ in layer_paths(model):
         if getattr(layer, "_phalanx_mlp", None) is not None:
             mlp_to_plain(layer, lambda old, new, after=(): replace_layer(model, old, new, after))
@@ -470,6 +569,7 @@ def unparallelize(model):
         if can_make_plain(layer):
             replace_layer(model, layer, to_plain(layer))
     _after_swaps(model)
+    _restore_optimizer(model, captured)
     return model
 
 

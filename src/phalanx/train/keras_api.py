@@ -185,10 +185,6 @@ def _logs(model) -> dict:
     return logs
 
 
-def _divisor(cfg: Config, mesh: Mesh) -> int:
-    return mesh.dp * cfg.train.grad_accum * cfg.parallel.microbatches
-
-
 # -- run directory ---------------------------------------------------------------------------
 
 
@@ -347,9 +343,65 @@ def _evaluate_loop(engine: KerasModelEngine, model, batches: Batches, callbacks,
     return logs
 
 
+def split_validation(x, y, sample_weight, validation_split, validation_data):
+    """``((x, y, sample_weight), validation_data)`` after Keras's ``validation_split`` rule: the
+    last ``validation_split`` of the samples, taken before any shuffling, validate
+    (``keras.src.trainers.data_adapters.array_slicing.train_validation_split``, Keras's own
+    code); ignored when ``validation_data`` is given, as in Keras.
+
+    Example:
+        >>> import numpy as np
+        >>> (tx, ty, _), (vx, vy, _) = split_validation(np.arange(10), np.arange(10), None, 0.2, None)
+        >>> vx.tolist()
+        [8, 9]
+    """
+    if not validation_split or validation_data is not None:
+        return (x, y, sample_weight), validation_data
+    if isinstance(validation_split, bool) or not isinstance(validation_split, (float, int)) or \
+            not 0 < validation_split < 1:
+        raise ValueError(f"validation_split: {validation_split!r} must be a fraction in (0, 1)")
+    import tensorflow as tf
+    if isinstance(x, tf.data.Dataset):
+        raise ValueError("validation_split: works on arrays only (Keras's rule); with a tf.data.Dataset pass "
+                         "validation_data=... instead")
+    from keras.src.trainers.data_adapters.array_slicing import train_validation_split  # Keras's own split
+    try:
+        return train_validation_split((x, y, sample_weight), validation_split=validation_split)
+    except ValueError as err:
+        raise ValueError(f"validation_split: {err}") from None
+
+
+def class_weights(x, y, sample_weight, class_weight):
+    """``(x, sample_weight)`` with Keras's ``class_weight`` turned into sample weights, by
+    Keras's own helpers (``class_weight_to_sample_weights`` for arrays,
+    ``make_class_weight_map_fn`` mapped over a dataset's batches).
+
+    Example:
+        >>> import numpy as np
+        >>> class_weights(np.zeros((3, 2)), np.array([0, 1, 1]), None, {1: 2.0})[1].tolist()
+        [1.0, 2.0, 2.0]
+    """
+    if class_weight is None:
+        return x, sample_weight
+    if not isinstance(class_weight, dict) or not class_weight:
+        raise ValueError(f"class_weight: {class_weight!r} must be a dict {{class index: weight}}")
+    import tensorflow as tf
+    from keras.src.trainers.data_adapters import data_adapter_utils, tf_dataset_adapter
+    if isinstance(x, tf.data.Dataset):
+        return x.map(tf_dataset_adapter.make_class_weight_map_fn(class_weight)), sample_weight
+    if sample_weight is not None:
+        raise ValueError("class_weight: cannot be used together with sample_weight (Keras's rule); fold the class "
+                         "weights into sample_weight")
+    if y is None or keras.tree.is_nested(y):
+        raise ValueError("class_weight: only for a model with a single output and one y array (Keras's rule); "
+                         "pass sample_weight per output instead")
+    return x, data_adapter_utils.class_weight_to_sample_weights(np.asarray(y), class_weight)
+
+
 def fit(model, cfg: Config, mesh: Mesh, x=None, y=None, *, batch_size=None, epochs=1, steps_per_epoch=None,
         validation_data=None, validation_steps=None, validation_batch_size=None, validation_freq=1,
-        initial_epoch=0, callbacks=None, shuffle=True, sample_weight=None, verbose="auto"):
+        initial_epoch=0, callbacks=None, shuffle=True, sample_weight=None, verbose="auto", validation_split=0.0,
+        class_weight=None):
     """See :func:`phalanx.fit`."""
     model = resolve_model(model, cfg)
     check_config_for_keras(cfg, model)
@@ -359,14 +411,17 @@ def fit(model, cfg: Config, mesh: Mesh, x=None, y=None, *, batch_size=None, epoc
     if not isinstance(initial_epoch, int) or not 0 <= initial_epoch < epochs:
         raise ValueError(f"initial_epoch: {initial_epoch!r} must be an integer in [0, epochs={epochs})")
     verbose = _verbose(verbose)
+    (x, y, sample_weight), validation_data = split_validation(x, y, sample_weight, validation_split, validation_data)
+    x, sample_weight = class_weights(x, y, sample_weight, class_weight)
     # Across the workers of a cluster (None in one process): every worker runs this fit.
     workers = keras_cluster.join(cfg)
     world = 1 if workers is None else workers.size
+    _check_callbacks(callbacks, workers)
     own_step = custom_step.overridden(model, "train_step")
     if own_step or custom_step.overridden(model, "test_step"):  # refused layouts: before any data is read
         custom_step.check_layout(model, cfg, mesh, ["train_step", "test_step"], world)
     train = Batches(x, y, sample_weight, batch_size=batch_size, steps_per_epoch=steps_per_epoch, shuffle=shuffle,
-                    seed=cfg.train.seed, divisor=1 if own_step else _divisor(cfg, mesh) * world)
+                    seed=cfg.train.seed, divisor=world)  # any batch splits over a worker's replicas
     val = _validation_batches(validation_data, validation_batch_size or batch_size, cfg, mesh)
     split_for_tensor_parallel(model, cfg, mesh, verbose)
     apply_precision(model, cfg)
@@ -440,6 +495,28 @@ def _fit_loop(engine, model, cfg, run_dir: Path | None, train: Batches, val, *, 
                              validation_freq=validation_freq, workers=workers, say=say)
 
 
+def _callback_start(model, start: int, engine, say) -> int:
+    """The first epoch after the callbacks' ``on_train_begin``: Keras's fit starts at
+    ``model._initial_epoch`` when a callback set it (``keras.callbacks.BackupAndRestore``
+    restores its weights, optimizer state and epoch there), and the replicas' weight copies
+    then take the restored weights."""
+    restored = getattr(model, "_initial_epoch", None)
+    engine.sync_copies()
+    if restored and restored > start:
+        say(f"resumed at epoch {restored + 1} (a callback restored the model: Keras's BackupAndRestore rule)")
+        return int(restored)
+    return start
+
+
+def _check_callbacks(callbacks, workers) -> None:
+    """Refuse a callback this fit cannot honour."""
+    for c in callbacks or []:
+        if workers is not None and isinstance(c, keras.callbacks.BackupAndRestore):
+            raise ValueError(f"callbacks: BackupAndRestore across {workers.size} workers would have every worker "
+                             f"write the same backup; set run.dir instead: phalanx.fit checkpoints every epoch "
+                             f"there and resumes the same model after the last finished epoch")
+
+
 def _train_epochs(engine, model, cfg, run_dir: Path | None, output: RunOutput | None, train: Batches, val, history,
                   saved_history: dict, *, start, epochs, callbacks, verbose, validation_steps, validation_freq,
                   workers, say):
@@ -449,6 +526,7 @@ def _train_epochs(engine, model, cfg, run_dir: Path | None, output: RunOutput | 
     callback_list = _callbacks(callbacks, model, verbose, epochs, train.steps, history)
     model.stop_training = False
     callback_list.on_train_begin()
+    start = _callback_start(model, start, engine, say)
     history.history = {k: list(v)[:start] for k, v in saved_history.items()}
     history.epoch = list(range(start)) if saved_history else []
     step_count = int(model.optimizer.iterations.numpy())
