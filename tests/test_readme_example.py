@@ -1,4 +1,5 @@
-"""The README's Python example runs verbatim, data parallel and on pipeline stages.
+"""The README's Python examples run verbatim: your Keras model data parallel and on pipeline
+stages (Example 2), a keras-hub GPT-2 on dp x tp x pp (Example 3).
 
 A user copies it into a file and runs it: a new process, so TensorFlow starts with the
 devices ``phalanx.init`` asks for (conftest's 8 logical devices do not apply).
@@ -19,7 +20,7 @@ INIT = 'cfg = phalanx.init("parallel.devices=cpu:2", "parallel.dp=2")'
 
 def readme_example() -> str:
     text = README.read_text()
-    section = text[text.index("## Python API"):]
+    section = text[text.index("## Example 2: your Keras model"):]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
@@ -39,9 +40,9 @@ def test_readme_python_example_runs(tmp_path, init):
 
 @pytest.mark.slow
 def test_readme_parallelism_example_runs(tmp_path):
-    """The Parallelism section's keras-hub example, verbatim: dp2 x tp2 x pp2 on 8 logical CPUs."""
+    """Example 3, the keras-hub example, verbatim: dp2 x tp2 x pp2 on 8 logical CPUs."""
     text = README.read_text()
-    code = re.search(r"```python\n(.*?)```", text[text.index("## Parallelism"):], re.S).group(1)
+    code = re.search(r"```python\n(.*?)```", text[text.index("## Example 3: a keras-hub LLM"):], re.S).group(1)
     assert '"parallel.dp=2", "parallel.tp=2", "parallel.pp=2"' in code
     script = tmp_path / "example.py"
     script.write_text(code)

@@ -740,3 +740,172 @@ def resolve_degrees(cfg: Config, n_devices: int) -> tuple[int, int, int]:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0][:12]
+
+
+# -- the configuration reference: docs/configuration.md is generated from here ---------------
+# One line per key: what it means and its valid values. The defaults come from the dataclasses
+# above; tests/test_config_reference.py fails when a key has no line here or the page is stale.
+
+MEANINGS: dict[str, str] = {
+    "model.layers": "transformer blocks",
+    "model.d_model": "hidden size",
+    "model.heads": "attention heads (must divide `model.d_model`)",
+    "model.ffn": "MLP hidden size (0: 4 x `model.d_model`)",
+    "model.vocab": "vocabulary size (at least the tokenizer's: 256 for bytes, `data.bpe_vocab` for bpe)",
+    "model.seq_len": "context length in tokens",
+    "model.dropout": "dropout rate on embeddings and residual branches",
+    "model.tie_embeddings": "the output head shares the token embedding",
+    "model.experts": "mixture of experts: experts per MoE block (0: a dense model)",
+    "model.top_k": "experts per token (1: Switch routing; >= 2: renormalised top-k)",
+    "model.moe_every": "every N-th block is an MoE block",
+    "model.capacity_factor": "expert capacity as a multiple of the even share of tokens (0: no token dropped)",
+    "model.aux_loss_coef": "coefficient of the Switch load-balancing loss",
+    "parallel.dp": "data-parallel replicas (-1: whatever the device count leaves)",
+    "parallel.tp": "tensor-parallel degree: each split layer's weights over tp devices (divides heads, ffn, vocab; -1 as dp)",
+    "parallel.pp": "pipeline stages (-1 as dp)",
+    "parallel.microbatches": "pipeline micro-batches per replica and step",
+    "parallel.schedule": "pipeline schedule: gpipe, 1f1b or interleaved",
+    "parallel.virtual_stages": "model chunks per pipeline rank (interleaved schedule)",
+    "parallel.devices": "auto (GPUs if any, else the CPU), cpu:N (the CPU split into N logical devices) or gpu:N",
+    "parallel.strategy": "auto, mirrored, multi_worker, parameter_server or mesh (see docs/clusters.md)",
+    "parallel.zero": "ZeRO stage: 0 off; 1 optimizer state divided over the data replicas; 2 also the gradients",
+    "parallel.recompute": "activation recomputation: none, full (whole block) or selective (attention core)",
+    "parallel.ep": "expert parallelism: each MoE layer's experts sharded over groups of ep data replicas (divides dp and `model.experts`)",
+    "parallel.sequence_parallel": "Megatron sequence parallelism beside tp > 1: LayerNorm, dropout and residuals on sequence chunks",
+    "precision.policy": "auto (mixed_bfloat16 where the hardware has bfloat16 units, else float32; the run says which), "
+                        "float32, mixed_bfloat16 or mixed_float16; master weights and the loss stay float32",
+    "precision.loss_scale_init": "mixed_float16 only: the dynamic loss scale's starting value",
+    "precision.loss_scale_growth_interval": "mixed_float16 only: good steps before the loss scale doubles",
+    "train.global_batch": "sequences per optimizer step (= micro-batch x dp x grad_accum)",
+    "train.grad_accum": "gradient accumulation steps per optimizer step",
+    "train.steps": "optimizer steps to train for",
+    "train.lr": "peak learning rate",
+    "train.min_lr_ratio": "the cosine schedule ends at lr x this",
+    "train.warmup": "linear warm-up steps",
+    "train.clip_norm": "clip gradients to this global norm (0: no clipping)",
+    "train.weight_decay": "AdamW decoupled weight decay (kernels and token embeddings only)",
+    "train.beta1": "AdamW first-moment decay",
+    "train.beta2": "AdamW second-moment decay",
+    "train.eps": "AdamW epsilon",
+    "train.seed": "initial weights, dropout masks and data order",
+    "train.eval_every": "evaluate every N steps and at the end (0: never)",
+    "train.eval_batches": "held-out batches per evaluation",
+    "train.log_every": "log a row every N steps",
+    "train.peak_flops": "device peak FLOP/s for MFU (0: measured once by a matmul probe and cached)",
+    "train.prune.target": "final sparsity of the pruned kernels (0: no pruning; N:M needs 1 - N/M)",
+    "train.prune.start": "step at which pruning starts",
+    "train.prune.end": "step at which the sparsity reaches its target (cubic ramp); masks fixed after",
+    "train.prune.pattern": "unstructured, or N:M such as 2:4 (along each kernel's input dimension)",
+    "train.prune.every": "steps between mask updates",
+    "data.source": "stdlib (the Python standard library's sources), a prepared directory, or a glob of text files",
+    "data.tokenizer": "bytes, or bpe (trained locally on the data)",
+    "data.bpe_vocab": "BPE vocabulary size",
+    "data.val_fraction": "held-out share of the documents (chosen by document hash; never in training)",
+    "data.cache_dir": "prepared datasets and the matmul-peak probe's result",
+    "data.max_bytes": "cap on the text read (0: all of it)",
+    "run.dir": "the run's outputs: checkpoints, metrics.jsonl, TensorBoard events, loss.png",
+    "checkpoint.every": "save every N steps (0: only at the end)",
+    "checkpoint.keep": "newest checkpoints kept",
+    "checkpoint.async": "write checkpoints in a background thread from a snapshot taken at the step boundary",
+}
+
+
+def config_keys(cls: type = Config, prefix: str = "") -> list[tuple[str, Any]]:
+    """Every ``(dotted key, default)`` of the config, in declaration order.
+
+    >>> config_keys()[0]
+    ('model.layers', 4)
+    """
+    keys = []
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            keys += config_keys(type(default), f"{prefix}{key_of(f)}.")
+        else:
+            keys.append((f"{prefix}{key_of(f)}", default))
+    return keys
+
+
+def sections() -> dict[str, type]:
+    """The config's sections (nested ones by dotted name) and their dataclasses.
+
+    >>> list(sections())
+    ['model', 'parallel', 'precision', 'train', 'train.prune', 'data', 'run', 'checkpoint']
+    """
+    found = {}
+
+    def walk(cls: type, prefix: str) -> None:
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default is dataclasses.MISSING else None
+            if dataclasses.is_dataclass(default):
+                found[prefix + key_of(f)] = type(default)
+                walk(type(default), f"{prefix}{key_of(f)}.")
+
+    walk(Config, "")
+    return found
+
+
+def _markdown_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _markdown_doc(cls: type) -> str:
+    """A section's docstring as Markdown (reST roles and double backticks to code spans)."""
+    import inspect
+    text = inspect.cleandoc(cls.__doc__ or "") if cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "(") else ""
+    text = re.sub(r":\w+:`~?([^`]+)`", r"`\1`", text)
+    return text.replace("``", "`")
+
+
+def reference_markdown() -> str:
+    """docs/configuration.md: every key, its default and meaning, section by section.
+
+    >>> "| `parallel.ep` | 1 |" in reference_markdown()
+    True
+    """
+    missing = [k for k, _ in config_keys() if k not in MEANINGS]
+    extra = sorted(set(MEANINGS) - {k for k, _ in config_keys()})
+    if missing or extra:
+        raise KeyError(f"phalanx.config.MEANINGS: no meaning for {missing}; not a config key: {extra}")
+    lines = ["# Configuration reference", "",
+             "<!-- generated from src/phalanx/config.py: python -m phalanx.config --markdown > docs/configuration.md -->",
+             "", "A run is configured by one YAML file of sections and `section.key=value` overrides on the command "
+             "line (values are read as YAML scalars), for `phalanx train`, `phalanx plan`, `phalanx schedule` and "
+             "`phalanx.init`:", "",
+             "```", "phalanx train configs/demo.yaml train.steps=50 parallel.devices=cpu:2 parallel.dp=2", "```", "",
+             "```yaml", "model: {layers: 2, d_model: 64}", "train:", "  steps: 50", "  prune: {target: 0.5}", "```", "",
+             "An unknown key, a value of the wrong type or a combination that cannot work is an error naming the key, "
+             "the value and what would be valid, before anything is built. `configs/` holds ready files.", ""]
+    keys = config_keys()
+    for name, cls in sections().items():
+        own = [(k, v) for k, v in keys if k.rsplit(".", 1)[0] == name]
+        lines += [f"## `{name}`", ""]
+        doc = _markdown_doc(cls)
+        if doc:
+            lines += [doc, ""]
+        lines += ["| key | default | meaning |", "|---|---|---|"]
+        lines += [f"| `{k}` | {_markdown_value(v)} | {MEANINGS[k]} |" for k, v in own]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def sections_help() -> str:
+    """The config's sections and keys in a few lines, for ``phalanx train --help``."""
+    import textwrap
+    keys = config_keys()
+    lines = ["config keys, as section.key=value (defaults and meanings: docs/configuration.md,",
+             "or python -m phalanx.config --markdown):"]
+    for name in sections():
+        own = " ".join(k.rsplit(".", 1)[1] for k, _ in keys if k.rsplit(".", 1)[0] == name)
+        lines.append(textwrap.fill(own, 96, initial_indent=f"  {name + ':':<14}", subsequent_indent=" " * 16))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+    if sys.argv[1:] != ["--markdown"]:
+        print("usage: python -m phalanx.config --markdown   (prints docs/configuration.md)", file=sys.stderr)
+        sys.exit(2)
+    sys.stdout.write(reference_markdown())

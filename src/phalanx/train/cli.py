@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from phalanx import checkpoint
-from phalanx.config import Config, ConfigError, load_config, split_config_args
+from phalanx.config import Config, ConfigError, load_config, sections_help, split_config_args
 from phalanx.data.pipeline import make_datasets
 from phalanx.data.tokenize import load_run_tokenizer
 from phalanx.export.runtime import main_eval as eval_artifact, main_generate as generate_artifact
@@ -36,7 +36,8 @@ from phalanx.plan.precheck import check_fits
 
 def main_train(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="phalanx train", description="Train a model as the config says; "
-                                     "resumes from the newest checkpoint in run.dir.")
+                                     "resumes from the newest checkpoint in run.dir.",
+                                     epilog=sections_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("args", nargs="*", help="[CONFIG.yaml] [section.key=value ...], anywhere among the flags")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     ns = parser.parse_intermixed_args(argv)
