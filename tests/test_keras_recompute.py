@@ -59,6 +59,68 @@ def test_full_recompute_of_an_mlp_equals_keras_fit(layout, tmp_path):
     assert_same(model, reference, steps, ref_steps, f"full {layout}")
 
 
+class Subclassed(keras.Model):
+    """No graph to cut: recomputed as one block."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = [keras.layers.Dense(32, activation="relu") for _ in range(3)]
+        self.drop, self.out = keras.layers.Dropout(0.3), keras.layers.Dense(4)
+
+    def call(self, x, training=False):
+        for layer in self.hidden:
+            x = layer(x)
+        return self.out(self.drop(x, training=training))
+
+
+def test_full_recompute_of_a_subclassed_model_equals_keras_fit(tmp_path):
+    x, y = xy()
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = Subclassed()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        return model
+
+    reference, ref_steps = build(), StepLosses()
+    reference.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[ref_steps])
+    model, steps = build(), StepLosses()
+    phalanx.fit(model, x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[steps],
+                overrides=["parallel.recompute=full", f"run.dir={tmp_path}"])
+    assert_same(model, reference, steps, ref_steps, "subclassed")
+
+
+def recomputed_calls(model, mode: str, batch, layout=("/device:CPU:0",), tp: int = 1) -> int:
+    """How many ops with a custom gradient (a recomputed call is one) the traced training step holds."""
+    engine = KerasModelEngine(model, load_config(None, [f"parallel.recompute={mode}", f"parallel.tp={tp}"]),
+                              Mesh.from_devices(list(layout), 1, 1, tp), batch)
+    graph = engine._train_fn.get_concrete_function(*[tf.nest.map_structure(tf.constant, t) if t is not None
+                                                     else None for t in batch]).graph
+    return sum(1 for op in graph.get_operations() if "_gradient_op_type" in op.node_def.attr)
+
+
+def test_selective_recomputes_each_shard_core_of_parallel_self_attention():
+    """Two ParallelSelfAttention layers cut tp=2: four attention cores, each one recomputed
+    call; nothing else is."""
+    from phalanx.layers import ParallelSelfAttention
+
+    def model():
+        keras.utils.set_random_seed(0)
+        x = inputs = keras.Input((8, 16))
+        for _ in range(2):
+            x = x + ParallelSelfAttention(num_heads=2, head_dim=8, tp=2, dropout=0.1)(x)
+        m = keras.Model(inputs, x)
+        m.compile(optimizer="sgd", loss="mse")
+        return m
+
+    rng = np.random.default_rng(0)
+    batch = (rng.normal(size=(4, 8, 16)).astype("float32"), rng.normal(size=(4, 8, 16)).astype("float32"), None)
+    devices = ("/device:CPU:0", "/device:CPU:1")
+    # (the layers' own ops hold custom gradients too: counted the same in both)
+    none = recomputed_calls(model(), "none", batch, devices, tp=2)
+    assert recomputed_calls(model(), "selective", batch, devices, tp=2) - none == 4
+
+
 def gpt2(dropout: float):
     keras.utils.set_random_seed(1)
     import keras_hub
