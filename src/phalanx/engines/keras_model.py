@@ -57,6 +57,11 @@ compiled metrics. The engine only decides *where* things run:
   replica 1's, and so on — as GPipe does: each micro-batch is normalised with its own batch
   statistics and moves the averages once, and each draws its own dropout mask. With one
   replica and one micro-batch this is exactly Keras's own step.
+* **Recomputation** (``parallel.recompute``): ``full`` runs each stage's forward on a
+  micro-batch as blocks whose activations are recomputed in the backward (a Functional or
+  Sequential stage cut into about ``sqrt(n)`` blocks, a subclassed model as one);
+  ``selective`` recomputes the attention cores of ``ParallelSelfAttention`` and
+  ``MultiHeadAttention`` layers only (:mod:`phalanx.parallel.recompute`). Same numbers.
 * **Across workers** (``workers=``, a :class:`~phalanx.engines.keras_cluster.WorkerGroup`):
   the mesh is this worker's own devices, the step runs on its rows of the global batch with
   the loss weights divided by the number of workers too, and one exchange before the
@@ -90,6 +95,7 @@ from phalanx.layers.moe import MoE, attach_compute_copy, is_step_total
 from phalanx.layers.sharding import placement_of
 from phalanx.layers.tensor_parallel import VocabParallelEmbedding, shard_logits_cross_entropy, vocab_logit_shards
 from phalanx.mesh import Mesh
+from phalanx.parallel import recompute
 from phalanx.parallel.gradients import finish, join_gradients
 from phalanx.parallel.keras_graph import split_keras_model
 from phalanx.parallel.pipeline import run_schedule, schedule_for
@@ -475,9 +481,6 @@ class KerasModelEngine:
             check_expert_layout(model, p.ep, mesh.dp, 1 if workers is None else workers.size)
         check_zero(p.zero, 1 if workers is None or inference_only else workers.size)
         self.zero = p.zero
-        if p.recompute != "none":
-            raise ConfigError("parallel.recompute", f"{p.recompute!r}: recomputation is built for the GPT's blocks "
-                                                    f"only; use parallel.recompute=none for a Keras model")
         self.model, self.cfg, self.mesh = model, cfg, mesh
         self.dp, self.pp = mesh.dp, mesh.pp
         # workers: a keras_cluster.WorkerGroup when the fit spans the workers of a cluster
@@ -498,6 +501,8 @@ class KerasModelEngine:
             self.split = split_keras_model(model, self.chunks, balance="flops")
             self.stages = [_SplitStage(s) for s in self.split.stages]
         self.home = self._home_stages()
+        # How each stage runs in a training step under parallel.recompute (parallel/recompute.py).
+        self.runners = [recompute.stage_runner(stage, p.recompute, model) for stage in self.stages]
         # ZeRO-1: id(trainable variable) -> its owner replica; without ZeRO replica 0 owns all.
         self.owners = self._zero_owners() if self.zero else {}
         moved = False
@@ -684,8 +689,10 @@ class KerasModelEngine:
                     if key.startswith("in:"):
                         flat_x = flat_x if flat_x is not None else self.split.flatten_inputs(x)
                         available[key] = flat_x[int(key[3:])]
-            outputs, new_state, losses = stage.apply(values, state[s], {k: available[k] for k in stage.input_keys},
-                                                     training)
+            inputs = {k: available[k] for k in stage.input_keys}
+            outputs, new_state, losses = self.runners[s].apply(values, state[s], inputs, training,
+                                                               self.stage_device(replica, s)) if training \
+                else stage.apply(values, state[s], inputs, training)
             if training:
                 state[s] = new_state
             available.update(outputs)

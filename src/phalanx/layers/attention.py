@@ -116,6 +116,11 @@ class ParallelSelfAttention(ShardedLayer):
         self.bias_initializer = keras.initializers.get(bias_initializer)
         self.seed_generator = keras.random.SeedGenerator(seed) if self.dropout else None
 
+    #: what wraps the attention core when a caller of :meth:`partials` gives no ``wrap_core``:
+    #: set while a training step is traced with ``parallel.recompute=selective``
+    #: (:func:`phalanx.parallel.recompute.attention_cores`); None: the core runs as it is
+    core_wrapper = None
+
     #: the dimension each logical weight is cut along (the head axis; None: whole)
     SPLIT_AXES = {"query": 1, "query_bias": 0, "key": 1, "key_bias": 0, "value": 1, "value_bias": 0,
                   "output": 0, "output_bias": None}
@@ -177,9 +182,11 @@ class ParallelSelfAttention(ShardedLayer):
         ``kernels.causal_softmax``; masks go through the float32 additive-mask softmax.
         ``devices``: shard ``r``'s device (else the device of its ``output`` value);
         ``kernels``: default the layer's; ``wrap_core``: wraps the attention core
-        ``(q, k, v) -> o`` (scores, softmax, weighted sum), e.g. ``tf.recompute_grad``.
+        ``(q, k, v) -> o`` (scores, softmax, weighted sum), e.g. ``tf.recompute_grad``
+        (default :attr:`core_wrapper`).
         """
         kernels = self.kernels if kernels is None else kernels
+        wrap_core = self.core_wrapper if wrap_core is None else wrap_core
         dropping = bool(training) and self.dropout > 0
         # Seeds drawn once, outside the shards' device scopes: the generator's state is one
         # whole variable, and each shard must drop with its own seed.

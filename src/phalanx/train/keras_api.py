@@ -42,6 +42,7 @@ from phalanx.fsutil import RunLock
 from phalanx.layers import TransformerBlock
 from phalanx.mesh import Mesh
 from phalanx.models import parallelize
+from phalanx.prune.keras import KerasPruning
 from phalanx.train import keras_state, keras_targets
 from phalanx.train.moe_stats import MoEStats
 from phalanx.train.progress import RunOutput
@@ -104,12 +105,6 @@ def check_config_for_keras(cfg: Config, model) -> None:
         value = getattr(getattr(cfg, section), name)
         if value != getattr(getattr(defaults, section), name):
             raise ConfigError(key, f"{value!r} is for the built-in GPT's trainer; a Keras model uses {instead}")
-    if cfg.train.prune != defaults.train.prune:  # pruning masks are built for the GPT's engines only
-        name = next(f.name for f in dataclasses.fields(cfg.train.prune)
-                    if getattr(cfg.train.prune, f.name) != getattr(defaults.train.prune, f.name))
-        raise ConfigError(f"train.prune.{name}", f"{getattr(cfg.train.prune, name)!r}: pruning during training "
-                                                 f"is built for the built-in GPT (phalanx train), not for a Keras "
-                                                 f"model's fit; remove the train.prune.* keys")
     if model.optimizer is not None:
         for name in _OPTIMIZER_KEYS:
             value = getattr(cfg.train, name)
@@ -215,7 +210,7 @@ def _state(model) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _restore(run_dir: Path, model, say) -> tuple[int, dict]:
+def _restore(run_dir: Path, model, say, pruning=None) -> tuple[int, dict]:
     """Load the newest valid checkpoint of ``run_dir`` into ``model``; (epochs done, history).
 
     As ``phalanx train`` resumes (:func:`phalanx.checkpoint.resume_latest`): a damaged newer
@@ -253,6 +248,7 @@ def _restore(run_dir: Path, model, say) -> tuple[int, dict]:
                                              f"{err}") from None
         for key, entry in entries:
             entry.assign(restored.tensors[key])  # each piece checked finite as it is read
+        keras_state.restore_masks(pruning, restored.tensors)
 
     restored = checkpoint.resume_latest(run_dir / "checkpoints", accept=accept)
     if restored is None:
@@ -261,10 +257,11 @@ def _restore(run_dir: Path, model, say) -> tuple[int, dict]:
     return int(restored.meta["epoch"]), restored.meta.get("history", {})
 
 
-def _save(run_dir: Path, cfg: Config, model, epoch: int, history: dict, step: int) -> Path:
+def _save(run_dir: Path, cfg: Config, model, epoch: int, history: dict, step: int, pruning=None) -> Path:
     meta = {"epoch": epoch, "history": _jsonable(history), "keras_variables": _variables_signature(model),
             "config": cfg.to_dict(), "model": model.name}
-    return checkpoint.save(run_dir / "checkpoints", step, _state(model), meta=meta, keep=cfg.checkpoint.keep)
+    tensors = {**_state(model), **keras_state.mask_tensors(pruning)}
+    return checkpoint.save(run_dir / "checkpoints", step, tensors, meta=meta, keep=cfg.checkpoint.keep)
 
 
 def _jsonable(value):
@@ -427,12 +424,13 @@ def fit(model, cfg: Config, mesh: Mesh, x=None, y=None, *, batch_size=None, epoc
     apply_precision(model, cfg)
     if model.optimizer is None:
         model.optimizer = default_optimizer(cfg, (train.steps or 1) * epochs)
+    pruning = KerasPruning(cfg, model, workers=world)  # train.prune.*: checked here, run around every step
     first = train.first()
     engine = _engine(model, cfg, mesh, first, "train_step", workers=workers)
     _check_labels(model, first, train, val)
     run_dir = run_directory(cfg)
     loop = dict(epochs=epochs, initial_epoch=initial_epoch, callbacks=callbacks, verbose=verbose,
-                validation_steps=validation_steps, validation_freq=validation_freq)
+                validation_steps=validation_steps, validation_freq=validation_freq, pruning=pruning)
     if workers is not None and not workers.is_chief:
         # Only the chief writes the run directory, prints, and runs the callbacks that write files.
         loop.update(callbacks=keras_cluster.chief_callbacks_only(callbacks), verbose=0)
@@ -463,13 +461,13 @@ def _validation_batches(validation_data, batch_size, cfg: Config, mesh: Mesh):
 
 
 def _fit_loop(engine, model, cfg, run_dir: Path | None, train: Batches, val, *, epochs, initial_epoch, callbacks,
-              verbose, validation_steps, validation_freq, workers=None):
+              verbose, validation_steps, validation_freq, workers=None, pruning=None):
     """``run_dir`` None: a worker other than the chief, which writes nothing there."""
     say = (lambda text: print(text, file=sys.stderr, flush=True)) if verbose else (lambda text: None)
     done, saved_history = 0, {}
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
-        done, saved_history = _restore(run_dir, model, say)
+        done, saved_history = _restore(run_dir, model, say, pruning)
     if workers is not None:  # every worker starts from the chief's weights, optimizer state and epoch
         resume = workers.start(model, model.optimizer, {"done": done, "history": _jsonable(saved_history)})
         done, saved_history = int(resume["done"]), resume["history"]
@@ -492,7 +490,7 @@ def _fit_loop(engine, model, cfg, run_dir: Path | None, train: Batches, val, *, 
     with _metrics_output(run_dir, int(model.optimizer.iterations.numpy())) as output:
         return _train_epochs(engine, model, cfg, run_dir, output, train, val, history, saved_history, start=start,
                              epochs=epochs, callbacks=callbacks, verbose=verbose, validation_steps=validation_steps,
-                             validation_freq=validation_freq, workers=workers, say=say)
+                             validation_freq=validation_freq, workers=workers, say=say, pruning=pruning)
 
 
 def _callback_start(model, start: int, engine, say) -> int:
@@ -519,7 +517,7 @@ def _check_callbacks(callbacks, workers) -> None:
 
 def _train_epochs(engine, model, cfg, run_dir: Path | None, output: RunOutput | None, train: Batches, val, history,
                   saved_history: dict, *, start, epochs, callbacks, verbose, validation_steps, validation_freq,
-                  workers, say):
+                  workers, say, pruning=None):
     """Epochs ``start..epochs-1`` of :func:`_fit_loop`; ``output`` writes each epoch's row
     (None: a worker other than the chief, which writes none)."""
     moe = MoEStats(model if output is not None else None)  # nothing read where nothing is written
@@ -545,7 +543,8 @@ def _train_epochs(engine, model, cfg, run_dir: Path | None, output: RunOutput | 
         steps_run = 0
         for step, batch in enumerate(train.epoch()):
             callback_list.on_train_batch_begin(step)
-            returned = engine.train_step(batch)
+            returned = engine.train_step(batch) if pruning is None else \
+                pruning.train_step(engine, batch)  # the masks around the step (train.prune.*)
             moe.update()
             steps_run += 1
             logs = _step_logs(engine, model, returned)
@@ -562,7 +561,7 @@ def _train_epochs(engine, model, cfg, run_dir: Path | None, output: RunOutput | 
             epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
         callback_list.on_epoch_end(epoch, epoch_logs)
         if run_dir is not None:
-            _save(run_dir, cfg, model, epoch + 1, history.history, step_count)
+            _save(run_dir, cfg, model, epoch + 1, history.history, step_count, pruning)
         if output is not None:
             output.log(_epoch_row(epoch + 1, step_count, epoch_logs, moe))
         if model.stop_training:

@@ -5,7 +5,8 @@ variables, and Keras's optimizer then keeps one slot per shard (its momentum of
 ``kernel_shard0``, ``kernel_shard1``, ...). A checkpoint of ``phalanx.fit`` stores each
 such group once, joined along the cut axis, so a run saved at tp=2 resumes at tp=1 or
 tp=4 (or on another pipeline split) with the same numbers. Everything else is stored as
-it is.
+it is. The masks of ``train.prune.*`` (:mod:`phalanx.prune.keras`) are stored beside them,
+joined the same way (:func:`mask_tensors`).
 
 An :class:`Entry` is one logical tensor: its name (the variable path without Keras's layer
 counters or the shard suffix), its variables in shard order, and the axis they are cut
@@ -128,3 +129,33 @@ def optimizer_entries(model) -> list[Entry]:
         return (members, axis) if all(m is not None for m in members) else None
 
     return _collapse(optimizer.variables, group_of, lambda v: _plain(v.path))
+
+
+# -- pruning masks ---------------------------------------------------------------------------------
+
+MASK_KEY = "prune/mask/{:05d}"  # numbered as the kernel's entry among model_entries ("model/{:05d}")
+
+
+def _mask_keys(model, pruning) -> list[str]:
+    first = {id(e.variables[0]): i for i, e in enumerate(model_entries(model))}
+    return [MASK_KEY.format(first[id(w.variables[0])]) for w in pruning.weights]
+
+
+def mask_tensors(pruning) -> dict[str, np.ndarray]:
+    """The installed pruning masks of a :class:`~phalanx.prune.keras.KerasPruning` (None: none)
+    as whole logical tensors (a tensor-parallel kernel's shards joined, like its weight), keyed
+    by the kernel's number among the model's logical weights; nothing before the first update."""
+    if pruning is None:
+        return {}
+    return {key: Entry(w.path, w.masks, w.axis).value()
+            for key, w in zip(_mask_keys(pruning.model, pruning), pruning.weights) if w.masks}
+
+
+def restore_masks(pruning, tensors: dict) -> None:
+    """Install the masks a checkpoint holds (:func:`mask_tensors`) into ``pruning``; a
+    checkpoint written before the first update (or without pruning) holds none, and every
+    weight stays unmasked until the next update."""
+    if pruning is None:
+        return
+    pruning.load_masks({w.path: tensors[key] for key, w in zip(_mask_keys(pruning.model, pruning), pruning.weights)
+                        if key in tensors})

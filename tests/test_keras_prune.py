@@ -1,0 +1,242 @@
+"""``train.prune.*`` for any Keras model through ``phalanx.fit``.
+
+Oracle: Keras's own one-device ``fit`` with :class:`NumpyPruning`, a callback written here
+that computes magnitude masks with NumPy on the same schedule (before the batches that follow
+``start, start + every, ... end`` completed steps) and multiplies the kernels by them before
+those batches and after every batch. SGD, so the compared weights carry only the round-off of
+reordered sums (rtol 1e-5; 1e-4 where the tensor-parallel layout reorders the sums further).
+Across layouts the masks themselves are compared exactly, and the sparsity and the N:M
+structure are counted directly.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import phalanx
+from phalanx import checkpoint
+from phalanx.config import ConfigError
+
+from test_keras_hub import StepLosses, data
+
+PRUNE = ["train.prune.target=0.5", "train.prune.start=0", "train.prune.end=4", "train.prune.every=2"]
+
+
+def kernels_of(model) -> list:
+    """Dense / EinsumDense / Conv kernels (what phalanx prunes), in ``model.weights`` order."""
+    kinds = (keras.layers.Dense, keras.layers.EinsumDense, keras.layers.Conv1D, keras.layers.Conv2D)
+    kernels = {id(layer._kernel) for layer in model._flatten_layers(include_self=False) if isinstance(layer, kinds)}
+    return [v for v in model.weights if id(v) in kernels]
+
+
+def input_axes(model) -> list[int]:
+    """The axis N:M groups run along for each of :func:`kernels_of`: axis -2 of a Dense or Conv
+    kernel, the last axis an EinsumDense's equation contracts."""
+    axes = {}
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, keras.layers.EinsumDense):
+            lhs, out = layer.equation.split("->")
+            axes[id(layer._kernel)] = max(i for i, c in enumerate(lhs.split(",")[1]) if c not in out)
+    return [axes.get(id(v), len(v.shape) - 2) for v in kernels_of(model)]
+
+
+class NumpyPruning(keras.callbacks.Callback):
+    """Gradual magnitude pruning as phalanx documents it, in NumPy, for Keras's own fit."""
+
+    def __init__(self, kernels, target, start, end, every, nm=None, nm_axes=None):
+        super().__init__()
+        self.kernels, self.target, self.start, self.end, self.every = kernels, target, start, end, every
+        self.nm, self.nm_axes = nm, nm_axes
+        self.masks = None
+
+    def mask(self, w, sparsity, axis):
+        if self.nm is None:
+            k = int(round(sparsity * w.size))
+            mask = np.ones(w.size, np.float32)
+            mask[np.argsort(np.abs(w).ravel(), kind="stable")[:k]] = 0.0
+            return mask.reshape(w.shape)
+        n, m = self.nm
+        zeros = min(m - n, int(round(sparsity * m)))
+        moved = np.moveaxis(np.abs(w), axis, -1)
+        groups = moved.reshape(moved.shape[:-1] + (moved.shape[-1] // m, m))
+        mask = np.ones(groups.shape, np.float32)
+        np.put_along_axis(mask, np.argsort(groups, axis=-1, kind="stable")[..., :zeros], 0.0, axis=-1)
+        return np.moveaxis(mask.reshape(moved.shape), -1, axis)
+
+    def apply(self):
+        for v, m in zip(self.kernels, self.masks):
+            v.assign(v.numpy() * m)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        t = int(self.model.optimizer.iterations.numpy())
+        if self.start <= t <= self.end and ((t - self.start) % self.every == 0 or t == self.end):
+            frac = 0.0 if t <= self.start else min(1.0, (t - self.start) / (self.end - self.start))
+            sparsity = self.target * (1 - (1 - frac) ** 3) if t > self.start else 0.0
+            axes = self.nm_axes or [len(v.shape) - 2 for v in self.kernels]
+            self.masks = [self.mask(v.numpy(), sparsity, a) for v, a in zip(self.kernels, axes)]
+            self.apply()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.masks is not None:
+            self.apply()
+
+
+def mlp():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
+                              keras.layers.Dense(32, activation="relu"), keras.layers.Dense(4)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+    return model
+
+
+def cnn():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8, 8, 4)), keras.layers.Conv2D(8, 3, activation="relu"),
+                              keras.layers.BatchNormalization(), keras.layers.Flatten(), keras.layers.Dense(4)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+    return model
+
+
+def xy(shape=(16,), rows=48):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(rows, *shape)).astype("float32"), rng.normal(size=(rows, 4)).astype("float32")
+
+
+def reference(build, x, y, epochs=2, **prune):
+    model, steps = build(), StepLosses()
+    callback = NumpyPruning(kernels_of(model), **{"target": 0.5, "start": 0, "end": 4, "every": 2, **prune})
+    model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0, callbacks=[callback, steps])
+    return model, steps, callback
+
+
+def saved_masks(run_dir) -> dict[str, np.ndarray]:
+    restored = checkpoint.restore_latest(run_dir / "checkpoints")
+    return {k: v for k, v in restored.tensors.items() if k.startswith("prune/mask/")}
+
+
+def assert_same(model, ref, steps, ref_steps, rtol=1e-5, what=""):
+    np.testing.assert_allclose(steps.losses, ref_steps.losses, rtol=rtol, err_msg=what)
+    for mine, want in zip(model.weights, ref.weights):
+        np.testing.assert_allclose(mine.numpy(), want.numpy(), rtol=rtol, atol=1e-6, err_msg=f"{what} {mine.path}")
+
+
+@pytest.mark.parametrize("layout", [[], ["parallel.devices=cpu:2", "parallel.dp=2"],
+                                    ["parallel.devices=cpu:2", "parallel.pp=2"]], ids=["one_device", "dp2", "pp2"])
+def test_unstructured_pruning_equals_keras_fit_with_numpy_masks(layout, tmp_path):
+    x, y = xy()
+    ref, ref_steps, callback = reference(mlp, x, y)
+    model, steps = mlp(), StepLosses()
+    phalanx.fit(model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[steps],
+                overrides=layout + PRUNE + [f"run.dir={tmp_path}"])
+    assert_same(model, ref, steps, ref_steps, what=str(layout))
+    masks = saved_masks(tmp_path)
+    assert len(masks) == 3
+    for v, want, got in zip(kernels_of(model), callback.masks, [masks[k] for k in sorted(masks)]):
+        np.testing.assert_array_equal(got, want)
+        # exactly round(0.5 x size) weights of every kernel are zero: the optimizer revived none
+        assert int(np.count_nonzero(v.numpy() == 0)) == round(0.5 * v.numpy().size), v.path
+
+
+def test_pruning_a_cnn_with_batchnorm_equals_keras_fit(tmp_path):
+    x, y = xy((8, 8, 4), rows=32)
+    ref, ref_steps, _ = reference(cnn, x, y)
+    model, steps = cnn(), StepLosses()
+    phalanx.fit(model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[steps],
+                overrides=PRUNE + [f"run.dir={tmp_path}"])
+    assert_same(model, ref, steps, ref_steps)
+    conv = kernels_of(model)[0].numpy()  # [3, 3, 4, 8]
+    assert np.count_nonzero(conv == 0) == round(0.5 * conv.size)
+
+
+def test_two_four_pruning_equals_keras_fit_and_keeps_two_of_every_four(tmp_path):
+    x, y = xy()
+    ref, ref_steps, callback = reference(mlp, x, y, nm=(2, 4))
+    model, steps = mlp(), StepLosses()
+    phalanx.fit(model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[steps],
+                overrides=["train.prune.target=0.5", "train.prune.pattern=2:4", "train.prune.start=0",
+                           "train.prune.end=4", "train.prune.every=2", f"run.dir={tmp_path}"])
+    assert_same(model, ref, steps, ref_steps)
+    for v in kernels_of(model):
+        w = v.numpy()  # [in, out]: groups of 4 consecutive inputs
+        groups = w.T.reshape(w.shape[1], w.shape[0] // 4, 4)
+        assert (np.count_nonzero(groups == 0, axis=-1) == 2).all(), v.path
+
+
+def test_masks_resume_from_the_epoch_checkpoint(tmp_path):
+    """Two epochs in one fit equal one epoch, then a second fit resuming from its checkpoint:
+    the masks installed at step 4 come back from the checkpoint (the schedule has no update
+    after it), and keep the revived weights at zero."""
+    x, y = xy()
+    prune = ["train.prune.target=0.5", "train.prune.start=0", "train.prune.end=4", "train.prune.every=4"]
+    straight = mlp()
+    phalanx.fit(straight, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                overrides=prune + [f"run.dir={tmp_path / 'straight'}"])
+    first = mlp()
+    phalanx.fit(first, x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+                overrides=prune + [f"run.dir={tmp_path / 'resumed'}"])
+    assert len(saved_masks(tmp_path / "resumed")) == 3
+    resumed = mlp()  # a fresh model object: its weights and masks come from the checkpoint
+    phalanx.fit(resumed, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                overrides=prune + [f"run.dir={tmp_path / 'resumed'}"])
+    for mine, want in zip(resumed.weights, straight.weights):
+        np.testing.assert_allclose(mine.numpy(), want.numpy(), rtol=1e-6, atol=1e-7, err_msg=mine.path)
+    for v in kernels_of(resumed):
+        assert int(np.count_nonzero(v.numpy() == 0)) == round(0.5 * v.numpy().size), v.path
+
+
+def gpt2():
+    import keras_hub
+
+    keras.utils.set_random_seed(1)
+    backbone = keras_hub.models.GPT2Backbone(vocabulary_size=64, num_layers=2, num_heads=2, hidden_dim=16,
+                                             intermediate_dim=32, max_sequence_length=16, dropout=0.0)
+    model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    model.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("pattern", ["unstructured", "2:4"])
+def test_pruning_keras_hub_gpt2_on_tp2_equals_one_device_and_keras_fit(pattern, tmp_path):
+    """The attention's EinsumDense kernels and the MLP's Dense kernels of GPT-2; at tp=2 they
+    are the preset's tensor-parallel layers, and each shard's mask is its part of the mask over
+    the whole kernel: the joined masks equal the one-device run's and the NumPy reference's.
+    2:4 groups along the input axis: hidden for q/k/v [16, 2, 8] (cut along heads at tp=2),
+    head_dim for the output [2, 8, 16] (cut along heads), the input of the MLP's kernels."""
+    x, y = data()
+    prune = ["train.prune.target=0.5", "train.prune.start=0", "train.prune.end=2", "train.prune.every=1",
+             f"train.prune.pattern={pattern}"]
+    ref, ref_steps = gpt2(), StepLosses()
+    callback = NumpyPruning(kernels_of(ref), 0.5, 0, 2, 1, nm=None if pattern == "unstructured" else (2, 4),
+                            nm_axes=input_axes(ref))
+    ref.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[callback, ref_steps])
+    runs = {}
+    for layout, overrides in {"one_device": [], "tp2": ["parallel.devices=cpu:2", "parallel.tp=2"]}.items():
+        model, steps = gpt2(), StepLosses()
+        phalanx.fit(model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[steps],
+                    overrides=overrides + prune + [f"run.dir={tmp_path / layout}"])
+        phalanx.unparallelize(model)
+        assert_same(model, ref, steps, ref_steps, rtol=1e-4, what=layout)
+        runs[layout] = saved_masks(tmp_path / layout)
+    assert len(runs["one_device"]) == len(kernels_of(ref)) == 12  # 2 blocks: 4 attention + 2 MLP kernels each
+    assert len(runs["tp2"]) == len(runs["one_device"])
+    for layout, masks in runs.items():  # numbered by the layout's logical weights: compared in order
+        for key, want in zip(sorted(masks), callback.masks):
+            np.testing.assert_array_equal(masks[key], want, err_msg=f"{layout} {key}")
+
+
+def test_bad_prune_settings_are_refused_before_anything_is_written(tmp_path):
+    x, y = xy()
+    with pytest.raises(ConfigError, match="train.prune.pattern.*input axis"):
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4)])
+        model.compile(optimizer="sgd", loss="mse")
+        phalanx.fit(model, x[:, :6], y, batch_size=8, verbose=0,
+                    overrides=["train.prune.target=0.5", "train.prune.pattern=2:4", f"run.dir={tmp_path / 'a'}"])
+    embedding_only = keras.Sequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(10, 4)])
+    embedding_only.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ConfigError, match="train.prune.target.*no kernel"):
+        phalanx.fit(embedding_only, np.zeros((8, 3), "int32"), np.zeros((8, 3, 4), "float32"), batch_size=8,
+                    verbose=0, overrides=["train.prune.target=0.5", f"run.dir={tmp_path / 'b'}"])
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -1,0 +1,225 @@
+"""``parallel.recompute`` for any Keras model on the Keras-model engine, Keras as the oracle.
+
+``full`` re-runs each block of a stage (a Functional/Sequential stage cut into about
+``sqrt(n)`` blocks) in the backward; ``selective`` re-runs the attention cores only
+(:class:`keras.layers.MultiHeadAttention`, keras-hub GPT-2's attention at tp=1, and
+:class:`phalanx.layers.ParallelSelfAttention`, GPT-2's after the tp preset). The backward
+recomputes the same ops on the same inputs (the weights, the crossing activations and the
+seed state of dropout), so the losses and weights equal Keras's own one-device ``fit`` to
+round-off: SGD (no amplification of round-off by Adam's normalisation) is compared at rtol 1e-5
+as in the tests of the engine without recomputation. The memory tests measure the allocator's
+peak during a step on one logical device with and without recomputation.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import phalanx
+from phalanx.config import load_config
+from phalanx.engines.keras_model import KerasModelEngine
+from phalanx.mesh import Mesh
+
+from test_keras_hub import StepLosses, build, data
+
+
+def mlp(depth: int = 6, width: int = 32, inputs: int = 16):
+    """A deep MLP with the state recomputation must not apply twice: Dropout's seed state and
+    BatchNormalization's moving statistics."""
+    keras.utils.set_random_seed(0)
+    layers = [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
+    model = keras.Sequential([keras.Input((inputs,)), *layers[:depth // 2], keras.layers.Dropout(0.3),
+                              keras.layers.BatchNormalization(), *layers[depth // 2:], keras.layers.Dense(4)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse", metrics=["mae"])
+    return model
+
+
+def xy(rows: int = 32, inputs: int = 16):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(rows, inputs)).astype("float32"), rng.normal(size=(rows, 4)).astype("float32")
+
+
+def assert_same(model, reference, steps, ref_steps, what):
+    np.testing.assert_allclose(steps.losses, ref_steps.losses, rtol=1e-5, err_msg=what)
+    for mine, want in zip(model.weights, reference.weights):
+        np.testing.assert_allclose(mine.numpy(), want.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"{what} {mine.path}")
+
+
+@pytest.mark.parametrize("layout", [[], ["parallel.devices=cpu:2", "parallel.pp=2"]], ids=["one_device", "pp2"])
+def test_full_recompute_of_an_mlp_equals_keras_fit(layout, tmp_path):
+    x, y = xy()
+    reference, ref_steps = mlp(), StepLosses()
+    reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[ref_steps])
+    model, steps = mlp(), StepLosses()
+    phalanx.fit(model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[steps],
+                overrides=layout + ["parallel.recompute=full", f"run.dir={tmp_path}"])
+    assert_same(model, reference, steps, ref_steps, f"full {layout}")
+
+
+class Subclassed(keras.Model):
+    """No graph to cut: recomputed as one block."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = [keras.layers.Dense(32, activation="relu") for _ in range(3)]
+        self.drop, self.out = keras.layers.Dropout(0.3), keras.layers.Dense(4)
+
+    def call(self, x, training=False):
+        for layer in self.hidden:
+            x = layer(x)
+        return self.out(self.drop(x, training=training))
+
+
+def test_full_recompute_of_a_subclassed_model_equals_keras_fit(tmp_path):
+    x, y = xy()
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = Subclassed()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        return model
+
+    reference, ref_steps = build(), StepLosses()
+    reference.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[ref_steps])
+    model, steps = build(), StepLosses()
+    phalanx.fit(model, x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[steps],
+                overrides=["parallel.recompute=full", f"run.dir={tmp_path}"])
+    assert_same(model, reference, steps, ref_steps, "subclassed")
+
+
+def recomputed_calls(model, mode: str, batch, layout=("/device:CPU:0",), tp: int = 1) -> int:
+    """How many ops with a custom gradient (a recomputed call is one) the traced training step holds."""
+    engine = KerasModelEngine(model, load_config(None, [f"parallel.recompute={mode}", f"parallel.tp={tp}"]),
+                              Mesh.from_devices(list(layout), 1, 1, tp), batch)
+    graph = engine._train_fn.get_concrete_function(*[tf.nest.map_structure(tf.constant, t) if t is not None
+                                                     else None for t in batch]).graph
+    return sum(1 for op in graph.get_operations() if "_gradient_op_type" in op.node_def.attr)
+
+
+def test_selective_recomputes_each_shard_core_of_parallel_self_attention():
+    """Two ParallelSelfAttention layers cut tp=2: four attention cores, each one recomputed
+    call; nothing else is."""
+    from phalanx.layers import ParallelSelfAttention
+
+    def model():
+        keras.utils.set_random_seed(0)
+        x = inputs = keras.Input((8, 16))
+        for _ in range(2):
+            x = x + ParallelSelfAttention(num_heads=2, head_dim=8, tp=2, dropout=0.1)(x)
+        m = keras.Model(inputs, x)
+        m.compile(optimizer="sgd", loss="mse")
+        return m
+
+    rng = np.random.default_rng(0)
+    batch = (rng.normal(size=(4, 8, 16)).astype("float32"), rng.normal(size=(4, 8, 16)).astype("float32"), None)
+    devices = ("/device:CPU:0", "/device:CPU:1")
+    # (the layers' own ops hold custom gradients too: counted the same in both)
+    none = recomputed_calls(model(), "none", batch, devices, tp=2)
+    assert recomputed_calls(model(), "selective", batch, devices, tp=2) - none == 4
+
+
+def gpt2(dropout: float):
+    keras.utils.set_random_seed(1)
+    import keras_hub
+
+    backbone = keras_hub.models.GPT2Backbone(vocabulary_size=64, num_layers=2, num_heads=2, hidden_dim=16,
+                                             intermediate_dim=32, max_sequence_length=16, dropout=dropout)
+    model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    model.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recompute_of_keras_hub_gpt2_with_dropout_equals_keras_fit(mode, tmp_path):
+    """One device: GPT-2's attention is Keras's MultiHeadAttention with attention dropout, whose
+    masks the recomputation must draw again from the same seed state."""
+    x, y = data()
+    reference, ref_steps = gpt2(0.1), StepLosses()
+    reference.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[ref_steps])
+    model, steps = gpt2(0.1), StepLosses()
+    phalanx.fit(model, x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[steps],
+                overrides=[f"parallel.recompute={mode}", f"run.dir={tmp_path}"])
+    assert_same(model, reference, steps, ref_steps, mode)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recompute_of_tensor_parallel_gpt2_equals_keras_fit(mode, tmp_path):
+    """tp2 x pp2 with two micro-batches: the preset's ParallelSelfAttention (selective: its
+    per-shard cores) and the blocks of each pipeline stage (full), as Keras's one-device fit."""
+    x, y = data()
+    reference, ref_steps = build("gpt2"), StepLosses()
+    reference.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[ref_steps])
+    model, steps = build("gpt2"), StepLosses()
+    phalanx.fit(model, x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[steps],
+                overrides=["parallel.devices=cpu:4", "parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2",
+                           f"parallel.recompute={mode}", f"run.dir={tmp_path}"])
+    # Adam, one epoch of 2 steps, and the tp layout's reordered sums: the bound of the tp tests
+    np.testing.assert_allclose(steps.losses, ref_steps.losses, rtol=1e-4, err_msg=mode)
+    phalanx.unparallelize(model)
+    for mine, want in zip(model.weights, reference.weights):
+        np.testing.assert_allclose(mine.numpy(), want.numpy(), rtol=1e-4, atol=1e-5, err_msg=f"{mode} {mine.path}")
+
+
+# -- measured memory ----------------------------------------------------------------------------------
+
+
+def step_peak(model, mode: str, batch) -> float:
+    """Bytes the allocator's peak rose above what was allocated before one training step (the
+    least of three steps, after the step was built), on one logical device."""
+    engine = KerasModelEngine(model, load_config(None, [f"parallel.recompute={mode}"]),
+                              Mesh.from_devices(["/device:CPU:0"], 1, 1, 1), batch)
+    batch = tuple(None if t is None else tf.nest.map_structure(tf.constant, t) for t in batch)
+    engine.train_step(batch)
+    peaks = []
+    for _ in range(3):
+        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        float(engine.train_step(batch)["loss"])
+        peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"] - before)
+    return float(min(peaks))
+
+
+@pytest.mark.memory_peak
+def test_full_recompute_lowers_the_activation_peak_of_a_deep_mlp():
+    """32 Dense layers on 2048 rows: each keeps a 2 MiB activation for the backward without
+    recomputation (~64 MiB); with it the forward keeps ~6 block inputs and the backward one
+    block's activations (measured ~26 MiB against ~68 MiB)."""
+    rng = np.random.default_rng(0)
+    batch = (rng.normal(size=(2048, 256)).astype("float32"), rng.normal(size=(2048, 1)).astype("float32"), None)
+
+    def model():
+        keras.utils.set_random_seed(0)
+        m = keras.Sequential([keras.Input((256,))] + [keras.layers.Dense(256, activation="relu") for _ in range(32)]
+                             + [keras.layers.Dense(1)])
+        m.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        return m
+
+    none, full = step_peak(model(), "none", batch), step_peak(model(), "full", batch)
+    assert full < 0.7 * none, f"recompute=full step peak {full / 2**20:.1f} MiB vs none {none / 2**20:.1f} MiB " \
+                              f"(ratio {full / none:.2f}, bound 0.7)"
+
+
+@pytest.mark.memory_peak
+def test_selective_recompute_lowers_the_attention_peak():
+    """Four MultiHeadAttention blocks (4 heads, 256 tokens, attention dropout): each keeps its
+    [8, 4, 256, 256] probabilities, dropout mask and dropped probabilities (8 MiB each) without
+    recomputation; selective keeps the cores' inputs only."""
+    rng = np.random.default_rng(0)
+    batch = (rng.normal(size=(8, 256, 32)).astype("float32"), rng.normal(size=(8, 256, 32)).astype("float32"), None)
+
+    def model():
+        keras.utils.set_random_seed(0)
+        x = inputs = keras.Input((256, 32))
+        for _ in range(4):
+            x = x + keras.layers.MultiHeadAttention(num_heads=4, key_dim=8, dropout=0.1)(x, x)
+        m = keras.Model(inputs, x)
+        m.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        return m
+
+    none, selective = step_peak(model(), "none", batch), step_peak(model(), "selective", batch)
+    assert selective < 0.7 * none, f"recompute=selective step peak {selective / 2**20:.1f} MiB vs none " \
+                                   f"{none / 2**20:.1f} MiB (ratio {selective / none:.2f}, bound 0.7)"
