@@ -25,11 +25,9 @@ and not a Keras ``fit``:
   ``skipped``; the MoE layers' step totals (all replicas and micro-batches) are on
   ``model`` for :mod:`phalanx.train.moe_stats`.
 
-With ``parallel.zero=1`` the AdamW moments are partitioned over the data replicas by whole
-variables (ZeRO stage 1, :mod:`phalanx.engines.keras_model`): each variable and its moments
-live with one owner replica, which sums its gradient and applies the update. What it cannot
-honour is refused before anything is built (:func:`refuse_unhonoured`): ``parallel.zero=2``
-(stage 1 here already keeps each summed gradient on its owner only) and recomputation among
+What it cannot honour is refused before anything is built (:func:`refuse_unhonoured`):
+``parallel.zero`` (the Keras-model engine's ZeRO slices apply a second instance of a Keras
+optimizer made from its config, which :class:`PhalanxAdamW` is not) and recomputation among
 them.
 
 Example:
@@ -87,7 +85,11 @@ def refuse_unhonoured(cfg: Config, mesh: Mesh | None = None) -> None:
                            "experts are sharded within a worker, never across workers)"
                            if p.strategy == "multi_worker" else ""))
     why = "the expert-parallel GPT (parallel.ep > 1) trains through the Keras-model engine"
-    check_zero(p.zero)  # ZeRO-1 partitions the AdamW moments by whole variables; stage 2 adds nothing there
+    check_zero(p.zero, ep=p.ep)
+    if p.zero:
+        raise ConfigError("parallel.zero", f"{p.zero}: {why}, whose ZeRO slices apply a second instance of the "
+                                           f"model's Keras optimizer; phalanx's AdamW of the built-in GPT is not one "
+                                           f"yet; use parallel.zero=0 with parallel.ep={p.ep}")
     if p.recompute != "none":
         raise ConfigError("parallel.recompute", f"{p.recompute!r}: {why}, which does not recompute activations; "
                                                 f"use parallel.recompute=none with parallel.ep={p.ep}")
@@ -111,8 +113,7 @@ class PhalanxAdamW(keras.optimizers.Optimizer):
 
     ``decays``: ``id(keras variable) -> bool``, whether weight decay applies (from the
     logical name of the weight the variable holds a part of). Moments are float32
-    ``tf.Variable`` s next to each variable (``m``, ``v``, in ``build`` order; under ZeRO-1 on
-    the variable's owner replica); ``step``
+    ``tf.Variable`` s next to each variable (``m``, ``v``, in ``build`` order); ``step``
     counts applied updates (a step skipped on non-finite gradients does not count), as
     ``optimizer/step`` of the other engines. ``last`` holds the figures of the last step.
     """

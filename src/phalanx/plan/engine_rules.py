@@ -55,9 +55,8 @@ GPT_EXPERT_PARALLEL = True
 # True: that engine runs ep with tp and pp too (it cuts the GPT into tensor shards and stages).
 GPT_EP_WITH_TP_PP = True
 # False while that engine refuses ep with ZeRO or recompute (keras_gpt.refuse_unhonoured).
-# True: that engine runs ep with parallel.zero=1 (the AdamW moments partitioned over the data
-# replicas by whole variables, engines/keras_model.py check_zero; zero=2 refused there).
-GPT_EP_WITH_ZERO = True
+# (phalanx's AdamW is not a Keras optimizer the Keras-model engine's ZeRO slices can clone.)
+GPT_EP_WITH_ZERO = False
 # False while that engine refuses ep with recompute (keras_gpt.refuse_unhonoured).
 GPT_EP_WITH_RECOMPUTE = False
 # False while the mesh engine (tp, pp, ZeRO, recompute) refuses model.experts
@@ -77,8 +76,10 @@ def _config_accepts(key: str, value) -> bool:
 
 @lru_cache(maxsize=None)
 def engine_zero_stages() -> tuple[int, ...]:
-    """ZeRO stages ``parallel.zero`` accepts (probed from the config's own validation)."""
-    return tuple(z for z in range(4) if _config_accepts("parallel.zero", z))
+    """ZeRO stages ``parallel.zero`` accepts (probed from the config's own validation) that
+    ``phalanx train`` runs for the built-in GPT: ZeRO-3 runs for Keras models only
+    (engines/factory.py refuses it for the GPT)."""
+    return tuple(z for z in range(3) if _config_accepts("parallel.zero", z))
 
 
 def engine_schedules() -> tuple[str, ...]:
