@@ -342,3 +342,33 @@ def test_the_docstring_examples_run():
 
     assert doctest.testmod(keras_model).failed == 0
     assert doctest.testmod(keras_zero).failed == 0
+
+
+def cnn():
+    keras.utils.set_random_seed(11)
+    model = keras.Sequential([keras.Input((6, 6, 2)), keras.layers.Conv2D(4, 3, padding="same"),
+                              keras.layers.BatchNormalization(), keras.layers.ReLU(), keras.layers.Flatten(),
+                              keras.layers.Dense(3)], name="cnn")
+    model.compile(optimizer=keras.optimizers.Adam(0.01, global_clipnorm=0.5), loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_cnn_with_batchnorm_equals_keras_fit(zero, tmp_path):
+    """A CNN with BatchNormalization at dp2 x ZeRO-2/3 (global_clipnorm active on Adam): each
+    replica normalises its 4 rows, so the oracle is Keras's fit of the ghost-batch model
+    (tests/helpers.py: each batch of 8 run as two calls of 4). Losses, weights and the moving
+    statistics to 1e-4 (float32 sums in another order)."""
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(N, 6, 6, 2)).astype("float32"), rng.normal(size=(N, 3)).astype("float32")
+    reference = cnn()
+    trained = ghost_batches(reference, 2)
+    trained.compile(optimizer=keras.optimizers.Adam(0.01, global_clipnorm=0.5), loss="mse")
+    ref = trained.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history
+    model = cnn()
+    history = phalanx.fit(model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+                          overrides=["parallel.devices=cpu:2", "parallel.dp=2", f"parallel.zero={zero}",
+                                     f"run.dir={tmp_path}"]).history
+    np.testing.assert_allclose(history["loss"], ref["loss"], rtol=1e-4)
+    for mine, want in zip(model.variables, reference.variables):
+        np.testing.assert_allclose(mine.numpy(), want.numpy(), rtol=1e-4, atol=1e-5, err_msg=mine.path)
