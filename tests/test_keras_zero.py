@@ -301,6 +301,83 @@ def test_zero2_with_expert_parallelism_equals_keras_fit(layout, dp, moe_referenc
         assert device_index(v) == placement_of(v).rank
 
 
+# -- the built-in MoE GPT (what phalanx train runs for parallel.ep > 1) ---------------------------
+
+TINY = ["model.layers=2", "model.d_model=16", "model.heads=2", "model.ffn=16", "model.seq_len=8",
+        "model.experts=4", "model.moe_every=1", "model.top_k=2", "model.capacity_factor=0", "train.global_batch=8",
+        "train.lr=1e-2", "train.warmup=1", "train.min_lr_ratio=1", "train.clip_norm=0.5", "train.steps=3",
+        "precision.policy=float32", "model.aux_loss_coef=0"]
+
+
+@pytest.mark.slow
+def test_builtin_moe_gpt_dp4_ep2_zero1_equals_the_one_device_engine(devices):
+    """The factory's engine for ``phalanx train ... parallel.ep=2 parallel.zero=1`` against the
+    built-in GPT's own one-device engine (no balancing loss: each replica would balance its own
+    rows): loss, lr and clipped norm per step, then every weight and AdamW moment (joined from
+    the slices); the sliced moments a quarter per replica, the whole ones on the host."""
+    from phalanx.cluster.strategies import local_strategy
+    from phalanx.engines.factory import build_engine
+    from phalanx.engines.keras_gpt import KerasGPTEngine
+    from phalanx.engines.strategy import StrategyEngine
+    from phalanx.engines.task import GPTTask
+
+    cfg = load_config(None, TINY + ["parallel.devices=cpu:4", "parallel.dp=4", "parallel.ep=2", "parallel.zero=1"])
+    one = load_config(None, TINY)
+    ours = build_engine(cfg, GPTTask(cfg.model, "float32", cfg.train.seed))
+    ref = StrategyEngine(one, GPTTask(one.model, "float32", one.train.seed), local_strategy(devices[:1]))
+    assert isinstance(ours, KerasGPTEngine) and ours.engine.zero == 1
+    rng = np.random.default_rng(2)
+    norms = []
+    for _ in range(3):
+        batch = rng.integers(0, 256, (8, 9)).astype("int32")
+        a, b = ours.train_step(batch), ref.train_step(batch)
+        for key in ("loss", "lr", "grad_norm", "skipped"):
+            np.testing.assert_allclose(float(a[key]), float(b[key]), rtol=1e-4, err_msg=key)
+        norms.append(float(b["grad_norm"]))
+    assert max(norms) > 0.5  # train.clip_norm=0.5 clipped
+    mine, want = ours.state_dict(), ref.state_dict()
+    assert sorted(mine) == sorted(want)
+    for name in want:  # slack at the tensor's scale, as tests/test_moe_train.py (the key bias's round-off)
+        scale = float(np.max(np.abs(want[name]))) if np.size(want[name]) else 0.0
+        np.testing.assert_allclose(mine[name], want[name], rtol=2e-4, atol=5e-4 * scale + 1e-12, err_msg=name)
+    moments: dict[str, int] = {}
+    sliced = ours.engine.optimizer  # PhalanxAdamW.zero_clone, on the slices
+    for slot in sliced.m + sliced.v:
+        moments[slot.value.device] = moments.get(slot.value.device, 0) + int(np.prod(slot.shape)) * 4
+    total = sum(moments.values())
+    assert total >= 2 * sum(int(np.prod(v.shape)) * 4 for v in ours.model.trainable_variables)
+    assert sorted(moments) == [local(i) for i in range(4)], moments
+    assert max(moments.values()) <= 1.1 * total / 4, moments
+    assert {m.value.device for m in ours.optimizer.m} == {local(0)}  # the whole moments: the host copy
+
+
+@pytest.mark.slow
+def test_phalanx_train_moe_yaml_at_dp4_ep2_zero1_equals_the_one_device_run(tmp_path):
+    """The command itself: configs/moe.yaml made small (8 experts top-2, no token dropped, no
+    balancing loss, float32, an active clip) at dp4 x ep2 with parallel.zero=1, against the
+    one-device run: the logged losses, learning rates and clipped norms step for step."""
+    from pathlib import Path
+
+    from phalanx.cli import main
+    from phalanx.train.progress import read_metrics
+
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "moe.yaml")
+    small = ["model.layers=2", "model.d_model=32", "model.heads=2", "model.ffn=32", "model.seq_len=16",
+             "train.global_batch=8", "train.steps=4", "train.lr=1e-2", "train.warmup=1", "train.min_lr_ratio=1",
+             "train.clip_norm=0.5", "train.log_every=1", "train.eval_every=0", "model.aux_loss_coef=0",
+             "precision.policy=float32", "data.max_bytes=200000", f"data.cache_dir={tmp_path / 'cache'}"]
+    rows = {}
+    for run, layout in (("one", ["parallel.devices=cpu:1", "parallel.dp=1", "parallel.ep=1"]),
+                        ("zero1", ["parallel.devices=cpu:4", "parallel.dp=4", "parallel.ep=2", "parallel.zero=1"])):
+        assert main(["train", config, "--quiet", *small, *layout, f"run.dir={tmp_path / run}"]) == 0
+        rows[run] = read_metrics(tmp_path / run)
+    assert [r["step"] for r in rows["zero1"]] == [1, 2, 3, 4]
+    for key in ("loss", "lr", "grad_norm"):
+        np.testing.assert_allclose([r[key] for r in rows["zero1"]], [r[key] for r in rows["one"]], rtol=1e-4,
+                                   err_msg=key)
+    assert max(r["grad_norm"] for r in rows["one"]) > 0.5  # the clip was active
+
+
 # -- refusals ----------------------------------------------------------------------------------------
 
 
@@ -320,8 +397,8 @@ def test_what_zero_on_the_keras_engine_does_not_run_is_refused(tmp_path):
         load_config(None, ["parallel.zero=4"])
     # the built-in GPT: the expert-parallel one (phalanx's AdamW) and the mesh engine's ZeRO-3
     cfg = load_config(None, ["model.experts=4", "model.moe_every=1", "model.layers=2", "train.global_batch=8",
-                             "parallel.devices=cpu:4", "parallel.dp=4", "parallel.ep=2", "parallel.zero=1"])
-    with pytest.raises(ConfigError, match=r"parallel.zero: 1: .*parallel.zero=0 with parallel.ep=2"):
+                             "parallel.devices=cpu:4", "parallel.dp=4", "parallel.ep=2", "parallel.zero=2"])
+    with pytest.raises(ConfigError, match=r"parallel.zero: 2: .*use parallel.zero=1"):
         build_engine(cfg, GPTTask(cfg.model))
     cfg = load_config(None, ["model.layers=2", "parallel.devices=cpu:2", "parallel.dp=2", "parallel.zero=3"])
     with pytest.raises(ConfigError, match=r"parallel.zero: 3: .*phalanx.fit; use parallel.zero=2"):

@@ -50,6 +50,7 @@ def run(layout: list[str], steps: int = 2):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout, per_call", [
     (["parallel.devices=cpu:2", "parallel.dp=2", "parallel.ep=2"], 2),
+    (["parallel.devices=cpu:4", "parallel.dp=4", "parallel.ep=2", "parallel.zero=1"], 2),
     (["parallel.devices=cpu:2", "parallel.dp=2", "parallel.ep=2", "train.grad_accum=2"], 4),
 ])
 def test_one_cast_per_device_and_the_same_training_as_a_cast_per_call(monkeypatch, layout, per_call):

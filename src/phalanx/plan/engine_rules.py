@@ -55,8 +55,9 @@ GPT_EXPERT_PARALLEL = True
 # True: that engine runs ep with tp and pp too (it cuts the GPT into tensor shards and stages).
 GPT_EP_WITH_TP_PP = True
 # False while that engine refuses ep with ZeRO or recompute (keras_gpt.refuse_unhonoured).
-# (phalanx's AdamW is not a Keras optimizer the Keras-model engine's ZeRO slices can clone.)
-GPT_EP_WITH_ZERO = False
+# True: that engine runs ep with parallel.zero=1 (the AdamW moments cut into slices over the
+# data replicas, engines/keras_model.py; zero=2 refused by keras_gpt.refuse_unhonoured).
+GPT_EP_WITH_ZERO = True
 # False while that engine refuses ep with recompute (keras_gpt.refuse_unhonoured).
 GPT_EP_WITH_RECOMPUTE = False
 # False while the mesh engine (tp, pp, ZeRO, recompute) refuses model.experts
