@@ -39,7 +39,7 @@ BAD = [
     (["parallel.virtual_stages=2"], "parallel.virtual_stages", "needs parallel.schedule=interleaved"),
     (["parallel.devices=tpu:4"], "parallel.devices", "auto, cpu:N or gpu:N"),
     (["parallel.strategy=horovod"], "parallel.strategy", "multi_worker"),
-    (["parallel.zero=3"], "parallel.zero", "choose 0, 1 or 2"),
+    (["parallel.zero=4"], "parallel.zero", "choose 0, 1, 2 or 3"),
     (["parallel.recompute=some"], "parallel.recompute", "none, full, selective"),
     (["parallel.tp=3"], "parallel.tp", "does not divide model.heads=4"),
     (["parallel.dp=-1", "parallel.tp=-1"], "parallel.tp", "at most one of parallel.dp/tp/pp may be -1"),

@@ -1,12 +1,10 @@
-"""ZeRO stage 1 on the Keras-model engine (``parallel.zero=1``): each trainable variable and
-the optimizer slots Keras creates beside it live with one owner replica, chosen greedily by
-bytes; the owner sums the variable's gradient over the replicas and applies the update, the
-other replicas read refreshed copies.
+"""ZeRO by slices on the Keras-model engine (``parallel.zero=1/2/3``): every trainable variable
+cut into one slice per data replica, the user's Keras optimizer applied on the slices; stage 2
+reduce-scatters the gradients, stage 3 keeps no whole weight between steps.
 
 The oracle is Keras's own one-device ``model.fit`` with the same optimizer (for the MoE
 model: the ghost-batch model of tests/helpers.py, each replica's micro-batch balancing its own
-tokens) and, for the built-in MoE GPT, the built-in GPT's one-device engine. The optimizer
-state per device is read from the devices of the slot variables themselves.
+tokens). The state per device is read from the devices of the engine's slice variables.
 """
 
 from __future__ import annotations
@@ -29,7 +27,6 @@ from phalanx.mesh import Mesh
 from helpers import ghost_batches
 
 N, BATCH, EPOCHS = 16, 8, 2
-ZERO = ["parallel.zero=1"]
 
 
 def replica_of(device: str, mesh_devices: list[str], dp: int) -> int:
@@ -93,8 +90,10 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_zero1_fit_equals_keras_fit_and_partitions_the_state(layout, tmp_path):
+@pytest.mark.parametrize("layout,zero", [("dp2", 1), ("dp2", 2), ("dp2", 3), ("dp2pp2", 2), ("dp2pp2", 3), ("dp4", 3)])
+def test_zero_fit_equals_keras_fit(layout, zero, tmp_path):
+    """Losses, accuracy, weights and model.optimizer's state (joined from the slices) equal
+    Keras's one-device fit to 1e-4 (float32 sums in another order)."""
     overrides, opt = LAYOUTS[layout]
     x, y = mlp_data()
     reference = mlp(opt)
@@ -103,7 +102,7 @@ def test_zero1_fit_equals_keras_fit_and_partitions_the_state(layout, tmp_path):
     model = mlp(opt)
     steps = StepLosses()
     history = phalanx.fit(model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
-                          callbacks=[steps], overrides=overrides + ZERO + [f"run.dir={tmp_path}"])
+                          callbacks=[steps], overrides=overrides + [f"parallel.zero={zero}", f"run.dir={tmp_path}"])
     np.testing.assert_allclose(steps.losses, ref_steps.losses, rtol=1e-4)
     np.testing.assert_allclose(history.history["accuracy"], ref.history["accuracy"], rtol=1e-4)
     for mine, want in zip(model.variables, reference.variables):
@@ -111,27 +110,11 @@ def test_zero1_fit_equals_keras_fit_and_partitions_the_state(layout, tmp_path):
     assert len(model.optimizer.variables) == len(reference.optimizer.variables)
     for mine, want in zip(model.optimizer.variables, reference.optimizer.variables):
         np.testing.assert_allclose(mine.numpy(), want.numpy(), rtol=1e-4, atol=1e-6, err_msg=mine.path)
-    # The weights (and their slots) live with more than one replica: the state is partitioned.
-    dp = int(overrides[1].rsplit("=", 1)[1])
-    devices = [local(i) for i in range(int(overrides[0].rsplit(":", 1)[1]))]
-    owners = {replica_of(v.value.device, devices, dp) for v in model.trainable_variables}
-    assert owners == set(range(dp))
     if layout == "dp2":  # the clip is active, so the global norm mattered
         unclipped = mlp(lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1))
         unclipped.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
         assert max(np.max(np.abs(a.numpy() - b.numpy())) for a, b in
                    zip(unclipped.trainable_variables, reference.trainable_variables)) > 1e-3
-
-
-def slot_bytes_per_device(optimizer) -> dict[str, int]:
-    """Bytes of the optimizer's slot variables (not its scalar counters) on each device."""
-    slots = {id(v): v for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)) if opt is not None
-             for v in opt.variables if len(v.shape)}
-    out: dict[str, int] = {}
-    for slot in slots.values():
-        nbytes = int(np.prod(slot.shape)) * np.dtype(slot.dtype).itemsize
-        out[slot.value.device] = out.get(slot.value.device, 0) + nbytes
-    return out
 
 
 def wide(opt=adam):
@@ -143,47 +126,51 @@ def wide(opt=adam):
     return model
 
 
-def test_optimizer_state_per_device_is_a_dp_th_and_follows_a_built_optimizer(tmp_path):
-    """dp4 zero1: measured on the slot variables' devices, every replica holds about a quarter
-    of the Adam state (the greedy bound: the even share plus at most the largest variable's
-    slots); zero0 holds it all on replica 0. The model was trained by Keras first, so its
-    optimizer was built (slots on device 0): the engine moves each slot beside its variable."""
+def nbytes(variable) -> int:
+    return int(np.prod(variable.shape)) * np.dtype(variable.dtype).itemsize
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_state_per_device_is_a_dp_th_and_follows_a_built_optimizer(zero, tmp_path):
+    """dp4 on devices 1-4 (the host CPU:0 apart), counted by the shapes of the engine's own
+    variables on each device: every replica holds a quarter of the weights' slices and of the
+    Adam state (padding: the 3-element bias cut into 4 one-element slices); model.optimizer's
+    whole slots are on the host. Under ZeRO-3 no whole trainable weight is on a replica's
+    device. The model was trained by Keras first (its optimizer built, slots on device 0): the
+    engine continues from that state, and the next fit equals Keras's fit continued."""
     rng = np.random.default_rng(1)
     x, y = rng.normal(size=(N, 12)).astype("float32"), rng.normal(size=(N, 3)).astype("float32")
-    overrides = ["parallel.devices=cpu:4", "parallel.dp=4"]
-
     model = wide()
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)  # Keras builds the optimizer
-    assert set(slot_bytes_per_device(model.optimizer)) == {local(0)}
     reference = wide()
     reference.fit(x, y, batch_size=BATCH, epochs=1 + EPOCHS, shuffle=False, verbose=0)
-    phalanx.fit(model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
-                overrides=overrides + ZERO + [f"run.dir={tmp_path / 'z1'}"])
+    mesh = Mesh.from_devices([local(i) for i in range(1, 5)], 4, 1, 1)
+    cfg = load_config(None, ["parallel.dp=4", f"parallel.zero={zero}"])
+    engine = KerasModelEngine(model, cfg, mesh, (x[:BATCH], y[:BATCH], None))
+    weights = sum(nbytes(v) for v in model.trainable_variables)
+    per_device: dict[str, int] = {}
+    for piece in engine.slices.flat + [v for v in engine.optimizer.variables if len(v.shape)]:
+        per_device[piece.value.device] = per_device.get(piece.value.device, 0) + nbytes(piece)
+    assert sorted(per_device) == [local(i) for i in range(1, 5)], per_device
+    for device, held in per_device.items():  # weights + Adam's 2 slots, a quarter each, + the bias padding
+        assert 3 * weights / 4 <= held <= 3 * weights / 4 + 3 * 4, (device, held, weights)
+    assert {v.value.device for v in model.optimizer.variables} == {local(0)}
+    if zero == 3:
+        assert {v.value.device for v in model.trainable_variables} == {local(0)}
+        assert engine.copies == {}
+    for epoch in range(EPOCHS):
+        for start in range(0, N, BATCH):
+            engine.train_step((x[start:start + BATCH], y[start:start + BATCH], None))
+    engine.gather_state()
     for mine, want in zip(model.variables + model.optimizer.variables,
                           reference.variables + reference.optimizer.variables):
         np.testing.assert_allclose(mine.numpy(), want.numpy(), rtol=1e-4, atol=1e-6, err_msg=mine.path)
-    per_device = slot_bytes_per_device(model.optimizer)
-    total = sum(per_device.values())
-    largest = max(2 * int(np.prod(v.shape)) * 4 for v in model.trainable_variables)  # Adam: 2 slots
-    assert total == 2 * sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
-    assert sorted(per_device) == [local(i) for i in range(4)], per_device
-    assert max(per_device.values()) <= total / 4 + largest, per_device
-    assert max(per_device.values()) < total / 2, per_device  # far from whole: a real partition
-    for v in model.trainable_variables:  # every slot beside its variable
-        prefix = v.path.replace("/", "_") + "_"
-        slots = [s for s in model.optimizer.variables if s.name.startswith(prefix) and s.shape == v.shape]
-        assert len(slots) == 2 and all(s.value.device == v.value.device for s in slots), v.path
-
-    plain = wide()
-    phalanx.fit(plain, x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
-                overrides=overrides + [f"run.dir={tmp_path / 'z0'}"])
-    assert slot_bytes_per_device(plain.optimizer) == {local(0): total}
 
 
-def test_zero1_under_mixed_float16_with_keras_loss_scaling(tmp_path):
-    """Keras's LossScaleOptimizer wraps the optimizer; its inner slots are partitioned, and the
-    steps equal the same layout without ZeRO (same arithmetic, other devices), and Keras's own
-    mixed_float16 fit to the mixed-precision tolerance of tests/test_keras_fit.py."""
+def test_zero_under_mixed_float16_with_keras_loss_scaling(tmp_path):
+    """Keras's LossScaleOptimizer wraps the optimizer; the sliced one (its loss scale included)
+    steps as the same layout without ZeRO (same arithmetic, other devices: 1e-6), and as Keras's
+    own mixed_float16 fit to the mixed-precision tolerance of tests/test_keras_fit.py."""
     x, y = mlp_data()
     keras.config.set_dtype_policy("mixed_float16")
     try:
@@ -192,19 +179,20 @@ def test_zero1_under_mixed_float16_with_keras_loss_scaling(tmp_path):
     finally:
         keras.config.set_dtype_policy("float32")
     runs = {}
-    for zero in (0, 1):
+    for zero in (0, 1, 3):
         model = mlp(adam)
         runs[zero] = (model, phalanx.fit(model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
                                          overrides=["parallel.devices=cpu:2", "parallel.dp=2",
                                                     "precision.policy=mixed_float16", f"parallel.zero={zero}",
                                                     f"run.dir={tmp_path / str(zero)}"]).history)
-    model, history = runs[1]
-    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
-    np.testing.assert_allclose(history["loss"], runs[0][1]["loss"], rtol=1e-6)
-    for mine, want in zip(model.variables, runs[0][0].variables):
-        np.testing.assert_allclose(mine.numpy(), want.numpy(), rtol=1e-6, atol=1e-7, err_msg=mine.path)
-    np.testing.assert_allclose(history["loss"], ref["loss"], rtol=2e-2)
-    assert len(slot_bytes_per_device(model.optimizer)) == 2
+    for zero in (1, 3):
+        model, history = runs[zero]
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+        np.testing.assert_allclose(history["loss"], runs[0][1]["loss"], rtol=1e-6)
+        for mine, want in zip(model.variables + model.optimizer.variables,
+                              runs[0][0].variables + runs[0][0].optimizer.variables):
+            np.testing.assert_allclose(mine.numpy(), want.numpy(), rtol=1e-6, atol=1e-7, err_msg=mine.path)
+        np.testing.assert_allclose(history["loss"], ref["loss"], rtol=2e-2)
 
 
 # -- tensor parallelism: a model of phalanx.layers ---------------------------------------------
@@ -237,8 +225,9 @@ def copy_weights(source, target) -> None:
             b.set_weights(a.get_weights())
 
 
-def test_zero1_with_tensor_parallelism_equals_keras_fit(tmp_path):
-    """dp2 x tp2: each tensor shard's owner is one of the replicas, on its own tensor rank."""
+def test_zero3_with_tensor_parallelism_equals_keras_fit(tmp_path):
+    """dp2 x tp2 at ZeRO-3: each tensor shard cut into two slices, on its own tensor rank of
+    each replica, gathered there for the forward."""
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(N, 6)).astype("float32"), rng.normal(size=(N, 3)).astype("float32")
     reference = tp_model(1)
@@ -248,22 +237,11 @@ def test_zero1_with_tensor_parallelism_equals_keras_fit(tmp_path):
     copy_weights(tp_model(1), model)
     steps = StepLosses()
     phalanx.fit(model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[steps],
-                overrides=["parallel.devices=cpu:4", "parallel.dp=2", "parallel.tp=2"] + ZERO +
+                overrides=["parallel.devices=cpu:4", "parallel.dp=2", "parallel.tp=2", "parallel.zero=3"] +
                 [f"run.dir={tmp_path}"])
     np.testing.assert_allclose(steps.losses, ref_steps.losses, rtol=1e-4)
     for mine, want in zip(logical(model), logical(reference)):
         np.testing.assert_allclose(mine, want, rtol=1e-4, atol=1e-6)
-    # mesh (data, pipe, tensor) = (2, 1, 2): device 2d + r is replica d's tensor rank r
-    shards = [v for layer in model.layers if isinstance(layer, ShardedLayer)
-              for variables, axis, _ in layer._logical.values() if axis is not None for v in variables]
-    ranks = {device_index(v) % 2 for v in shards}
-    replicas = {device_index(v) // 2 for v in shards}
-    assert ranks == {0, 1} and replicas == {0, 1}
-    for layer in model.layers:  # shard r on tensor rank r, whichever replica owns it
-        if isinstance(layer, ShardedLayer):
-            for variables, axis, _ in layer._logical.values():
-                if axis is not None:
-                    assert [device_index(v) % 2 for v in variables] == [0, 1], layer.name
 
 
 # -- expert parallelism: a model with phalanx.layers.MoE ----------------------------------------
@@ -303,28 +281,24 @@ def moe_reference():
     ("dp2ep2_accum2", 2),
     ("dp4ep2", 4),
 ])
-def test_zero1_with_expert_parallelism_equals_keras_fit(layout, dp, moe_reference, tmp_path):
-    """No token dropped (capacity_factor 0). dp2 x ep2: one group holds the experts, ZeRO
-    partitions the rest; dp4 x ep2: two groups hold copies of each expert shard, and the
-    shards' owners spread over both groups."""
+def test_zero2_with_expert_parallelism_equals_keras_fit(layout, dp, moe_reference, tmp_path):
+    """No token dropped (capacity_factor 0). ZeRO-2 with dp2 x ep2: one group holds the
+    experts, each expert shard is one slice, the rest cut over both replicas; dp4 x ep2: two
+    groups hold copies of each expert shard, cut into two slices, one per group."""
     x, y, ref, want = moe_reference
     overrides = [f"parallel.devices=cpu:{dp}", f"parallel.dp={dp}", "parallel.ep=2"] + \
         (["train.grad_accum=2"] if dp == 2 else [])
     model = moe_model(ep=2)
     copy_weights(moe_model(), model)
     history = phalanx.fit(model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
-                          overrides=overrides + ZERO + [f"run.dir={tmp_path}"]).history
+                          overrides=overrides + ["parallel.zero=2", f"run.dir={tmp_path}"]).history
     np.testing.assert_allclose(history["loss"], ref["loss"], rtol=1e-4)
     for mine, reference in zip(logical(model), want):
         np.testing.assert_allclose(mine, reference, rtol=1e-4, atol=1e-5)
     experts = [v for v in model.trainable_variables
                if placement_of(v) is not None and placement_of(v).axis == "expert"]
-    for v in experts:  # shard j lives with replica j of its owner group
-        assert device_index(v) % 2 == placement_of(v).rank
-    others = [v for v in model.trainable_variables if all(v is not e for e in experts)]
-    assert {device_index(v) for v in others} == set(range(dp))  # the rest over every replica
-    if dp == 4:
-        assert {device_index(v) // 2 for v in experts} == {0, 1}  # expert state over both groups
+    for v in experts:  # shard j lives with replica j of the first group
+        assert device_index(v) == placement_of(v).rank
 
 
 # -- the built-in MoE GPT (what phalanx train runs for parallel.ep > 1) ---------------------------
@@ -339,15 +313,15 @@ TINY = ["model.layers=2", "model.d_model=16", "model.heads=2", "model.ffn=16", "
 def test_builtin_moe_gpt_dp4_ep2_zero1_equals_the_one_device_engine(devices):
     """The factory's engine for ``phalanx train ... parallel.ep=2 parallel.zero=1`` against the
     built-in GPT's own one-device engine (no balancing loss: each replica would balance its own
-    rows): loss, lr and clipped norm per step, then every weight and AdamW moment; the moments
-    partitioned over the four replicas."""
+    rows): loss, lr and clipped norm per step, then every weight and AdamW moment (joined from
+    the slices); the sliced moments a quarter per replica, the whole ones on the host."""
     from phalanx.cluster.strategies import local_strategy
     from phalanx.engines.factory import build_engine
     from phalanx.engines.keras_gpt import KerasGPTEngine
     from phalanx.engines.strategy import StrategyEngine
     from phalanx.engines.task import GPTTask
 
-    cfg = load_config(None, TINY + ["parallel.devices=cpu:4", "parallel.dp=4", "parallel.ep=2", *ZERO])
+    cfg = load_config(None, TINY + ["parallel.devices=cpu:4", "parallel.dp=4", "parallel.ep=2", "parallel.zero=1"])
     one = load_config(None, TINY)
     ours = build_engine(cfg, GPTTask(cfg.model, "float32", cfg.train.seed))
     ref = StrategyEngine(one, GPTTask(one.model, "float32", one.train.seed), local_strategy(devices[:1]))
@@ -367,14 +341,14 @@ def test_builtin_moe_gpt_dp4_ep2_zero1_equals_the_one_device_engine(devices):
         scale = float(np.max(np.abs(want[name]))) if np.size(want[name]) else 0.0
         np.testing.assert_allclose(mine[name], want[name], rtol=2e-4, atol=5e-4 * scale + 1e-12, err_msg=name)
     moments: dict[str, int] = {}
-    for slot in ours.optimizer.m + ours.optimizer.v:
-        moments[slot.device] = moments.get(slot.device, 0) + int(np.prod(slot.shape)) * 4
+    sliced = ours.engine.optimizer  # PhalanxAdamW.zero_clone, on the slices
+    for slot in sliced.m + sliced.v:
+        moments[slot.value.device] = moments.get(slot.value.device, 0) + int(np.prod(slot.shape)) * 4
     total = sum(moments.values())
-    largest = max(2 * int(np.prod(v.shape)) * 4 for v in ours.model.trainable_variables)
+    assert total >= 2 * sum(int(np.prod(v.shape)) * 4 for v in ours.model.trainable_variables)
     assert sorted(moments) == [local(i) for i in range(4)], moments
-    assert max(moments.values()) <= total / 4 + largest, moments
-    for var, m in zip(ours.model.trainable_variables, ours.optimizer.m):
-        assert m.device == var.value.device
+    assert max(moments.values()) <= 1.1 * total / 4, moments
+    assert {m.value.device for m in ours.optimizer.m} == {local(0)}  # the whole moments: the host copy
 
 
 @pytest.mark.slow
@@ -394,7 +368,7 @@ def test_phalanx_train_moe_yaml_at_dp4_ep2_zero1_equals_the_one_device_run(tmp_p
              "precision.policy=float32", "data.max_bytes=200000", f"data.cache_dir={tmp_path / 'cache'}"]
     rows = {}
     for run, layout in (("one", ["parallel.devices=cpu:1", "parallel.dp=1", "parallel.ep=1"]),
-                        ("zero1", ["parallel.devices=cpu:4", "parallel.dp=4", "parallel.ep=2", *ZERO])):
+                        ("zero1", ["parallel.devices=cpu:4", "parallel.dp=4", "parallel.ep=2", "parallel.zero=1"])):
         assert main(["train", config, "--quiet", *small, *layout, f"run.dir={tmp_path / run}"]) == 0
         rows[run] = read_metrics(tmp_path / run)
     assert [r["step"] for r in rows["zero1"]] == [1, 2, 3, 4]
@@ -412,14 +386,25 @@ def test_what_zero_on_the_keras_engine_does_not_run_is_refused(tmp_path):
     from phalanx.engines.task import GPTTask
 
     x, y = mlp_data()
-    with pytest.raises(ConfigError, match=r"parallel.zero: 2: .*use parallel.zero=1"):
-        phalanx.fit(mlp(adam), x, y, batch_size=BATCH, verbose=0,
-                    overrides=["parallel.devices=cpu:2", "parallel.dp=2", "parallel.zero=2", f"run.dir={tmp_path}"])
+    two = ["parallel.devices=cpu:2", "parallel.dp=2"]
+    for opt, match in ((lambda: keras.optimizers.Adam(0.01, clipnorm=1.0), r"parallel.zero: 2: Adam\(clipnorm=1.0\)"),
+                       (lambda: keras.optimizers.Adafactor(), r"parallel.zero: 2: Adafactor .*element-wise")):
+        with pytest.raises(ConfigError, match=match):
+            phalanx.fit(mlp(opt), x, y, batch_size=BATCH, verbose=0,
+                        overrides=two + ["parallel.zero=2", f"run.dir={tmp_path}"])
     assert not (tmp_path / "checkpoints").exists()  # refused before any work
+    with pytest.raises(ConfigError, match=r"parallel.zero: 4 is not valid; choose 0, 1, 2 or 3"):
+        load_config(None, ["parallel.zero=4"])
+    # the built-in GPT: the expert-parallel one (phalanx's AdamW) and the mesh engine's ZeRO-3
     cfg = load_config(None, ["model.experts=4", "model.moe_every=1", "model.layers=2", "train.global_batch=8",
                              "parallel.devices=cpu:4", "parallel.dp=4", "parallel.ep=2", "parallel.zero=2"])
-    with pytest.raises(ConfigError, match=r"parallel.zero: 2"):
+    with pytest.raises(ConfigError, match=r"parallel.zero: 2: .*use parallel.zero=1"):
         build_engine(cfg, GPTTask(cfg.model))
+    cfg = load_config(None, ["model.layers=2", "parallel.devices=cpu:2", "parallel.dp=2", "parallel.zero=3"])
+    with pytest.raises(ConfigError, match=r"parallel.zero: 3: .*phalanx.fit; use parallel.zero=2"):
+        build_engine(cfg, GPTTask(cfg.model))
+    with pytest.raises(ConfigError, match=r"parallel.zero: 3 with parallel.ep=2: .*parallel.zero=2"):
+        keras_model.check_zero(3, ep=2)
     # across workers (keras_cluster's WorkerGroup: only its size is read before the refusal)
     model = mlp(adam)
     batch = (x[:BATCH], y[:BATCH], None)
@@ -427,9 +412,40 @@ def test_what_zero_on_the_keras_engine_does_not_run_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"parallel.zero: 1: across 2 workers.*parallel.zero=0"):
         KerasModelEngine(model, Config().replace(parallel={"zero": 1, "dp": 2}), mesh, batch,
                          workers=types.SimpleNamespace(size=2))
-    with pytest.raises(ConfigError, match=r"parallel.zero: 3: .*0 or 1"):
-        keras_model.check_zero(3)
 
 
 def test_the_docstring_examples_run():
+    from phalanx.parallel import keras_zero
+
     assert doctest.testmod(keras_model).failed == 0
+    assert doctest.testmod(keras_zero).failed == 0
+
+
+def cnn():
+    keras.utils.set_random_seed(11)
+    model = keras.Sequential([keras.Input((6, 6, 2)), keras.layers.Conv2D(4, 3, padding="same"),
+                              keras.layers.BatchNormalization(), keras.layers.ReLU(), keras.layers.Flatten(),
+                              keras.layers.Dense(3)], name="cnn")
+    model.compile(optimizer=keras.optimizers.Adam(0.01, global_clipnorm=0.5), loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_cnn_with_batchnorm_equals_keras_fit(zero, tmp_path):
+    """A CNN with BatchNormalization at dp2 x ZeRO-2/3 (global_clipnorm active on Adam): each
+    replica normalises its 4 rows, so the oracle is Keras's fit of the ghost-batch model
+    (tests/helpers.py: each batch of 8 run as two calls of 4). Losses, weights and the moving
+    statistics to 1e-4 (float32 sums in another order)."""
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(N, 6, 6, 2)).astype("float32"), rng.normal(size=(N, 3)).astype("float32")
+    reference = cnn()
+    trained = ghost_batches(reference, 2)
+    trained.compile(optimizer=keras.optimizers.Adam(0.01, global_clipnorm=0.5), loss="mse")
+    ref = trained.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history
+    model = cnn()
+    history = phalanx.fit(model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+                          overrides=["parallel.devices=cpu:2", "parallel.dp=2", f"parallel.zero={zero}",
+                                     f"run.dir={tmp_path}"]).history
+    np.testing.assert_allclose(history["loss"], ref["loss"], rtol=1e-4)
+    for mine, want in zip(model.variables, reference.variables):
+        np.testing.assert_allclose(mine.numpy(), want.numpy(), rtol=1e-4, atol=1e-5, err_msg=mine.path)

@@ -124,5 +124,5 @@ def test_layouts_expert_parallelism_cannot_run_are_refused(tmp_path):
         MoE(num_experts=4, hidden_dim=8, tp=2)
     with pytest.raises(ConfigError, match="parallel.zero"):
         phalanx.fit(build(ep=2), x, y, batch_size=8, verbose=0,
-                    overrides=["parallel.devices=cpu:2", "parallel.dp=2", "parallel.ep=2", "parallel.zero=2",
+                    overrides=["parallel.devices=cpu:2", "parallel.dp=2", "parallel.ep=2", "parallel.zero=3",
                                f"run.dir={tmp_path / 'z'}"])

@@ -594,7 +594,7 @@ def validate(cfg: Config) -> None:
              f"{p.virtual_stages} needs parallel.schedule=interleaved (got {p.schedule!r})")
     parse_devices(p.devices)
     _one_of("parallel.strategy", p.strategy, STRATEGIES)
-    _require(p.zero in (0, 1, 2), "parallel.zero", f"{p.zero} is not valid; choose 0, 1 or 2")
+    _require(p.zero in (0, 1, 2, 3), "parallel.zero", f"{p.zero} is not valid; choose 0, 1, 2 or 3")
     _one_of("parallel.recompute", p.recompute, RECOMPUTE)
     _require(p.ep >= 1, "parallel.ep", f"must be >= 1, got {p.ep}")
     _require(p.dp < 1 or p.dp % p.ep == 0, "parallel.ep",

@@ -76,6 +76,10 @@ def build_engine(cfg: Config, task, cluster=None):
         if cluster is None:
             return KerasGPTEngine(cfg, task, build_mesh(cfg))
         return _keras_gpt_across_workers(cfg, task, cluster)
+    if cfg.parallel.zero == 3:
+        raise ConfigError("parallel.zero", "3: phalanx train runs the built-in GPT with ZeRO 0, 1 or 2 (sharded "
+                                           "optimizer state and gradients); ZeRO-3 (sliced weights) runs for Keras "
+                                           "models through phalanx.fit; use parallel.zero=2")
     if getattr(cluster, "devices", None):  # cluster: a mesh whose devices span the workers
         return make_mesh_engine(cfg, build_mesh(cfg, list(cluster.devices)), task)
     if cluster is not None:  # a multi-process strategy, built first (cluster.strategies.setup_cluster)

@@ -25,12 +25,11 @@ and not a Keras ``fit``:
   ``skipped``; the MoE layers' step totals (all replicas and micro-batches) are on
   ``model`` for :mod:`phalanx.train.moe_stats`.
 
-With ``parallel.zero=1`` the AdamW moments are partitioned over the data replicas by whole
-variables (ZeRO stage 1, :mod:`phalanx.engines.keras_model`): each variable and its moments
-live with one owner replica, which sums its gradient and applies the update. What it cannot
-honour is refused before anything is built (:func:`refuse_unhonoured`): ``parallel.zero=2``
-(stage 1 here already keeps each summed gradient on its owner only) and recomputation among
-them.
+With ``parallel.zero=1`` the AdamW moments are cut into slices over the data replicas (ZeRO
+stage 1 of :mod:`phalanx.engines.keras_model`): :meth:`PhalanxAdamW.zero_clone` applies on the
+slices, sharing the step counter, loss scale and figures. What it cannot honour is refused
+before anything is built (:func:`refuse_unhonoured`): ``parallel.zero=2/3`` and recomputation
+among them.
 
 Example:
     >>> from phalanx.config import Config
@@ -87,7 +86,10 @@ def refuse_unhonoured(cfg: Config, mesh: Mesh | None = None) -> None:
                            "experts are sharded within a worker, never across workers)"
                            if p.strategy == "multi_worker" else ""))
     why = "the expert-parallel GPT (parallel.ep > 1) trains through the Keras-model engine"
-    check_zero(p.zero)  # ZeRO-1 partitions the AdamW moments by whole variables; stage 2 adds nothing there
+    check_zero(p.zero, ep=p.ep)
+    if p.zero > 1:
+        raise ConfigError("parallel.zero", f"{p.zero}: {why}, which runs the expert-parallel GPT with "
+                                           f"parallel.zero=0 or 1 (the planner's layouts); use parallel.zero=1")
     if p.recompute != "none":
         raise ConfigError("parallel.recompute", f"{p.recompute!r}: {why}, which does not recompute activations; "
                                                 f"use parallel.recompute=none with parallel.ep={p.ep}")
@@ -110,34 +112,48 @@ class PhalanxAdamW(keras.optimizers.Optimizer):
     clipping and loss scaling) as a Keras optimizer, so that a Keras-model engine applies it.
 
     ``decays``: ``id(keras variable) -> bool``, whether weight decay applies (from the
-    logical name of the weight the variable holds a part of). Moments are float32
-    ``tf.Variable`` s next to each variable (``m``, ``v``, in ``build`` order; under ZeRO-1 on
-    the variable's owner replica); ``step``
+    logical name of the weight the variable holds a part of). Moments are float32 Keras
+    slots next to each variable (``m``, ``v``, in ``build`` order; named
+    ``<variable path>_m``/``_v``); ``step``
     counts applied updates (a step skipped on non-finite gradients does not count), as
     ``optimizer/step`` of the other engines. ``last`` holds the figures of the last step.
     """
 
-    def __init__(self, cfg: Config, decays: dict[int, bool], device: str, name: str = "phalanx_adamw"):
+    def __init__(self, cfg: Config, decays: dict[int, bool], device: str, name: str = "phalanx_adamw",
+                 shared: "PhalanxAdamW | None" = None):
         super().__init__(learning_rate=cfg.train.lr, name=name)
         self.cfg, self._decays = cfg, decays
-        with tf.init_scope(), tf.device(device):
-            self.step = tf.Variable(0, trainable=False, dtype=tf.int64, name="optimizer_step")
-            self.loss_scale = LossScale(cfg)
-            self.last = {key: tf.Variable(0.0, trainable=False, dtype=tf.float32, name=f"last_{key}")
-                         for key in ("grad_norm", "lr", "loss_scale", "skipped")}
-        self.m: list[tf.Variable] = []
-        self.v: list[tf.Variable] = []
+        self._device = device
+        if shared is not None:  # zero_clone: one step counter, loss scale and set of figures
+            self.step, self.loss_scale, self.last = shared.step, shared.loss_scale, shared.last
+        else:
+            with tf.init_scope(), tf.device(device):
+                self.step = tf.Variable(0, trainable=False, dtype=tf.int64, name="optimizer_step")
+                self.loss_scale = LossScale(cfg)
+                self.last = {key: tf.Variable(0.0, trainable=False, dtype=tf.float32, name=f"last_{key}")
+                             for key in ("grad_norm", "lr", "loss_scale", "skipped")}
+        self.m: list = []
+        self.v: list = []
+        self._by_path: dict[str, bool] | None = None
+
+    def zero_clone(self) -> "PhalanxAdamW":
+        """The instance that applies on ZeRO slices (:mod:`phalanx.parallel.keras_zero`): a
+        slice carries its variable's path, so its decay flag is looked up by path; the step
+        counter, loss scale and figures are this optimizer's."""
+        clone = PhalanxAdamW(self.cfg, {}, self._device, name=self.name, shared=self)
+        clone._by_path = {v.path: self._decays[id(v)] for v in self._trainable_variables}
+        return clone
 
     def build(self, variables):
         super().build(variables)
+        if self._by_path is not None:
+            self._decays = {id(v): self._by_path[v.path] for v in variables if v.path in self._by_path}
         missing = [v.path for v in variables if id(v) not in self._decays]
         if missing:
             raise ValueError(f"PhalanxAdamW: no decay flag for {missing[:3]}: built for another model")
-        for var in variables:
-            with tf.init_scope(), tf.device(var.value.device):
-                name = var.path.replace("/", "_")
-                self.m.append(tf.Variable(tf.zeros(var.shape, tf.float32), trainable=False, name=f"m_{name}"))
-                self.v.append(tf.Variable(tf.zeros(var.shape, tf.float32), trainable=False, name=f"v_{name}"))
+        for var in variables:  # float32 moments beside the variable (Keras colocates a slot with it)
+            self.m.append(self.add_variable_from_reference(var, "m"))
+            self.v.append(self.add_variable_from_reference(var, "v"))
 
     def scale_loss(self, loss):
         return loss * self.loss_scale.scale.read_value()
@@ -155,7 +171,7 @@ class PhalanxAdamW(keras.optimizers.Optimizer):
         s = optim.step_scalars(optim.global_norm(dense), self.loss_scale.scale.read_value(), self.step, t)
         for var, grad, m, v in zip(variables, dense, self.m, self.v):
             with tf.device(var.value.device):
-                optim.apply_adamw(var.value, m, v, grad, step=s.count, lr=s.lr, factor=s.factor, finite=s.finite,
+                optim.apply_adamw(var.value, m.value, v.value, grad, step=s.count, lr=s.lr, factor=s.factor, finite=s.finite,
                                   cfg=t, decay=self._decays[id(var)])
         for key, value in optim.finish_step(s, self.step, self.loss_scale).items():
             self.last[key].assign(tf.cast(value, tf.float32))
@@ -289,6 +305,7 @@ class KerasGPTEngine:
         return self._convert.to_logical([s.numpy() for s in slots])
 
     def state_dict(self) -> dict[str, np.ndarray]:
+        self.engine.gather_state()  # under ZeRO: the moments' slices into self.optimizer's whole ones
         state = transformer.gpt_weights(self.model)
         state["optimizer/step"] = np.asarray(self.optimizer.step.numpy())
         m, v = self._moments(self.optimizer.m), self._moments(self.optimizer.v)
@@ -314,7 +331,6 @@ class KerasGPTEngine:
                                  f"{shapes[logical]}: a different model config?")
             values[key] = value
         transformer.load_gpt_weights(self.model, {n: values[n].astype(np.float32) for n in self.names})
-        self.engine.sync_copies()
         for prefix, slots in (("optimizer/m/", self.optimizer.m), ("optimizer/v/", self.optimizer.v)):
             arrays = self._convert.from_logical({n: values[prefix + n].astype(np.float32) for n in self.names})
             for slot, array in zip(slots, arrays):
@@ -322,6 +338,7 @@ class KerasGPTEngine:
         self.optimizer.step.assign(int(values["optimizer/step"]))
         for key, var in self.loss_scale.state().items():
             var.assign(values[key].astype(var.dtype.as_numpy_dtype))
+        self.engine.sync_copies()  # the replicas' copies (and under ZeRO the slices) of what was loaded
 
     def num_params(self) -> int:
         return builtin.num_params(self.cfg.model)

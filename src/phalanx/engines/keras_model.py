@@ -8,21 +8,30 @@ compiled metrics. The engine only decides *where* things run:
 * **Placement.** The model is cut into ``pp x virtual_stages`` stages by estimated FLOPs
   (:func:`phalanx.parallel.keras_graph.split_keras_model`); with one stage, any model —
   subclassed included — is that stage. Each stage's variables (the user's own
-  ``keras.Variable`` objects) are moved to the stage's device of data replica 0 (under ZeRO:
-  of the variable's owner, below) and stay
+  ``keras.Variable`` objects) are moved to the stage's device of data replica 0 and stay
   there: the model object is trained in place, and the optimizer's slots, which Keras
   creates next to each variable, live with the weights they update. Replicas 1..dp-1 hold
   plain copies of the trainable weights, refreshed after every step.
-* **ZeRO stage 1** (``parallel.zero=1``; Rajbhandari et al. 2020, the partitioning of
-  PyTorch's ``ZeroRedundancyOptimizer``, at whole-variable granularity): each trainable
-  variable, with the slots Keras creates beside it, lives on the devices of one *owner*
-  replica (for its stage and tensor rank), chosen greedily by bytes, largest first, so each
-  replica holds about ``1/dp`` of the optimizer state (at most the largest variable's more); every other
-  replica reads a plain copy. An expert shard's copies are held by the ``dp / ep`` groups of
-  expert parallelism, and its owner is one of those groups. The gradient of a variable is
-  summed over the replicas on its owner only, the optimizer applies there, and the copies
-  are refreshed as without ZeRO. Stage 2 would add nothing (no replica ever holds the summed
-  gradient of a variable it does not own) and is refused, as is ZeRO across workers.
+* **ZeRO** (``parallel.zero``; Rajbhandari et al. 2020) by slices
+  (:mod:`phalanx.parallel.keras_zero`): every trainable variable is cut into ``dp`` slices
+  (zero-padded), slice ``k`` on data replica ``k``'s device for the variable's stage and tensor
+  rank (an expert shard: one slice per group of ``ep`` replicas that holds a copy). A second
+  instance of the user's optimizer, made from its config, applies on the slices (one
+  ``apply``: ``global_clipnorm`` and ``iterations`` as one optimizer), so each device holds
+  ``1/dp`` of the optimizer state. ``model.optimizer`` keeps whole-shaped slots on the host
+  CPU, written at each epoch's end (:meth:`KerasModelEngine.gather_state`), for checkpoints,
+  ``evaluate`` and ``save``. Stage 1: the summed gradient of a variable is formed on each
+  slice's device (an all-reduce) and cut there; the whole weights on every replica are
+  refreshed from the updated slices (an all-gather). Stage 2: each replica's gradient is cut
+  where it was formed and slice ``k`` of every replica's is summed on replica ``k`` (a
+  reduce-scatter): no device holds a whole summed gradient. Stage 3: the weights too: the
+  model's trainable variables are the host copy (written at ``gather_state``), no replica
+  holds a whole weight between steps; each replica gathers a stage's weights from the slices
+  (a concat on its device) at the stage's first forward of the step, keeps them for its
+  later micro-batches and its backward (not gathered again), and the gradient of each slice
+  flows back to the slice's device (a reduce-scatter). With ``pp=1`` the whole model is the
+  gathered stage (it is not cut into smaller gather chunks). Not across workers; stage 3 not
+  with expert parallelism.
 * **The step** (one ``tf.function``): every replica cuts its rows of the global batch into
   ``grad_accum x microbatches`` micro-batches and runs the pipeline schedule
   (:func:`phalanx.parallel.pipeline.run_schedule`); each stage runs *statelessly* on the
@@ -98,7 +107,8 @@ from phalanx.mesh import Mesh
 from phalanx.parallel import recompute
 from phalanx.parallel.gradients import finish, join_gradients
 from phalanx.parallel.keras_graph import split_keras_model
-from phalanx.parallel.pipeline import run_schedule, schedule_for
+from phalanx.parallel.keras_zero import ZeroSlices, check_sliceable
+from phalanx.parallel.pipeline import accumulate_gradient, run_schedule, schedule_for
 from phalanx.precision import resolve_policy
 
 MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")
@@ -259,31 +269,32 @@ def check_tensor_layout(model, tp: int) -> None:
                                              f"Lion, ...) or tp=1")
 
 
-def check_zero(zero: int, workers: int = 1) -> None:
-    """Refuse a ZeRO stage the Keras-model engine does not run: it runs 0 and 1 (see the
-    module docstring), in one process (``workers``: the number of workers of the fit).
+def check_zero(zero: int, workers: int = 1, ep: int = 1) -> None:
+    """Refuse a ZeRO stage the Keras-model engine does not run: it runs 0, 1, 2 and 3 (see
+    the module docstring) in one process (``workers``: the number of workers of the fit);
+    stage 3 without expert parallelism (``ep``).
 
     Example:
-        >>> check_zero(1)
+        >>> check_zero(3)
         >>> try:
         ...     check_zero(1, workers=2)
         ... except ConfigError as err:
         ...     print(err.key)
         parallel.zero
     """
-    if zero == 2:
-        raise ConfigError("parallel.zero", "2: on the Keras-model engine parallel.zero=1 already keeps each "
-                                           "weight's summed gradient on one replica only, the one that owns its "
-                                           "optimizer state (what stage 2 adds to stage 1), and the weights are "
-                                           "not partitioned (stage 3); use parallel.zero=1 (or 0)")
-    if zero not in (0, 1):
-        raise ConfigError("parallel.zero", f"{zero}: the Keras-model engine runs parallel.zero=0 or 1")
+    if zero not in (0, 1, 2, 3):
+        raise ConfigError("parallel.zero", f"{zero}: the Keras-model engine runs parallel.zero=0, 1, 2 or 3")
     if zero and workers > 1:
         raise ConfigError("parallel.zero", f"{zero}: across {workers} workers (parallel.strategy=multi_worker) "
-                                           f"the Keras-model engine does not partition the optimizer state: "
-                                           f"every worker applies the whole update after the gradient "
-                                           f"all-reduce; use parallel.zero=0 across workers (ZeRO-1 runs over "
+                                           f"the Keras-model engine does not slice the optimizer state, gradients "
+                                           f"or weights: every worker applies the whole update after the gradient "
+                                           f"all-reduce; use parallel.zero=0 across workers (ZeRO 1-3 run over "
                                            f"the data replicas of one process)")
+    if zero == 3 and ep > 1:
+        raise ConfigError("parallel.zero", f"3 with parallel.ep={ep}: the expert shards would be gathered from "
+                                           f"slices over the expert groups, which the Keras-model engine does not "
+                                           f"do; use parallel.zero=2 (or 1, 0) with expert parallelism, or "
+                                           f"parallel.ep=1")
 
 
 def place_optimizer_slots(optimizer, variables) -> bool:
@@ -309,8 +320,11 @@ def place_optimizer_slots(optimizer, variables) -> bool:
     return moved
 
 
-def _nbytes(variable) -> int:
-    return int(np.prod(variable.shape)) * tf.as_dtype(variable.dtype).size
+def _host_device(mesh: Mesh) -> str:
+    """The CPU of the process that owns ``mesh``'s first device: where ZeRO keeps the whole
+    host copy of the weights and of the optimizer's state."""
+    spec = tf.DeviceSpec.from_string(mesh.device(0, 0, 0))
+    return spec.replace(device_type="CPU", device_index=0).to_string()
 
 
 def check_expert_layout(model, ep: int, dp: int, workers: int = 1) -> None:
@@ -479,8 +493,11 @@ class KerasModelEngine:
         if not inference_only:
             check_tensor_layout(model, mesh.tp)
             check_expert_layout(model, p.ep, mesh.dp, 1 if workers is None else workers.size)
-        check_zero(p.zero, 1 if workers is None or inference_only else workers.size)
-        self.zero = p.zero
+        check_zero(p.zero, 1 if workers is None or inference_only else workers.size, p.ep)
+        # Prediction reads whole weights and has no optimizer: no slices.
+        self.zero = 0 if inference_only else p.zero
+        if not inference_only:
+            check_sliceable(getattr(model, "optimizer", None), self.zero)
         self.model, self.cfg, self.mesh = model, cfg, mesh
         self.dp, self.pp = mesh.dp, mesh.pp
         # workers: a keras_cluster.WorkerGroup when the fit spans the workers of a cluster
@@ -503,28 +520,31 @@ class KerasModelEngine:
         self.home = self._home_stages()
         # How each stage runs in a training step under parallel.recompute (parallel/recompute.py).
         self.runners = [recompute.stage_runner(stage, p.recompute, model) for stage in self.stages]
-        # ZeRO-1: id(trainable variable) -> its owner replica; without ZeRO replica 0 owns all.
-        self.owners = self._zero_owners() if self.zero else {}
+        # Under ZeRO-3 the model's own trainable variables are the host copy (module docstring).
+        self.host = _host_device(mesh)
+        trained = {id(v) for v in model.trainable_variables}
         moved = False
         for s, stage in enumerate(self.stages):
             for v in stage.trainable_variables + stage.non_trainable_variables:
                 if self.home.get(id(v), s) == s:
-                    moved |= place_variable(v, self.variable_device(v, self.owner(v), s))
+                    device = self.host if self.zero == 3 and id(v) in trained else self.variable_device(v, 0, s)
+                    moved |= place_variable(v, device)
         if moved:
             _reindex_optimizer(getattr(model, "optimizer", None))
             # Keras's own cached step functions captured the old storage.
             model.train_function = model.test_function = model.predict_function = None
         if getattr(model, "optimizer", None) is not None:
             place_optimizer_slots(model.optimizer, model.trainable_variables)
-        # Every replica but a weight's owner reads its own copy of the weight, and a stage
-        # reads a mirror of a weight whose home is another stage (a tied embedding).
+        # Every replica but replica 0 reads its own copy of the weight, and a stage reads a
+        # mirror of a weight whose home is another stage (a tied embedding). ZeRO-3 keeps no
+        # whole copy: each stage gathers its weights from the slices.
         self.copies: dict[tuple[int, int], list[tf.Variable | None]] = {}
-        for d in range(self.dp):
+        for d in range(self.dp if self.zero < 3 else 0):
             for s, stage in enumerate(self.stages):
                 copies = []
                 for v in stage.trainable_variables:
                     owner = self._copy_owner(v, d)
-                    if owner == self.owner(v) and self.home[id(v)] == s:
+                    if owner == 0 and self.home[id(v)] == s:
                         copies.append(None)
                     elif owner != d:  # an expert shard: read the copy its owner holds
                         copies.append(self.copies[(owner, s)][len(copies)])
@@ -540,7 +560,11 @@ class KerasModelEngine:
         self._custom_loss = type(model).compute_loss is not keras.Model.compute_loss
         # id(variable read for an expert shard) -> the traced step's compute-dtype copy (_expert_casts)
         self._casts: dict[int, tf.Tensor] = {}
+        # ZeRO-3: (replica, stage, id(variable)) -> the traced step's gathered weight (_stage_values)
+        self._gathered: dict[tuple, tf.Tensor] = {}
         self._build(sample_batch)
+        # ZeRO: the slices, and the user's optimizer applied on them (parallel/keras_zero.py).
+        self.slices = self._make_slices() if self.zero else None
         # Whether the compiled loss may read a vocabulary-parallel head's shard logits (see the
         # module docstring), and the line that says which loss runs (None: no such head).
         self.vocab_loss, self.loss_note = (False, None) if inference_only else \
@@ -575,38 +599,32 @@ class KerasModelEngine:
         group = replica // self.ep
         return group * self.ep + placement_of(variable).rank % self.ep
 
-    def owner(self, variable) -> int:
-        """The replica whose devices hold ``variable`` itself (its master value) and the
-        optimizer slots beside it: 0 without ZeRO; with ``parallel.zero=1`` the one
-        :meth:`_zero_owners` chose (for an expert shard: the first replica of the group)."""
-        return self.owners.get(id(variable), 0)
+    def _slice_devices(self, variable) -> list[str]:
+        """Where the ZeRO slices of ``variable`` live: one per data replica (on its device for
+        the variable's home stage and tensor rank), or for an expert shard one per group of
+        ``ep`` replicas (on the device of the group's replica that holds the shard)."""
+        s = self.home[id(variable)]
+        placement = placement_of(variable)
+        if placement is not None and placement.axis == "expert":
+            return [self.variable_device(variable, g * self.ep, s) for g in range(self.dp // self.ep)]
+        return [self.variable_device(variable, k, s) for k in range(self.dp)]
 
-    def _zero_owners(self) -> dict[int, int]:
-        """ZeRO-1 at whole-variable granularity: id(trainable variable) -> owner replica.
-
-        A variable can live with any replica that holds a copy of it: any of the ``dp``
-        replicas, or for an expert shard any of the ``dp / ep`` groups (the group's replica
-        that holds that shard). Greedy by bytes, largest first (ties in the model's order),
-        each onto the candidate device that holds the fewest bytes so far, so on every
-        (stage, tensor rank) the owners' bytes differ by at most one variable's.
-        """
-        load: dict[str, int] = {}
-        owners: dict[int, int] = {}
+    def _make_slices(self) -> ZeroSlices:
+        """The ZeRO slices of every trainable variable, and the user's optimizer applied on
+        them (:mod:`phalanx.parallel.keras_zero`). ``model.optimizer`` keeps whole-shaped slots,
+        moved to the host, written at :meth:`gather_state`."""
+        user = self.optimizer
+        for opt in (user, getattr(user, "inner_optimizer", None)):
+            for var in (opt.variables if opt is not None else []):
+                place_variable(var, self.host)
         variables = list(self.model.trainable_variables)
-        for v in sorted(variables, key=_nbytes, reverse=True):  # sorted is stable: ties in model order
-            s = self.home[id(v)]
-            placement = placement_of(v)
-            expert = placement is not None and placement.axis == "expert"
-            candidates = range(0, self.dp, self.ep) if expert else range(self.dp)
-            best = min(candidates, key=lambda d: (load.get(self.variable_device(v, d, s), 0), d))
-            device = self.variable_device(v, best, s)
-            load[device] = load.get(device, 0) + _nbytes(v)
-            owners[id(v)] = best
-        return owners
+        slices = ZeroSlices(variables, [self._slice_devices(v) for v in variables], user, self.zero)
+        self.optimizer = slices.optimizer  # the loss scale of a mixed_float16 step is the sliced optimizer's
+        return slices
 
     def _copy_owner(self, variable, replica: int) -> int:
         """The replica that holds the copy ``replica`` reads: itself, or for an expert shard
-        the first replica of its group (the owner's group: the variable itself)."""
+        the first replica of its group (group 0's: the variable itself)."""
         placement = placement_of(variable)
         if placement is None or placement.axis != "expert":
             return replica
@@ -642,6 +660,11 @@ class KerasModelEngine:
     # -- one stage on one micro-batch -------------------------------------------------------
 
     def _params(self, replica: int, stage: int) -> list[tf.Variable]:
+        """The variables stage ``stage`` of ``replica`` differentiates: its weights (or
+        their copies), or under ZeRO-3 the slices of its weights."""
+        if self.zero == 3:
+            return [piece.value for v in self.stages[stage].trainable_variables
+                    for piece in self.slices.slices_of(v)]
         return [v.value if copy is None else copy
                 for v, copy in zip(self.stages[stage].trainable_variables, self.copies[(replica, stage)])]
 
@@ -666,15 +689,7 @@ class KerasModelEngine:
         x, y, sw = micro
         training = mode == "train"
         with tf.device(self.stage_device(replica, s)):
-            values = []
-            for v, param in zip(stage.trainable_variables, self._params(replica, s)):
-                if placement_of(v) is None:
-                    values.append(tf.convert_to_tensor(param))
-                else:  # a shard: its value carries its device, and the layer's ops follow it
-                    with tf.device(self.variable_device(v, replica, s)):
-                        values.append(tf.identity(param))
-                    if id(param) in self._casts:  # the step's one compute-dtype copy of an expert shard
-                        attach_compute_copy(values[-1], self._casts[id(param)])
+            values = self._stage_values(replica, s)
             added = tf.zeros([], tf.float32)  # this micro-batch's add_loss terms so far
             if self.split is None:
                 available = {"x": x}
@@ -712,6 +727,34 @@ class KerasModelEngine:
                 self._output_structure = y_pred  # structure only, to pack the flat outputs again
                 return tf.nest.flatten(y_pred)
             return self._loss_and_metrics(x, y, sw, y_pred, added if losses or s > 0 else None, training)
+
+    def _stage_values(self, replica: int, s: int) -> list[tf.Tensor]:
+        """The values of stage ``s``'s trainable weights that ``replica`` computes with.
+
+        Under ZeRO-3 each weight is gathered from its slices on the device that computes with
+        it (a tensor shard on its rank's), once per step, replica and stage: the first
+        forward of the stage gathers, its later micro-batches and every backward read that
+        tensor, so the gathered weights stay until the stage's last backward (they are not
+        gathered again for the backward)."""
+        stage = self.stages[s]
+        if self.zero == 3:
+            values = []
+            for v in stage.trainable_variables:
+                key = (replica, s, id(v))
+                if key not in self._gathered:
+                    self._gathered[key] = self.slices.gather(v, self.variable_device(v, replica, s))
+                values.append(self._gathered[key])
+            return values
+        values = []
+        for v, param in zip(stage.trainable_variables, self._params(replica, s)):
+            if placement_of(v) is None:
+                values.append(tf.convert_to_tensor(param))
+            else:  # a shard: its value carries its device, and the layer's ops follow it
+                with tf.device(self.variable_device(v, replica, s)):
+                    values.append(tf.identity(param))
+                if id(param) in self._casts:  # the step's one compute-dtype copy of an expert shard
+                    attach_compute_copy(values[-1], self._casts[id(param)])
+        return values
 
     def _loss_and_metrics(self, x, y, sw, y_pred, added, training: bool):
         """The compiled loss and metrics of one micro-batch, as Keras's train/test step does."""
@@ -797,6 +840,8 @@ class KerasModelEngine:
                             tf.as_dtype(layer.compute_dtype) != tf.as_dtype(v.dtype):
                         dtypes[id(v)] = layer.compute_dtype
         casts: dict[int, tf.Tensor] = {}
+        if self.zero == 3:  # no expert parallelism under ZeRO-3 (check_zero): nothing shared to cast
+            return casts
         for d in range(replicas):
             for s, stage in enumerate(self.stages):
                 for v, param in zip(stage.trainable_variables, self._params(d, s)):
@@ -822,15 +867,21 @@ class KerasModelEngine:
             return [_slice(batch, replica * per_replica + i * size, size) for i in range(parts)]
 
     def _regularization(self):
-        """(value, gradients) of the weight-regularisation loss of a cut model."""
+        """(value, gradients) of the weight-regularisation loss of a cut model (under ZeRO-3:
+        of the weights gathered on their home devices, gradients by id of each slice)."""
+        sources = [v.value for v in self.regularized] if self.zero < 3 else \
+            [piece.value for v in self.regularized for piece in self.slices.slices_of(v)]
         with tf.GradientTape() as tape:
             terms = []
             for v in self.regularized:
-                with tf.device(v.value.device):
-                    terms.append(tf.cast(v.regularizer(tf.convert_to_tensor(v.value)), tf.float32))
+                device = v.value.device if self.zero < 3 else self._slice_devices(v)[0]
+                with tf.device(device):
+                    value = tf.convert_to_tensor(v.value) if self.zero < 3 else self.slices.gather(v, device)
+                    terms.append(tf.cast(v.regularizer(value), tf.float32))
             value = tf.add_n(terms)
-        return value, dict(zip([id(v) for v in self.regularized],
-                               tape.gradient(value, [v.value for v in self.regularized])))
+        keys = [id(v) for v in self.regularized] if self.zero < 3 else \
+            [id(piece.value) for v in self.regularized for piece in self.slices.slices_of(v)]
+        return value, dict(zip(keys, tape.gradient(value, sources)))
 
     def _train_step(self, x, y, sw):
         batch = (x, y, sw)
@@ -845,7 +896,8 @@ class KerasModelEngine:
         self._casts = self._expert_casts(self.dp)
         state = self._initial_state(training=True)
         start = [list(values) for values in state]
-        acc = [[[] for _ in stage.trainable_variables] for stage in self.stages]
+        self._gathered = {}
+        acc = [[[] for _ in self._params(0, s)] for s in range(self.chunks)]
         losses = []
         first = 0
         for d in range(self.dp):
@@ -867,15 +919,17 @@ class KerasModelEngine:
                 for s, stage_grads in enumerate(grads):
                     for j, g in enumerate(stage_grads):
                         if g is not None:
-                            acc[s][j].append(g)
+                            acc[s][j].append((d, g))
         # Sum every variable's gradients over replicas and the stages that read it, on the
-        # variable's own device (under ZeRO-1 its owner's: no other replica holds the sum).
+        # variable's own device (under ZeRO on each slice's: _sliced_gradients).
+        grads, variables = [], []
+        if self.zero:
+            grads, variables = self._sliced_gradients(acc, reg_grads, scale), self.slices.flat
         parts: dict[int, list] = {}
         for s, stage in enumerate(self.stages):
             for j, v in enumerate(stage.trainable_variables):
-                parts.setdefault(id(v), []).extend(acc[s][j])
-        grads, variables = [], []
-        for v in self.model.trainable_variables:
+                parts.setdefault(id(v), []).extend(g for _, g in acc[s][j])
+        for v in (self.model.trainable_variables if not self.zero else []):
             with tf.device(v.value.device):
                 g = None
                 for part in parts[id(v)]:  # sparse ones as one device's tape gives them (parallel.gradients)
@@ -907,16 +961,47 @@ class KerasModelEngine:
         # nothing writes a weight between the forward and here.
         with tf.control_dependencies([tf.group(*[t for g in grads if g is not None
                                                  for t in tf.nest.flatten(g, expand_composites=True)])]):
-            self.optimizer.apply(grads, variables)
+            if self.zero:
+                self.slices.apply(grads)
+            else:
+                self.optimizer.apply(grads, variables)
         # TensorFlow orders ops on one variable as written: the copies read updated weights.
         self._refresh_copies()
         for s, stage in enumerate(self.stages):
             for v, new, old in zip(stage.non_trainable_variables, state[s], start[s]):
                 if new is not old or is_step_total(v):  # totals: this step's, even if never added to
                     v.value.assign(tf.cast(new, v.value.dtype))
-        self._reg_value, self._casts = None, {}
+        self._reg_value, self._casts, self._gathered = None, {}, {}
         with tf.device(self.stage_device(0, self.chunks - 1)):
             return {"loss": loss_sum / float(total * self.world)}
+
+    def _sliced_gradients(self, acc, reg_grads, scale) -> list:
+        """ZeRO: the gradient of every slice (aligned with ``self.slices.flat``), summed over
+        replicas, stages and micro-batches. ``acc[s][j]``: ``(replica, gradient)`` of stage
+        ``s``'s ``j``-th differentiated variable (a weight, or under ZeRO-3 a slice)."""
+        factor = scale / float(self.world)  # the regularisers' gradient, once over the workers
+        if self.zero < 3:
+            parts: dict[int, list] = {}
+            for s, stage in enumerate(self.stages):
+                for j, v in enumerate(stage.trainable_variables):
+                    parts.setdefault(id(v), []).extend((self.variable_device(v, d, s), g) for d, g in acc[s][j])
+            for v in self.regularized:
+                parts.setdefault(id(v), []).append((v.value.device, tf.cast(reg_grads[id(v)], tf.float32) * factor))
+            return self.slices.reduce(parts)
+        # ZeRO-3: each replica's gradient of a slice was formed where it gathered the weight
+        # and summed on the slice's device (run_schedule accumulates on the variable's device):
+        # the reduce-scatter. Here the replicas' sums meet there.
+        sums: dict[int, Any] = {}  # id(the slice's tf.Variable) -> its gradient
+        for s in range(self.chunks):
+            for j, piece in enumerate(self._params(0, s)):
+                with tf.device(piece.device):
+                    for _, g in acc[s][j]:
+                        sums[id(piece)] = accumulate_gradient(sums.get(id(piece)), g, keep_sparse=True)
+        for key, g in reg_grads.items():
+            if g is not None:
+                sums[key] = accumulate_gradient(sums.get(key), tf.cast(tf.convert_to_tensor(g), tf.float32) * factor)
+        return [None if id(piece.value) not in sums else ZeroSlices.cast(sums[id(piece.value)], piece.dtype)
+                for piece in self.slices.flat]
 
     def _split_for_inference(self, rows: int) -> tuple[int, int]:
         """(replicas, micro-batches per replica) that divide an evaluation batch evenly."""
@@ -929,7 +1014,7 @@ class KerasModelEngine:
     def _inference(self, batch, mode: str):
         replicas, parts = self._split_for_inference(_rows(batch[0]))
         state = self._initial_state()
-        self._casts = self._expert_casts(replicas)
+        self._casts, self._gathered = self._expert_casts(replicas), {}
         results = []
         for d in range(replicas):
             for micro in self._micro_batches(batch, d, _rows(batch[0]) // replicas, parts):
@@ -937,7 +1022,7 @@ class KerasModelEngine:
                 for s in range(self.chunks):
                     carried = self._forward(d, s, carried, micro, state, mode)
                 results.append(carried)
-        self._casts = {}
+        self._casts, self._gathered = {}, {}
         return results
 
     def _test_step(self, x, y, sw):
@@ -970,16 +1055,41 @@ class KerasModelEngine:
 
     def sync_copies(self) -> None:
         """Refresh the replicas' weight copies after the model's weights were assigned
-        outside a step (a restored checkpoint, the chief's broadcast weights)."""
+        outside a step (a restored checkpoint, the chief's broadcast weights); under ZeRO cut
+        the model's weights and ``model.optimizer``'s state into the slices again."""
+        if self.slices is not None:
+            self.slices.load()
         self._refresh_copies()
 
+    def gather_state(self) -> None:
+        """Under ZeRO: write the sliced weights and optimizer state into the model's weights
+        and ``model.optimizer``'s variables (before a checkpoint is saved, at an epoch's end, after
+        the fit). Without ZeRO they are the state itself: nothing to do."""
+        if self.slices is not None:
+            self.slices.store(weights=self.zero == 3)
+
     def _refresh_copies(self) -> None:
+        if self.slices is not None:  # ZeRO-1/2: every whole copy from the updated slices (all-gather)
+            if self.zero < 3:
+                self.slices.refresh(self._whole_copies)
+            return
         done = set()  # an expert shard's copy is shared by the replicas of its group
         for (d, s), copies in self.copies.items():
             for copy, v in zip(copies, self.stages[s].trainable_variables):
                 if copy is not None and id(copy) not in done:
                     done.add(id(copy))
                     copy.assign(v.value)
+
+    def _whole_copies(self, variable) -> list:
+        """Every whole copy of ``variable`` a replica reads: the variable itself (replica 0)
+        and the replicas' copies and stage mirrors, each once."""
+        out, seen = [variable.value], {id(variable.value)}
+        for (d, s), copies in self.copies.items():
+            for copy, v in zip(copies, self.stages[s].trainable_variables):
+                if v is variable and copy is not None and id(copy) not in seen:
+                    seen.add(id(copy))
+                    out.append(copy)
+        return out
 
     def test_step(self, batch) -> dict[str, tf.Tensor]:
         """Loss and compiled metrics of a batch, weights unchanged."""

@@ -55,8 +55,8 @@ GPT_EXPERT_PARALLEL = True
 # True: that engine runs ep with tp and pp too (it cuts the GPT into tensor shards and stages).
 GPT_EP_WITH_TP_PP = True
 # False while that engine refuses ep with ZeRO or recompute (keras_gpt.refuse_unhonoured).
-# True: that engine runs ep with parallel.zero=1 (the AdamW moments partitioned over the data
-# replicas by whole variables, engines/keras_model.py check_zero; zero=2 refused there).
+# True: that engine runs ep with parallel.zero=1 (the AdamW moments cut into slices over the
+# data replicas, engines/keras_model.py; zero=2 refused by keras_gpt.refuse_unhonoured).
 GPT_EP_WITH_ZERO = True
 # False while that engine refuses ep with recompute (keras_gpt.refuse_unhonoured).
 GPT_EP_WITH_RECOMPUTE = False
@@ -77,8 +77,10 @@ def _config_accepts(key: str, value) -> bool:
 
 @lru_cache(maxsize=None)
 def engine_zero_stages() -> tuple[int, ...]:
-    """ZeRO stages ``parallel.zero`` accepts (probed from the config's own validation)."""
-    return tuple(z for z in range(4) if _config_accepts("parallel.zero", z))
+    """ZeRO stages ``parallel.zero`` accepts (probed from the config's own validation) that
+    ``phalanx train`` runs for the built-in GPT: ZeRO-3 runs for Keras models only
+    (engines/factory.py refuses it for the GPT)."""
+    return tuple(z for z in range(3) if _config_accepts("parallel.zero", z))
 
 
 def engine_schedules() -> tuple[str, ...]:

@@ -556,6 +556,7 @@ def _train_epochs(engine, model, cfg, run_dir: Path | None, output: RunOutput | 
             say(f"epoch {epoch + 1}: no batch to train on; stopping")
             break
         epoch_logs = dict(logs)
+        engine.gather_state()  # under ZeRO: the sliced state into the model and model.optimizer
         if val is not None and (epoch + 1) % validation_freq == 0:
             val_logs = _evaluate_loop(engine, model, val, callback_list, validation_steps)
             epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
