@@ -183,3 +183,18 @@ def test_position_and_token_tables_under_adam_equal_keras_fit(name, layout, tmp_
     for mine, ref in zip(model.variables + model.optimizer.variables,
                          reference.variables + reference.optimizer.variables):
         np.testing.assert_allclose(mine.numpy(), ref.numpy(), rtol=1e-4, atol=1e-5, err_msg=mine.path)
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_sparse_join_rule_holds_on_zero_slices(zero, tmp_path, references):
+    """Under ZeRO the gradients are cut into each replica's slices before they are joined: the
+    table read both ways (token ids and positions) must still reach Adam as one device's."""
+    ref_losses, reference = references("mixed")
+    model, record = build("mixed"), StepLosses()
+    phalanx.fit(model, *data("mixed"), batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+                callbacks=[record], overrides=LAYOUTS["dp2"] + [f"parallel.zero={zero}", f"run.dir={tmp_path / 'run'}"])
+    # As above: the slices reorder sums only.
+    np.testing.assert_allclose(record.losses, ref_losses, rtol=1e-4, atol=1e-6)
+    for mine, ref in zip(model.variables + model.optimizer.variables,
+                         reference.variables + reference.optimizer.variables):
+        np.testing.assert_allclose(mine.numpy(), ref.numpy(), rtol=1e-4, atol=1e-5, err_msg=mine.path)

@@ -355,6 +355,9 @@ class CustomStepEngine:
     def sync_copies(self) -> None:
         """Nothing to refresh: every replica reads the model's own variables."""
 
+    def gather_state(self) -> None:
+        """Nothing to gather: the model's own variables are the state (no ZeRO slices here)."""
+
 
 def logs_as_numbers(logs) -> dict:
     """A step's logs as Python floats (scalars) or NumPy arrays, as callbacks read them."""

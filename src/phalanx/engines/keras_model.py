@@ -108,7 +108,7 @@ from phalanx.parallel import recompute
 from phalanx.parallel.gradients import finish, join_gradients
 from phalanx.parallel.keras_graph import split_keras_model
 from phalanx.parallel.keras_zero import ZeroSlices, check_sliceable
-from phalanx.parallel.pipeline import accumulate_gradient, run_schedule, schedule_for
+from phalanx.parallel.pipeline import run_schedule, schedule_for
 from phalanx.precision import resolve_policy
 
 MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")
@@ -996,11 +996,11 @@ class KerasModelEngine:
             for j, piece in enumerate(self._params(0, s)):
                 with tf.device(piece.device):
                     for _, g in acc[s][j]:
-                        sums[id(piece)] = accumulate_gradient(sums.get(id(piece)), g, keep_sparse=True)
+                        sums[id(piece)] = join_gradients(sums.get(id(piece)), g)
         for key, g in reg_grads.items():
             if g is not None:
-                sums[key] = accumulate_gradient(sums.get(key), tf.cast(tf.convert_to_tensor(g), tf.float32) * factor)
-        return [None if id(piece.value) not in sums else ZeroSlices.cast(sums[id(piece.value)], piece.dtype)
+                sums[key] = join_gradients(sums.get(key), tf.cast(tf.convert_to_tensor(g), tf.float32) * factor)
+        return [None if id(piece.value) not in sums else ZeroSlices.cast(finish(sums[id(piece.value)]), piece.dtype)
                 for piece in self.slices.flat]
 
     def _split_for_inference(self, rows: int) -> tuple[int, int]:

@@ -46,7 +46,7 @@ import numpy as np
 import tensorflow as tf
 
 from phalanx.config import ConfigError
-from phalanx.parallel.pipeline import accumulate_gradient
+from phalanx.parallel.gradients import SparseGradient, densify, finish, join_gradients
 
 # Optimizers that scale an update by statistics of a whole weight (a slice does not see them).
 MATRIX_WISE = ("Adafactor", "Lamb", "Muon")
@@ -90,7 +90,16 @@ class SliceLayout:
 
     def grad_piece(self, grad, k: int):
         """Slice ``k`` of a gradient; an ``IndexedSlices`` of a variable cut by rows stays
-        sparse (its rows of the slice, re-indexed), as a whole variable's optimizer sees it."""
+        sparse (its rows of the slice, re-indexed), as a whole variable's optimizer sees it,
+        and so does a :class:`~phalanx.parallel.gradients.SparseGradient` being joined (each
+        of its lookups cut alike, so that joining the slices follows the same rule as joining
+        the whole gradients)."""
+        if isinstance(grad, SparseGradient):
+            if not self.by_rows:
+                return self.piece(densify(grad), k)
+            shape = tf.constant(self.slice_shape, tf.int64)
+            return SparseGradient(shape, {key: self.grad_piece(p, k) for key, p in grad.shared.items()},
+                                  [self.grad_piece(r, k) for r in grad.rows])
         if isinstance(grad, tf.IndexedSlices) and self.by_rows:
             start = k * self.per
             keep = tf.logical_and(grad.indices >= start, grad.indices < start + self.per)
@@ -290,19 +299,20 @@ class ZeroSlices:
                     with tf.device(device):
                         total = None
                         for _, g in mine:
-                            total = accumulate_gradient(total, g, keep_sparse=True)
-                        out.append(self.cast(layout.grad_piece(total, k), v.dtype))
+                            total = join_gradients(total, g)
+                        out.append(self.cast(finish(layout.grad_piece(total, k)), v.dtype))
                 continue
             cut = []
             for device, g in mine:
-                with tf.device(device):
+                with tf.device(device):  # classified (parallel.gradients) before it is cut
+                    g = join_gradients(None, g)
                     cut.append([layout.grad_piece(g, k) for k in range(len(where))])
             for k, device in enumerate(where):
                 with tf.device(device):
                     total = None
                     for pieces in cut:
-                        total = accumulate_gradient(total, pieces[k], keep_sparse=True)
-                    out.append(self.cast(total, v.dtype))
+                        total = join_gradients(total, pieces[k])
+                    out.append(self.cast(finish(total), v.dtype))
         return out
 
     @staticmethod
