@@ -122,6 +122,7 @@ def test_selective_recomputes_each_shard_core_of_parallel_self_attention():
 
 
 def gpt2(dropout: float):
+    """A small keras-hub GPT-2 causal LM compiled with SGD."""
     keras.utils.set_random_seed(1)
     import keras_hub
 
