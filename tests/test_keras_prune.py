@@ -165,6 +165,18 @@ def test_two_four_pruning_equals_keras_fit_and_keeps_two_of_every_four(tmp_path)
         assert (np.count_nonzero(groups == 0, axis=-1) == 2).all(), v.path
 
 
+def test_a_model_built_on_its_first_batch_is_pruned(tmp_path):
+    """No keras.Input: the kernels exist once the engine has built the model."""
+    x, y = xy()
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.layers.Dense(8, activation="relu"), keras.layers.Dense(4)])
+    model.compile(optimizer="sgd", loss="mse")
+    phalanx.fit(model, x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+                overrides=PRUNE + [f"run.dir={tmp_path}"])
+    for v in kernels_of(model):
+        assert int(np.count_nonzero(v.numpy() == 0)) == round(0.5 * v.numpy().size), v.path
+
+
 def test_masks_resume_from_the_epoch_checkpoint(tmp_path):
     """Two epochs in one fit equal one epoch, then a second fit resuming from its checkpoint:
     the masks installed at step 4 come back from the checkpoint (the schedule has no update
