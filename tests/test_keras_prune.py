@@ -20,6 +20,7 @@ from phalanx import checkpoint
 from phalanx.config import ConfigError
 
 from test_keras_hub import StepLosses, data
+from test_keras_recompute import gpt2
 
 PRUNE = ["train.prune.target=0.5", "train.prune.start=0", "train.prune.end=4", "train.prune.every=2"]
 
@@ -164,6 +165,18 @@ def test_two_four_pruning_equals_keras_fit_and_keeps_two_of_every_four(tmp_path)
         assert (np.count_nonzero(groups == 0, axis=-1) == 2).all(), v.path
 
 
+def test_a_model_built_on_its_first_batch_is_pruned(tmp_path):
+    """No keras.Input: the kernels exist once the engine has built the model."""
+    x, y = xy()
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.layers.Dense(8, activation="relu"), keras.layers.Dense(4)])
+    model.compile(optimizer="sgd", loss="mse")
+    phalanx.fit(model, x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+                overrides=PRUNE + [f"run.dir={tmp_path}"])
+    for v in kernels_of(model):
+        assert int(np.count_nonzero(v.numpy() == 0)) == round(0.5 * v.numpy().size), v.path
+
+
 def test_masks_resume_from_the_epoch_checkpoint(tmp_path):
     """Two epochs in one fit equal one epoch, then a second fit resuming from its checkpoint:
     the masks installed at step 4 come back from the checkpoint (the schedule has no update
@@ -186,18 +199,6 @@ def test_masks_resume_from_the_epoch_checkpoint(tmp_path):
         assert int(np.count_nonzero(v.numpy() == 0)) == round(0.5 * v.numpy().size), v.path
 
 
-def gpt2():
-    import keras_hub
-
-    keras.utils.set_random_seed(1)
-    backbone = keras_hub.models.GPT2Backbone(vocabulary_size=64, num_layers=2, num_heads=2, hidden_dim=16,
-                                             intermediate_dim=32, max_sequence_length=16, dropout=0.0)
-    model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
-    model.compile(optimizer=keras.optimizers.SGD(0.1),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
-
-
 @pytest.mark.parametrize("pattern", ["unstructured", "2:4"])
 def test_pruning_keras_hub_gpt2_on_tp2_equals_one_device_and_keras_fit(pattern, tmp_path):
     """The attention's EinsumDense kernels and the MLP's Dense kernels of GPT-2; at tp=2 they
@@ -208,13 +209,13 @@ def test_pruning_keras_hub_gpt2_on_tp2_equals_one_device_and_keras_fit(pattern, 
     x, y = data()
     prune = ["train.prune.target=0.5", "train.prune.start=0", "train.prune.end=2", "train.prune.every=1",
              f"train.prune.pattern={pattern}"]
-    ref, ref_steps = gpt2(), StepLosses()
+    ref, ref_steps = gpt2(dropout=0.0), StepLosses()
     callback = NumpyPruning(kernels_of(ref), 0.5, 0, 2, 1, nm=None if pattern == "unstructured" else (2, 4),
                             nm_axes=input_axes(ref))
     ref.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[callback, ref_steps])
     runs = {}
     for layout, overrides in {"one_device": [], "tp2": ["parallel.devices=cpu:2", "parallel.tp=2"]}.items():
-        model, steps = gpt2(), StepLosses()
+        model, steps = gpt2(dropout=0.0), StepLosses()
         phalanx.fit(model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[steps],
                     overrides=overrides + prune + [f"run.dir={tmp_path / layout}"])
         phalanx.unparallelize(model)

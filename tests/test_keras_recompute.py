@@ -122,6 +122,7 @@ def test_selective_recomputes_each_shard_core_of_parallel_self_attention():
 
 
 def gpt2(dropout: float):
+    """A small keras-hub GPT-2 causal LM compiled with SGD."""
     keras.utils.set_random_seed(1)
     import keras_hub
 
@@ -144,6 +145,23 @@ def test_recompute_of_keras_hub_gpt2_with_dropout_equals_keras_fit(mode, tmp_pat
     phalanx.fit(model, x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[steps],
                 overrides=[f"parallel.recompute={mode}", f"run.dir={tmp_path}"])
     assert_same(model, reference, steps, ref_steps, mode)
+
+
+def test_selective_recompute_of_keras_hub_llama_equals_keras_fit(tmp_path):
+    """Llama's own attention layer at tp=1 (its _compute_attention): one recomputed call per
+    block in the traced step, and Keras's numbers (Adam over 2 steps: the bound of the keras-hub
+    tests)."""
+    x, y = data()
+    assert recomputed_calls(build("llama"), "selective", (x, y, None)) - \
+        recomputed_calls(build("llama"), "none", (x, y, None)) == 2
+    reference, ref_steps = build("llama"), StepLosses()
+    reference.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[ref_steps])
+    model, steps = build("llama"), StepLosses()
+    phalanx.fit(model, x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[steps],
+                overrides=["parallel.recompute=selective", f"run.dir={tmp_path}"])
+    np.testing.assert_allclose(steps.losses, ref_steps.losses, rtol=1e-4)
+    for mine, want in zip(model.weights, reference.weights):
+        np.testing.assert_allclose(mine.numpy(), want.numpy(), rtol=1e-4, atol=1e-5, err_msg=mine.path)
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])

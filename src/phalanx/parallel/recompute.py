@@ -20,9 +20,10 @@ again and differentiates that copy) by way of :func:`stage_runner`:
   (no graph to cut) is one block: with one stage and one micro-batch that saves nothing,
   with several micro-batches in flight it keeps one micro-batch's activations, not all.
 * ``selective``: the attention cores of :class:`~phalanx.layers.ParallelSelfAttention`
-  (keras-hub GPT-2 / Llama after :func:`phalanx.parallelize`) and of every
-  :class:`keras.layers.MultiHeadAttention` (its ``_compute_attention``: keras-hub GPT-2's
-  attention at tp=1 among them) are recomputed, nothing else.
+  (keras-hub GPT-2 / Llama after :func:`phalanx.parallelize`) and of every layer with
+  Keras's ``_compute_attention(query, key, value, ...)`` (``keras.layers.MultiHeadAttention``
+  and its keras-hub subclasses, keras-hub's ``LlamaAttention``: GPT-2's and Llama's attention
+  at tp=1) are recomputed, nothing else.
 
 Same numbers: the backward recomputes the same ops on the same inputs, so the activations
 it differentiates are those of the forward. Non-trainable state (BatchNormalization moving
@@ -336,23 +337,27 @@ def _recomputed_core(core: Callable) -> Callable:
 
 
 def _recomputed_attention(layer, original: Callable) -> Callable:
-    """``layer._compute_attention`` (a :class:`keras.layers.MultiHeadAttention`) recomputed: the
-    backward runs it again with the layer's seed state as the forward found it, in a scope of
-    its own, so its dropout mask is the forward's and the state advances once."""
+    """``layer._compute_attention`` (Keras's MultiHeadAttention, keras-hub's attention layers:
+    ``(query, key, value, ...)`` to a tensor or a nest of tensors) recomputed: the backward runs
+    it again with the layer's seed state as the forward found it, in a scope of its own, so its
+    dropout mask is the forward's and the state advances once."""
 
     def compute(query, key, value, *args, **kwargs):  # the mask, training... as the caller passes them
         state = list(layer.non_trainable_variables)
         start = [tf.convert_to_tensor(v.value) for v in state]  # the values the forward reads
+        made: dict = {}
 
         def forward(q, k, v):
-            return list(original(q, k, v, *args, **kwargs))
+            result = original(q, k, v, *args, **kwargs)
+            made["structure"] = result
+            return tf.nest.flatten(result)
 
         def again(q, k, v):
             with keras.StatelessScope(state_mapping=list(zip(state, start))):
                 return forward(q, k, v)
 
-        out, scores = recompute(forward, [query, key, value], again=again)
-        return out, scores
+        flat = recompute(forward, [query, key, value], again=again)
+        return tf.nest.pack_sequence_as(made["structure"], flat)
 
     return compute
 
@@ -360,14 +365,15 @@ def _recomputed_attention(layer, original: Callable) -> Callable:
 @contextlib.contextmanager
 def attention_cores(model):
     """Within: the attention cores of ``model``'s :class:`~phalanx.layers.ParallelSelfAttention`
-    and :class:`keras.layers.MultiHeadAttention` layers are recomputed in the backward (the
-    calls traced inside; nothing stays changed after)."""
+    layers and the ``_compute_attention`` of its other attention layers (Keras's
+    :class:`keras.layers.MultiHeadAttention` and keras-hub's, e.g. GPT-2's and Llama's) are
+    recomputed in the backward (the calls traced inside; nothing stays changed after)."""
     changed = []
     for layer in model._flatten_layers(include_self=False):
         if isinstance(layer, ParallelSelfAttention):
             layer.core_wrapper = _recomputed_core
             changed.append((layer, "core_wrapper"))
-        elif isinstance(layer, keras.layers.MultiHeadAttention):
+        elif callable(getattr(layer, "_compute_attention", None)):  # MultiHeadAttention, keras-hub's attentions
             layer._compute_attention = _recomputed_attention(layer, layer._compute_attention)
             changed.append((layer, "_compute_attention"))
     try:

@@ -424,10 +424,11 @@ def fit(model, cfg: Config, mesh: Mesh, x=None, y=None, *, batch_size=None, epoc
     apply_precision(model, cfg)
     if model.optimizer is None:
         model.optimizer = default_optimizer(cfg, (train.steps or 1) * epochs)
-    pruning = KerasPruning(cfg, model, workers=world)  # train.prune.*: checked here, run around every step
     first = train.first()
     engine = _engine(model, cfg, mesh, first, "train_step", workers=workers)
     _check_labels(model, first, train, val)
+    # train.prune.*: checked on the built model before anything is written, run around every step
+    pruning = KerasPruning(cfg, model, workers=world)
     run_dir = run_directory(cfg)
     loop = dict(epochs=epochs, initial_epoch=initial_epoch, callbacks=callbacks, verbose=verbose,
                 validation_steps=validation_steps, validation_freq=validation_freq, pruning=pruning)
