@@ -37,7 +37,7 @@ from phalanx.cluster.tf_config import cluster_info_from_env
 from phalanx.config import Config, ConfigError, load_config, parse_override
 from phalanx.engines import keras_cluster
 from phalanx.mesh import build_mesh
-from phalanx.train import keras_api
+from phalanx.train import keras_api, keras_ps
 
 
 def _config(config: Config | None, overrides: Sequence[str]) -> Config:
@@ -76,6 +76,8 @@ def init(*overrides: str, config: Config | None = None) -> Config:
 
     cfg = _config(config, overrides)
     args = ", ".join(repr(o) for o in overrides) if overrides else "config=..."
+    if keras_ps.setup(cfg):  # parameter servers: worker and ps tasks serve in here; the chief goes on
+        return cfg
     if keras_cluster.setup(cfg, init_line=f"phalanx.init({args})"):  # every worker of a cluster joins it first
         _mesh(cfg, overrides)
         return cfg
@@ -91,9 +93,13 @@ def init(*overrides: str, config: Config | None = None) -> Config:
     return cfg
 
 
-def _mesh(cfg: Config, overrides: Sequence[str]):
+def _mesh(cfg: Config, overrides: Sequence[str], what: str = "fit"):
 
     info = cluster_info_from_env()
+    if keras_ps.ps_mode(cfg, info):  # the chief's own loop (phalanx.train.keras_ps), no mesh
+        if what != "fit":
+            keras_ps.refuse(what)
+        return None
     if keras_cluster.cluster_mode(cfg, info):  # this worker's own devices
         return build_mesh(cfg, keras_cluster.local_devices(cfg, info))
     try:
@@ -139,7 +145,7 @@ def evaluate(model, x=None, y=None, *, batch_size=None, steps=None, sample_weigh
     """``model.evaluate`` on the layout of ``config``: the loss and compiled metrics."""
 
     cfg = _config(config, overrides)
-    return keras_api.evaluate(model, cfg, _mesh(cfg, overrides), x, y, batch_size=batch_size, steps=steps,
+    return keras_api.evaluate(model, cfg, _mesh(cfg, overrides, "evaluate"), x, y, batch_size=batch_size, steps=steps,
                               sample_weight=sample_weight, callbacks=callbacks, return_dict=return_dict,
                               verbose=verbose)
 
@@ -149,5 +155,5 @@ def predict(model, x, *, batch_size=None, steps=None, callbacks=None, overrides:
     """``model.predict`` on the layout of ``config``: NumPy outputs in the model's structure."""
 
     cfg = _config(config, overrides)
-    return keras_api.predict(model, cfg, _mesh(cfg, overrides), x, batch_size=batch_size, steps=steps,
+    return keras_api.predict(model, cfg, _mesh(cfg, overrides, "predict"), x, batch_size=batch_size, steps=steps,
                              callbacks=callbacks, verbose=verbose)

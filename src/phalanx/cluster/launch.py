@@ -20,7 +20,9 @@ Behaviour:
 * the run succeeds when every worker exits 0 (with ``--ps``: when the chief exits 0;
   the server tasks are then stopped);
 * when a task exits non-zero (or dies), the others get SIGTERM, then SIGKILL after
-  ``--grace`` seconds, and the launcher exits with that task's status; with
+  ``--grace`` seconds, and the launcher exits with that task's status (with ``--ps`` and
+  ``--keep-going-without-workers``, a worker task that dies is only reported: the chief's
+  ``ClusterCoordinator`` runs its steps on the other workers); with
   ``--restarts K`` the whole cluster is started again, up to K times (the training
   command resumes from its last checkpoint by itself);
 * SIGINT/SIGTERM are forwarded to every task (a trainer saves a checkpoint and
@@ -73,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, required=True, metavar="N", help="number of worker tasks (>= 1)")
     p.add_argument("--ps", type=int, default=0, metavar="M",
                    help="parameter-server tasks; adds a chief task that coordinates (default 0)")
+    p.add_argument("--keep-going-without-workers", action="store_true",
+                   help="with --ps: a worker task that dies does not stop the cluster (the chief's "
+                        "ClusterCoordinator reschedules its steps on the other workers); the chief or a ps "
+                        "task dying still does")
     p.add_argument("--restarts", type=int, default=0, metavar="K",
                    help="restart the whole cluster up to K times after a failure (default 0)")
     p.add_argument("--timeout", type=float, default=0.0, metavar="S",
@@ -101,13 +107,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         (args.restarts < 0, f"--restarts must be >= 0, got {args.restarts}"),
         (args.timeout < 0, f"--timeout must be >= 0 (0: no limit), got {args.timeout}"),
         (args.grace < 0, f"--grace must be >= 0, got {args.grace}"),
+        (args.keep_going_without_workers and not args.ps,
+         "--keep-going-without-workers needs --ps M (without parameter servers every worker holds a share of "
+         "each step)"),
         (not command, "no COMMAND given; usage: phalanx launch --workers N -- COMMAND [ARGS...]"),
     ) if bad]
     if problems:
         print(f"error: {problems[0]}", file=sys.stderr)
         return EXIT_USAGE
     launcher = Launcher(command=command, workers=args.workers, ps=args.ps, restarts=args.restarts,
-                        timeout=args.timeout, grace=args.grace, network=args.network)
+                        timeout=args.timeout, grace=args.grace, network=args.network,
+                        keep_going_without_workers=args.keep_going_without_workers)
     return launcher.run()
 
 
@@ -164,6 +174,7 @@ class Task:
     name: str
     proc: subprocess.Popen
     server: bool  # a ps-mode worker/ps task: serves the chief and never finishes by itself
+    lost: bool = False  # a ps-mode worker that died, tolerated (--keep-going-without-workers)
     partial: dict[int, bytes] = field(default_factory=dict)
 
     @property
@@ -176,9 +187,10 @@ class Launcher:
 
     def __init__(self, command: list[str], workers: int, ps: int = 0, restarts: int = 0,
                  timeout: float = 0.0, grace: float = 10.0, network: str = "auto",
-                 out: Callable[[str], None] | None = None, err: Callable[[str], None] | None = None):
+                 keep_going_without_workers: bool = False, out: Callable[[str], None] | None = None, err: Callable[[str], None] | None = None):
         self.command, self.workers, self.ps = command, workers, ps
         self.restarts, self.timeout, self.grace, self.network = restarts, timeout, grace, network
+        self.keep_going_without_workers = keep_going_without_workers
         self._out = out or (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
         self._err = err or (lambda s: (sys.stderr.write(s), sys.stderr.flush()))
         self._signal: int | None = None
@@ -288,7 +300,11 @@ class Launcher:
                 return 0, False
             for t in tasks:
                 code = t.returncode
-                if code is not None and (code != 0 or t.server):
+                if code is not None and not t.lost and self.keep_going_without_workers and t.server \
+                        and t.name.startswith("worker"):
+                    t.lost = True
+                    self.status(f"{t.name} {status_text(code)}; going on without it (--keep-going-without-workers)")
+                if code is not None and not t.lost and (code != 0 or t.server):
                     why = status_text(code) + (" (a server task must run until the chief is done)" if code == 0 else "")
                     self.status(f"{t.name} {why}; stopping the cluster")
                     return (exit_code(code) or 1), True

@@ -154,3 +154,114 @@ def _done(remote: Any) -> bool:
     status = getattr(remote, "_status", None)
     # RemoteValue has no public "is it ready" query; fall back to "not done" (kept until fetched).
     return status is not None and getattr(status, "name", "") in ("READY", "ABORTED")
+
+
+class KerasParameterServerEngine:
+    """Any compiled Keras model trained asynchronously by the workers of a parameter-server
+    cluster: the model's own ``train_step`` (its optimizer, loss and compiled metrics, as
+    Keras computes them), scheduled by the chief's ``ClusterCoordinator``.
+
+    * ``build`` (a function returning the compiled model) runs inside ``strategy.scope()``,
+      so every variable -- weights, optimizer slots and iterations, metric totals -- is
+      created on a ps task; the model's compiled state (metrics, optimizer) is then built
+      there from ``sample_batch`` (Keras's own ``_maybe_symbolic_build``).
+    * :meth:`train_step` schedules ``strategy.run(model.train_step, (batch,))`` on whichever
+      worker is free and returns at once: the worker reads the weights from the ps tasks,
+      computes the gradient of the batch and has the model's optimizer update the ps
+      variables. Up to ``max_in_flight`` steps run concurrently, each on the weights it read
+      (stale by the updates of the steps in flight beside it).
+    * the batch travels with its step, as :class:`ParameterServerEngine` does, so a step
+      that TensorFlow reschedules after a worker died runs on the same rows.
+    * :meth:`join` waits for every scheduled step; the metric variables then hold the
+      totals of every step since the last ``model.reset_metrics()``.
+
+    Example (the chief of ``phalanx launch --workers 2 --ps 1``; see
+    :mod:`phalanx.train.keras_ps`, which runs the epochs)::
+
+        engine = KerasParameterServerEngine(build_model, strategy, coordinator, (x[:32], y[:32]), 2)
+        logs = engine.train_step((x[:32], y[:32]))   # scheduled; float(logs["loss"]) waits for it
+        engine.join()
+        engine.model.get_metrics_result()
+    """
+
+    def __init__(self, build, strategy: tf.distribute.Strategy, coordinator: Any, sample_batch,
+                 num_workers: int = 1, max_in_flight: int | None = None):
+        if not isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+            raise TypeError(f"KerasParameterServerEngine needs a ParameterServerStrategy, got "
+                            f"{type(strategy).__name__}")
+        self.strategy, self.coordinator = strategy, coordinator
+        self.num_workers = max(1, num_workers)
+        # Two steps per worker in flight keep every worker busy while the chief feeds the next.
+        self.max_in_flight = max_in_flight or 2 * self.num_workers
+        self._pending: list[Any] = []
+        with strategy.scope():
+            self.model = build()
+            # Metrics, loss and optimizer variables now, on the ps tasks (not in the first step,
+            # which runs on a worker).
+            self.model._maybe_symbolic_build(data_batch=keras_data(sample_batch))
+            if self.model.optimizer is not None and not self.model.optimizer.built:
+                self.model.optimizer.build(self.model.trainable_variables)
+        model = self.model
+
+        @tf.autograph.experimental.do_not_convert
+        def train(data):
+            return strategy.run(model.train_step, args=(data,))
+
+        @tf.autograph.experimental.do_not_convert
+        def test(data):
+            return strategy.run(model.test_step, args=(data,))
+
+        self._train_fn = tf.function(train, reduce_retracing=True)
+        self._test_fn = tf.function(test, reduce_retracing=True)
+        self._keys: dict[str, list[str]] = {}
+
+    def variable_devices(self) -> list[str]:
+        """Where the model's variables live (ps tasks)."""
+        return [v.value.device for v in self.model.variables]
+
+    def _schedule(self, fn, batch, kind: str) -> dict:
+        self._pending = [r for r in self._pending if not _done(r)]
+        while len(self._pending) >= self.max_in_flight:
+            self._pending.pop(0).fetch()
+        remote = self.coordinator.schedule(fn, args=(keras_data(batch),))
+        self._pending.append(remote)
+        if kind not in self._keys:  # the first step's logs name the keys (a model's own step may add some)
+            self._keys[kind] = list(remote.fetch())
+        return {k: RemoteScalar(remote, k) for k in self._keys[kind]}
+
+    def train_step(self, batch) -> dict[str, RemoteScalar]:
+        """Schedule one step on a free worker; the logs are fetched when read (``float()``)."""
+        return self._schedule(self._train_fn, batch, "train")
+
+    def test_step(self, batch) -> dict[str, RemoteScalar]:
+        """Schedule the model's ``test_step`` (its metrics accumulate on the ps tasks)."""
+        return self._schedule(self._test_fn, batch, "test")
+
+    def join(self) -> None:
+        """Wait until every scheduled step has run (a step's error is raised here)."""
+        self.coordinator.join()
+        self._pending = []
+
+    def release(self) -> None:
+        """Wait for the steps in flight, then hand the model back to Keras: its own
+        ``evaluate``/``predict``/``fit`` would distribute their data with the
+        ParameterServerStrategy it was built under, which Keras cannot do
+        (keras-team/keras#18624), so the model forgets that strategy and its traced
+        functions. Its variables stay where they are (on the ps tasks): this process reads
+        them as long as the cluster runs."""
+        self.join()
+        model = self.model
+        model._distribute_strategy = None
+        model.train_function = model.test_function = model.predict_function = None
+
+
+def keras_data(batch) -> tuple:
+    """``(x, y, sample_weight)`` without its trailing Nones: the data tuple Keras's steps unpack.
+
+    >>> keras_data((1, 2, None))
+    (1, 2)
+    """
+    batch = tuple(batch)
+    while len(batch) > 1 and batch[-1] is None:
+        batch = batch[:-1]
+    return batch

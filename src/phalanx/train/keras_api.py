@@ -15,7 +15,8 @@ with :class:`phalanx.layers.MoE` layers also ``moe_aux_loss``, ``moe_balance``,
 Under a TF_CONFIG cluster (``parallel.strategy=multi_worker``, every worker runs the same
 script) each worker trains on its rows of every global batch and the workers all-reduce
 gradients and metrics (:mod:`phalanx.engines.keras_cluster`); only the chief writes the
-run directory and prints. ``parameter_server`` is refused.
+run directory and prints. Under ``parameter_server`` the chief trains a model built by a
+function, asynchronously, on the workers (:mod:`phalanx.train.keras_ps`).
 
 Use it through :func:`phalanx.fit`, :func:`phalanx.evaluate` and :func:`phalanx.predict`.
 """
@@ -113,9 +114,12 @@ def check_config_for_keras(cfg: Config, model) -> None:
                                                    f"{model.name!r} is compiled with "
                                                    f"{type(model.optimizer).__name__}, whose settings rule; set it "
                                                    f"on that optimizer")
-    # Refuses parameter_server (and a strategy that cannot span a cluster's workers);
-    # multi_worker runs on every worker of a TF_CONFIG cluster (phalanx.engines.keras_cluster).
-    keras_cluster.cluster_mode(cfg)
+    # Refuses a strategy that cannot span a cluster's workers; multi_worker runs on every worker
+    # of a TF_CONFIG cluster (phalanx.engines.keras_cluster), parameter_server on the chief
+    # (phalanx.train.keras_ps).
+    from phalanx.train import keras_ps
+    if not keras_ps.ps_mode(cfg):
+        keras_cluster.cluster_mode(cfg)
 
 
 def split_for_tensor_parallel(model, cfg: Config, mesh: Mesh, verbose) -> None:
@@ -400,6 +404,14 @@ def fit(model, cfg: Config, mesh: Mesh, x=None, y=None, *, batch_size=None, epoc
         initial_epoch=0, callbacks=None, shuffle=True, sample_weight=None, verbose="auto", validation_split=0.0,
         class_weight=None):
     """See :func:`phalanx.fit`."""
+    from phalanx.train import keras_ps
+    if keras_ps.ps_mode(cfg):  # the chief of a parameter-server cluster: its own loop
+        return keras_ps.fit(model, cfg, x, y, batch_size=batch_size, epochs=epochs, steps_per_epoch=steps_per_epoch,
+                            validation_data=validation_data, validation_steps=validation_steps,
+                            validation_batch_size=validation_batch_size, validation_freq=validation_freq,
+                            initial_epoch=initial_epoch, callbacks=callbacks, shuffle=shuffle,
+                            sample_weight=sample_weight, verbose=verbose, validation_split=validation_split,
+                            class_weight=class_weight)
     model = resolve_model(model, cfg)
     check_config_for_keras(cfg, model)
     _check_positive("epochs", epochs)
