@@ -174,7 +174,7 @@ def small_model():
     ("parallel.recompute=full", "parallel.recompute"),
     ("parallel.tp=2", "parallel.strategy"),
     ("parallel.pp=2", "parallel.strategy"),
-    ("parallel.ep=2", "parallel.strategy"),
+    ("parallel.ep=2", "parallel.ep"),
     ("parallel.microbatches=2", "parallel.microbatches"),
     ("train.grad_accum=2", "train.grad_accum"),
     ("train.prune.target=0.5", "train.prune.target"),
