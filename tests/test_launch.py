@@ -137,6 +137,24 @@ def test_server_task_exiting_early_is_a_failure():
     assert "ps:0 exited with status 0 (a server task must run until the chief is done)" in out.stderr
 
 
+def test_a_dead_worker_is_tolerated_with_keep_going_without_workers():
+    # worker:1 dies at once; the chief finishes later: the run succeeds. A ps task dying still stops it.
+    code = ("if TASK == 'worker:1': os.kill(os.getpid(), 9)\n"
+            "if TASK == 'chief:0': time.sleep(1.5); print('chief done'); sys.exit(0)\n"
+            "time.sleep(300)\n")
+    out = launch("--workers", "2", "--ps", "1", "--grace", "1", "--keep-going-without-workers", "--",
+                 *by_task(code), timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert "worker:1 was killed by signal 9 (SIGKILL); going on without it" in out.stderr
+    assert "[chief:0] chief done" in out.stdout
+    [tasks] = started(out.stderr)
+    assert_gone(tasks.values())
+    code = "if TASK == 'ps:0': sys.exit(3)\ntime.sleep(300)\n"
+    out = launch("--workers", "1", "--ps", "1", "--grace", "1", "--keep-going-without-workers", "--",
+                 *by_task(code), timeout=30)
+    assert out.returncode == 3 and "ps:0 exited with status 3; stopping the cluster" in out.stderr
+
+
 def test_grandchildren_are_killed_too():
     # Each task starts a long sleep in the background and exits 0 at once.
     code = ("import subprocess\n"
@@ -222,6 +240,7 @@ def test_timeout():
     (["--workers", "1", "--ps", "-1", "--", "true"], "--ps must be >= 0"),
     (["--workers", "1", "--restarts", "-2", "--", "true"], "--restarts must be >= 0"),
     (["--workers", "1"], "no COMMAND given"),
+    (["--workers", "2", "--keep-going-without-workers", "--", "true"], "--keep-going-without-workers needs --ps"),
 ])
 def test_usage_errors(args, message, capsys):
     assert main(args) == 2
