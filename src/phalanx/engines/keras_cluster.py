@@ -61,7 +61,7 @@ global batch:
 
 A worker that stops early (a crash, a dataset shorter on one worker) leaves the others
 blocked in the next collective; ``phalanx launch`` then stops the cluster.
-``parameter_server`` is refused for a Keras model.
+``parameter_server`` fits run on the chief instead (:mod:`phalanx.train.keras_ps`).
 
 Example (one process: no cluster, nothing to join):
     >>> from phalanx.config import Config
