@@ -53,6 +53,7 @@ from phalanx.cluster import strategies
 from phalanx.cluster.tf_config import ClusterInfo, cluster_info_from_env
 from phalanx.config import Config, ConfigError
 from phalanx.data.keras_inputs import Batches
+from phalanx.engines.keras_model import apply_precision
 from phalanx.engines.ps import KerasParameterServerEngine
 from phalanx.fsutil import RunLock
 from phalanx.train import keras_api
@@ -155,6 +156,7 @@ def fit(model, cfg: Config, x=None, y=None, *, batch_size=None, epochs=1, steps_
 
     def build():
         built = keras_api.resolve_model(model, cfg)  # under the precision policy; compiled, with a loss
+        apply_precision(built, cfg)  # as phalanx.fit on one device (loss scaling under mixed_float16)
         if built.optimizer is None:
             built.optimizer = keras_api.default_optimizer(cfg, (train.steps or 1) * epochs)
         return built
