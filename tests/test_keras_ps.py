@@ -30,8 +30,22 @@ import numpy as np
 import pytest
 
 from cluster_helpers import PHALANX, Background, assert_gone, task_pids
+from test_keras_cluster import WITH_PS, small_model  # a chief with a ps task; a compiled model
 
 EPOCHS, KILL_EPOCH, KILL_STEP = 4, 1, 3
+
+# The model, built by the chief and by the test in one process.
+BUILD = '''
+import keras
+
+
+def build():
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(32, activation="relu"),
+                              keras.layers.Dense(32, activation="relu"), keras.layers.Dense(1)], name="mlp")
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    return model
+'''
 
 # Every process runs this; only the chief returns from phalanx.init.
 SCRIPT = '''
@@ -42,14 +56,7 @@ cfg = phalanx.init("parallel.strategy=parameter_server", "run.dir=" + args["run_
 import keras
 import numpy as np
 
-
-def build():
-    keras.utils.set_random_seed(3)
-    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(32, activation="relu"),
-                              keras.layers.Dense(32, activation="relu"), keras.layers.Dense(1)], name="mlp")
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
-    return model
-
+exec(args["build"])  # build(): the MLP, the same as the test's
 
 rng = np.random.default_rng(0)
 x = rng.normal(size=(256, 6)).astype("float32")
@@ -126,7 +133,7 @@ def test_keras_fit_on_parameter_servers_survives_a_killed_worker(tmp_path, data)
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
     out, run_dir = tmp_path / "result", tmp_path / "run"
-    args = {"run_dir": str(run_dir), "out": str(out), "epochs": EPOCHS, "kill_at": [KILL_EPOCH, KILL_STEP]}
+    args = {"run_dir": str(run_dir), "out": str(out), "epochs": EPOCHS, "build": BUILD, "kill_at": [KILL_EPOCH, KILL_STEP]}
     cmd = [*PHALANX, "launch", "--workers", "2", "--ps", "1", "--keep-going-without-workers", "--timeout", "150",
            "--grace", "5", "--", sys.executable, str(script), json.dumps(args)]
     with Background(cmd, tmp_path / "launch", timeout=180) as run:
@@ -176,14 +183,9 @@ def test_keras_fit_on_parameter_servers_survives_a_killed_worker(tmp_path, data)
     # no cluster) into the run directory resumes from it with nothing left to do.
     import phalanx
 
-    def build():
-        keras.utils.set_random_seed(3)
-        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(32, activation="relu"),
-                                  keras.layers.Dense(32, activation="relu"), keras.layers.Dense(1)], name="mlp")
-        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
-        return model
-
-    model = build()
+    namespace: dict = {}
+    exec(BUILD, namespace)
+    model = namespace["build"]()
     history = phalanx.fit(model, x, y, batch_size=16, epochs=EPOCHS, verbose=0,
                           overrides=["parallel.devices=cpu:1", f"run.dir={run_dir}"])
     assert history.history["loss"] == pytest.approx(losses, rel=1e-6)
@@ -192,16 +194,6 @@ def test_keras_fit_on_parameter_servers_survives_a_killed_worker(tmp_path, data)
 
 
 # -- refusals in one process -------------------------------------------------------------------
-
-WITH_PS = {"cluster": {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]},
-           "task": {"type": "chief", "index": 0}}
-
-
-def small_model():
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
-    model.compile(optimizer="sgd", loss="mse")
-    return model
-
 
 @pytest.mark.parametrize("override, key", [
     ("parallel.zero=1", "parallel.zero"),
