@@ -11,7 +11,9 @@ is asserted is what must hold anyway: the loss falls by a clear margin; the mode
 returned (``history.model``) holds the trained weights: Keras's own ``evaluate`` on the
 chief gives the mean squared error a NumPy computation in this process gets from the saved
 model's predictions, and the saved model reloads and predicts what the chief's model
-predicted; the checkpoint of the last epoch holds those weights; every epoch wrote its
+predicted; the last epoch's val_loss is the MSE of those weights on the validation data; the
+checkpoint of the last epoch holds those weights; a model with its own train_step trains and
+logs what its step returns; every epoch wrote its
 checkpoint and metrics row; the variables lived on the ps task.
 
 In one process (fast): the refusals, each naming its key or argument.
@@ -107,7 +109,7 @@ own = phalanx.fit(build_own_step, x, y, batch_size=64, epochs=3, verbose=0, conf
 
 
 history = phalanx.fit(build, x, y, batch_size=16, epochs=args["epochs"], callbacks=[KillPoint()], verbose=2,
-                      config=cfg)
+                      validation_data=(x[:64] * 0.5, y[:64]), config=cfg)
 model = history.model
 result = {"history": history.history, "own_step": own.history,
           "evaluate": model.evaluate(x, y, verbose=0, return_dict=True),
@@ -178,6 +180,12 @@ def test_keras_fit_on_parameter_servers_survives_a_killed_worker(tmp_path, data)
     mse = float(np.mean((predicted - y) ** 2))
     np.testing.assert_allclose(result["evaluate"]["loss"], mse, rtol=1e-4)
     assert losses[-1] / 3 < mse < losses[-1] * 3, (mse, losses)
+    # Validation runs after the epoch's steps have all finished: the last epoch's val_loss is the
+    # MSE of the final weights on the validation data (float32 sums in another order: rtol 1e-5).
+    val_x, val_y = x[:64] * 0.5, y[:64]
+    val_mse = float(np.mean((reloaded.predict(val_x, verbose=0) - val_y) ** 2))
+    assert len(result["history"]["val_loss"]) == EPOCHS
+    np.testing.assert_allclose(result["history"]["val_loss"][-1], val_mse, rtol=1e-5)
 
     # The last checkpoint holds the same weights: the same model fitted in one process (here,
     # no cluster) into the run directory resumes from it with nothing left to do.
