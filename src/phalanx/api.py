@@ -126,6 +126,10 @@ def fit(model, x=None, y=None, *, batch_size=None, epochs=1, steps_per_epoch=Non
     ``keras.callbacks.History``; the model object holds the trained weights, statistics
     and optimizer state afterwards, on every layout.
 
+    Under ``parallel.strategy=parameter_server`` pass the function, not the model: the chief
+    builds the model inside the strategy's scope and trains it asynchronously on the workers;
+    ``history.model`` is the trained model (:mod:`phalanx.train.keras_ps`).
+
     Each call writes to its own run directory (``runs/fit-<time>``) unless ``run.dir`` is
     set; fitting the same model into a ``run.dir`` that holds its checkpoints resumes after
     the last finished epoch (another model there is an error).

@@ -242,14 +242,15 @@ class KerasParameterServerEngine:
         self.coordinator.join()
         self._pending = []
 
-    def release(self) -> None:
+    def release(self, join: bool = True) -> None:
         """Wait for the steps in flight, then hand the model back to Keras: its own
         ``evaluate``/``predict``/``fit`` would distribute their data with the
         ParameterServerStrategy it was built under, which Keras cannot do
         (keras-team/keras#18624), so the model forgets that strategy and its traced
         functions. Its variables stay where they are (on the ps tasks): this process reads
-        them as long as the cluster runs."""
-        self.join()
+        them as long as the cluster runs. ``join=False``: without waiting (after an error)."""
+        if join:
+            self.join()
         model = self.model
         model._distribute_strategy = None
         model.train_function = model.test_function = model.predict_function = None

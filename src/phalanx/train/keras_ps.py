@@ -168,11 +168,14 @@ def fit(model, cfg: Config, x=None, y=None, *, batch_size=None, epochs=1, steps_
     run_dir = keras_api.run_directory(cfg)
     try:
         with RunLock(run_dir):
-            return _fit_loop(engine, model, cfg, run_dir, train, val, epochs=epochs, initial_epoch=initial_epoch,
-                             callbacks=callbacks, verbose=verbose, validation_steps=validation_steps,
-                             validation_freq=validation_freq, workers=info.num_workers)
-    finally:
-        engine.release()
+            history = _fit_loop(engine, model, cfg, run_dir, train, val, epochs=epochs, initial_epoch=initial_epoch,
+                                callbacks=callbacks, verbose=verbose, validation_steps=validation_steps,
+                                validation_freq=validation_freq, workers=info.num_workers)
+    except BaseException:
+        engine.release(join=False)  # the error as raised, not a step's error from waiting
+        raise
+    engine.release()
+    return history
 
 
 def _fit_loop(engine: KerasParameterServerEngine, model, cfg: Config, run_dir, train: Batches, val, *, epochs,
@@ -218,7 +221,7 @@ def _fit_loop(engine: KerasParameterServerEngine, model, cfg: Config, run_dir, t
             if steps_run == 0:
                 say(f"epoch {epoch + 1}: no batch to train on; stopping")
                 break
-            epoch_logs = _numbers(model._get_metrics_result_or_logs({k: float(v) for k, v in last.items()}))
+            epoch_logs = _numbers(model._get_metrics_result_or_logs({k: v.numpy() for k, v in last.items()}))
             if val is not None and (epoch + 1) % validation_freq == 0:
                 val_logs = _evaluate(engine, model, val, callback_list, validation_steps)
                 epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
