@@ -659,12 +659,15 @@ class KerasModelEngine:
 
     # -- one stage on one micro-batch -------------------------------------------------------
 
-    def _params(self, replica: int, stage: int) -> list[tf.Variable]:
-        """The variables stage ``stage`` of ``replica`` differentiates: its weights (or
-        their copies), or under ZeRO-3 the slices of its weights."""
+    def _params(self, replica: int, stage: int) -> list:
+        """What stage ``stage`` of ``replica`` differentiates: its weights (or their copies),
+        or under ZeRO-3 the whole weights gathered from their slices for this step
+        (:meth:`_stage_values`). Differentiating the gathered tensor, not the slices, gives
+        each replica the gradient one device's tape gives (an embedding's sparse rows
+        included), which the reduce-scatter then cuts and joins slice by slice
+        (:meth:`phalanx.parallel.keras_zero.ZeroSlices.reduce`)."""
         if self.zero == 3:
-            return [piece.value for v in self.stages[stage].trainable_variables
-                    for piece in self.slices.slices_of(v)]
+            return self._stage_values(replica, stage)
         return [v.value if copy is None else copy
                 for v, copy in zip(self.stages[stage].trainable_variables, self.copies[(replica, stage)])]
 
@@ -869,19 +872,20 @@ class KerasModelEngine:
     def _regularization(self):
         """(value, gradients) of the weight-regularisation loss of a cut model (under ZeRO-3:
         of the weights gathered on their home devices, gradients by id of each slice)."""
-        sources = [v.value for v in self.regularized] if self.zero < 3 else \
-            [piece.value for v in self.regularized for piece in self.slices.slices_of(v)]
+        sources = [v.value if self.zero < 3 else self.slices.gather(v, self._reg_device(v)) for v in self.regularized]
         with tf.GradientTape() as tape:
+            tape.watch([t for t in sources if isinstance(t, tf.Tensor)])
             terms = []
-            for v in self.regularized:
-                device = v.value.device if self.zero < 3 else self._slice_devices(v)[0]
-                with tf.device(device):
-                    value = tf.convert_to_tensor(v.value) if self.zero < 3 else self.slices.gather(v, device)
-                    terms.append(tf.cast(v.regularizer(value), tf.float32))
+            for v, source in zip(self.regularized, sources):
+                with tf.device(self._reg_device(v)):
+                    terms.append(tf.cast(v.regularizer(tf.convert_to_tensor(source)), tf.float32))
             value = tf.add_n(terms)
-        keys = [id(v) for v in self.regularized] if self.zero < 3 else \
-            [id(piece.value) for v in self.regularized for piece in self.slices.slices_of(v)]
-        return value, dict(zip(keys, tape.gradient(value, sources)))
+        return value, dict(zip([id(v) for v in self.regularized], tape.gradient(value, sources)))
+
+    def _reg_device(self, v) -> str:
+        """Where a regularised weight's penalty and its gradient are formed: the weight's device,
+        or under ZeRO-3 its first slice's."""
+        return v.value.device if self.zero < 3 else self._slice_devices(v)[0]
 
     def _train_step(self, x, y, sw):
         batch = (x, y, sw)
@@ -978,30 +982,17 @@ class KerasModelEngine:
     def _sliced_gradients(self, acc, reg_grads, scale) -> list:
         """ZeRO: the gradient of every slice (aligned with ``self.slices.flat``), summed over
         replicas, stages and micro-batches. ``acc[s][j]``: ``(replica, gradient)`` of stage
-        ``s``'s ``j``-th differentiated variable (a weight, or under ZeRO-3 a slice)."""
+        ``s``'s ``j``-th weight (under ZeRO-3 of its gathered value), formed on that replica's
+        device for the weight: zero=1 sums them whole, zero=2/3 cut each where it was formed
+        (the reduce-scatter)."""
         factor = scale / float(self.world)  # the regularisers' gradient, once over the workers
-        if self.zero < 3:
-            parts: dict[int, list] = {}
-            for s, stage in enumerate(self.stages):
-                for j, v in enumerate(stage.trainable_variables):
-                    parts.setdefault(id(v), []).extend((self.variable_device(v, d, s), g) for d, g in acc[s][j])
-            for v in self.regularized:
-                parts.setdefault(id(v), []).append((v.value.device, tf.cast(reg_grads[id(v)], tf.float32) * factor))
-            return self.slices.reduce(parts)
-        # ZeRO-3: each replica's gradient of a slice was formed where it gathered the weight
-        # and summed on the slice's device (run_schedule accumulates on the variable's device):
-        # the reduce-scatter. Here the replicas' sums meet there.
-        sums: dict[int, Any] = {}  # id(the slice's tf.Variable) -> its gradient
-        for s in range(self.chunks):
-            for j, piece in enumerate(self._params(0, s)):
-                with tf.device(piece.device):
-                    for _, g in acc[s][j]:
-                        sums[id(piece)] = join_gradients(sums.get(id(piece)), g)
-        for key, g in reg_grads.items():
-            if g is not None:
-                sums[key] = join_gradients(sums.get(key), tf.cast(tf.convert_to_tensor(g), tf.float32) * factor)
-        return [None if id(piece.value) not in sums else ZeroSlices.cast(finish(sums[id(piece.value)]), piece.dtype)
-                for piece in self.slices.flat]
+        parts: dict[int, list] = {}
+        for s, stage in enumerate(self.stages):
+            for j, v in enumerate(stage.trainable_variables):
+                parts.setdefault(id(v), []).extend((self.variable_device(v, d, s), g) for d, g in acc[s][j])
+        for v in self.regularized:
+            parts.setdefault(id(v), []).append((self._reg_device(v), tf.cast(reg_grads[id(v)], tf.float32) * factor))
+        return self.slices.reduce(parts)
 
     def _split_for_inference(self, rows: int) -> tuple[int, int]:
         """(replicas, micro-batches per replica) that divide an evaluation batch evenly."""
