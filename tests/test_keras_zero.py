@@ -87,10 +87,12 @@ LAYOUTS = {
     "dp2": (["parallel.devices=cpu:2", "parallel.dp=2"], adamw_clipped),
     "dp2pp2": (["parallel.devices=cpu:4", "parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2"], adam),
     "dp4": (["parallel.devices=cpu:4", "parallel.dp=4"], sgd_momentum),
+    "dp2accum2": (["parallel.devices=cpu:2", "parallel.dp=2", "train.grad_accum=2"], adam),
 }
 
 
-@pytest.mark.parametrize("layout,zero", [("dp2", 1), ("dp2", 2), ("dp2", 3), ("dp2pp2", 2), ("dp2pp2", 3), ("dp4", 3)])
+@pytest.mark.parametrize("layout,zero", [("dp2", 1), ("dp2", 2), ("dp2", 3), ("dp2pp2", 2), ("dp2pp2", 3), ("dp4", 3),
+                                         ("dp2accum2", 3)])
 def test_zero_fit_equals_keras_fit(layout, zero, tmp_path):
     """Losses, accuracy, weights and model.optimizer's state (joined from the slices) equal
     Keras's one-device fit to 1e-4 (float32 sums in another order)."""
@@ -162,6 +164,23 @@ def test_state_per_device_is_a_dp_th_and_follows_a_built_optimizer(zero, tmp_pat
         for start in range(0, N, BATCH):
             engine.train_step((x[start:start + BATCH], y[start:start + BATCH], None))
     engine.gather_state()
+    for mine, want in zip(model.variables + model.optimizer.variables,
+                          reference.variables + reference.optimizer.variables):
+        np.testing.assert_allclose(mine.numpy(), want.numpy(), rtol=1e-4, atol=1e-6, err_msg=mine.path)
+
+
+def test_zero3_checkpoint_resumes_into_the_slices(tmp_path):
+    """A ZeRO-3 fit of one epoch, then the same run dir fitted to two epochs by a new model:
+    the checkpoint (model.optimizer's state joined from the slices at the epoch's end) is
+    restored and cut into the slices again; the result equals Keras's two-epoch fit."""
+    x, y = mlp_data()
+    reference = mlp(adam)
+    reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    overrides = ["parallel.devices=cpu:2", "parallel.dp=2", "parallel.zero=3", f"run.dir={tmp_path}"]
+    phalanx.fit(mlp(adam), x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, overrides=overrides)
+    model = mlp(adam)
+    phalanx.fit(model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, overrides=overrides)
+    assert int(model.optimizer.iterations.numpy()) == 2 * N // BATCH
     for mine, want in zip(model.variables + model.optimizer.variables,
                           reference.variables + reference.optimizer.variables):
         np.testing.assert_allclose(mine.numpy(), want.numpy(), rtol=1e-4, atol=1e-6, err_msg=mine.path)
