@@ -13,7 +13,8 @@ user's method instead, the way Keras's ``fit`` under ``MirroredStrategy`` does:
   the model (``model.optimizer`` and any other Keras optimizer attribute) are stand-ins that
   record the ``(gradients, variables)`` it applies; after the last replica, the real
   optimizer applies, once, each variable's gradients combined over the replicas with weights
-  ``rows of the replica / rows of the batch``. For a loss that is a mean over the replica's rows
+  ``rows of the replica / rows of the batch`` (an embedding's ``IndexedSlices`` rows are kept,
+  concatenated, as :func:`~phalanx.parallel.pipeline.accumulate_gradient` joins them). For a loss that is a mean over the replica's rows
   (any Keras loss, ``compute_loss``) that is the gradient of the mean over the batch: Keras's
   one-device step, and MirroredStrategy's numbers (its Keras losses scale by ``1/replicas``
   in a replica context and its optimizer sums the replicas' gradients). Clipping
@@ -66,7 +67,9 @@ import tensorflow as tf
 from keras.src.trainers.data_adapters.data_adapter_utils import pack_x_y_sample_weight  # what fit hands a step
 
 from phalanx.config import Config, ConfigError
+from phalanx.engines.keras_model import _as_tensors, _even, _rows, _slice, _to_tensor  # the engine's batch cuts
 from phalanx.mesh import Mesh
+from phalanx.parallel.pipeline import accumulate_gradient
 
 METHODS = ("train_step", "test_step", "predict_step")
 
@@ -130,30 +133,6 @@ def check_layout(model, cfg: Config, mesh: Mesh, methods, workers: int = 1) -> N
     if p.recompute != "none":
         raise ConfigError("parallel.recompute", f"{p.recompute!r}: recomputation is built for the GPT's blocks "
                                                 f"only; use parallel.recompute=none for a Keras model")
-
-
-def _rows(x) -> int:
-    return int(next(t for t in tf.nest.flatten(x) if t is not None).shape[0])
-
-
-def _splits(rows: int, replicas: int) -> list[tuple[int, int]]:
-    """(start, size) of each replica's rows; empty replicas left out."""
-    base, extra = divmod(rows, replicas)
-    out, start = [], 0
-    for d in range(replicas):
-        size = base + (1 if d < extra else 0)
-        if size:
-            out.append((start, size))
-        start += size
-    return out
-
-
-def _slice(structure, start: int, size: int):
-    return tf.nest.map_structure(lambda t: None if t is None else t[start:start + size], structure)
-
-
-def _to_tensor(t):
-    return t if t is None or isinstance(t, tf.Tensor) else tf.convert_to_tensor(t)
 
 
 class _Recorder:
@@ -251,7 +230,8 @@ class CustomStepEngine:
         """``(per-replica returned values, per-replica row fractions, per-replica recorders)``."""
         x, y, sw = batch
         rows = _rows(x)
-        pieces = _splits(rows, self.dp) if self.dp > 1 else [(0, rows)]
+        sizes = [n for n in _even(rows, self.dp) if n]  # the larger parts first; an empty replica is left out
+        pieces = [(sum(sizes[:d]), n) for d, n in enumerate(sizes)]
         returned, fractions, recorded = [], [], []
         start_state = [tf.convert_to_tensor(v.value) for v in self.float_state] if len(pieces) > 1 else []
         ends = []
@@ -293,9 +273,13 @@ class CustomStepEngine:
                     if g is None:
                         continue
                     with tf.device(v.value.device if hasattr(v, "value") else None):
-                        g = tf.convert_to_tensor(g) * tf.cast(fraction, g.dtype)
-                        sums[id(v)] = g if sums[id(v)] is None else sums[id(v)] + g
-            real.apply([sums[id(v)] for v in order], order)
+                        if isinstance(g, tf.IndexedSlices):  # an embedding's rows: kept, as the engine joins them
+                            g = tf.IndexedSlices(g.values * tf.cast(fraction, g.values.dtype), g.indices,
+                                                 g.dense_shape)
+                        else:
+                            g = tf.convert_to_tensor(g) * tf.cast(fraction, g.dtype)
+                        sums[id(v)] = accumulate_gradient(sums[id(v)], g, keep_sparse=True)
+            real.apply([None if sums[id(v)] is None else tf.cast(sums[id(v)], v.dtype) for v in order], order)
 
     def _logs(self, returned):
         """Keras's ``_get_metrics_result_or_logs`` of the step's logs over the replicas: a value
@@ -363,9 +347,3 @@ def logs_as_numbers(logs) -> dict:
         value = np.asarray(value)
         out[name] = float(value) if value.size == 1 else value
     return out
-
-
-def _as_tensors(batch):
-    x, y, sw = batch
-    return (tf.nest.map_structure(_to_tensor, x), tf.nest.map_structure(_to_tensor, y),
-            None if sw is None else tf.nest.map_structure(_to_tensor, sw))

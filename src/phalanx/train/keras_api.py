@@ -178,11 +178,7 @@ def _verbose(verbose) -> int:
 
 
 def _logs(model) -> dict:
-    logs = {}
-    for name, value in model.get_metrics_result().items():
-        value = np.asarray(value)
-        logs[name] = float(value) if value.size == 1 else value
-    return logs
+    return custom_step.logs_as_numbers(model.get_metrics_result())
 
 
 # -- run directory ---------------------------------------------------------------------------
