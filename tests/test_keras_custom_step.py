@@ -86,7 +86,8 @@ def oracle():
     keras.utils.set_random_seed(0)
     model = _model()
     start = [w.copy() for w in model.get_weights()]
-    history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+                        validation_data=(x[:12], y[:12]))
     evaluated = model.evaluate(x, y, batch_size=BATCH, return_dict=True, verbose=0)
     predicted = model.predict(x, batch_size=BATCH, verbose=0)
     return start, history.history, model.get_weights(), evaluated, predicted
@@ -98,9 +99,10 @@ def test_own_steps_equal_keras(layout, oracle, tmp_path):
     x, y = _data()
     cfg = phalanx.init(*LAYOUTS[layout], f"run.dir={tmp_path}")
     model = _model(start)
-    got = phalanx.fit(model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, config=cfg, verbose=0)
-    assert sorted(got.history) == ["loss", "mae"]
-    for key in ("loss", "mae"):
+    got = phalanx.fit(model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, config=cfg, verbose=0,
+                      validation_data=(x[:12], y[:12]))  # 12 rows: a last batch of 4, 2 rows a replica
+    assert sorted(got.history) == ["loss", "mae", "val_centre", "val_mae"]  # validation: the model's test_step
+    for key in got.history:
         np.testing.assert_allclose(got.history[key], history[key], rtol=1e-4, err_msg=key)
     assert history["mae"][-1] > 0  # the custom metric is tracked
     for name, w, want, before in zip([v.path for v in model.weights], model.get_weights(), weights, start):

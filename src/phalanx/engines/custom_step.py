@@ -219,7 +219,9 @@ class CustomStepEngine:
                 if not optimizer.built:
                     optimizer.build(model.trainable_variables)
             self.float_state = [v for v in model.non_trainable_variables if tf.as_dtype(v.dtype).is_floating]
-        wrap = (lambda f: f) if model.run_eagerly else (lambda f: tf.function(f, reduce_retracing=True))
+        # Static shapes, one trace per batch shape: the replicas' row counts are cut from them
+        # (reduce_retracing would trace a second shape with an unknown batch size).
+        wrap = (lambda f: f) if model.run_eagerly else tf.function
         self._train_fn = wrap(self._train)
         self._test_fn = wrap(self._test)
         self._predict_fn = wrap(self._predict)
