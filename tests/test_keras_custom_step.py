@@ -184,3 +184,31 @@ def test_doctests():
     from phalanx.engines import custom_step
 
     assert doctest.testmod(custom_step).failed == 0
+
+
+class OwnTestStep(keras.Sequential):
+    """Overrides test_step only: phalanx's own step trains it on every layout."""
+
+    def test_step(self, data):
+        x, y = data
+        # Not a metric: over replicas Keras's MirroredStrategy (and phalanx) report its mean
+        return {"mse": keras.ops.mean(keras.ops.square(self(x, training=False) - y))}
+
+
+def test_a_test_step_override_refuses_only_the_validation_it_cannot_run(tmp_path):
+    x, y = _data()
+    model = OwnTestStep([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    pp2 = ["parallel.devices=cpu:2", "parallel.pp=2", "parallel.microbatches=2"]
+    history = phalanx.fit(model, x, y, batch_size=BATCH, epochs=1, verbose=0,
+                          overrides=[*pp2, f"run.dir={tmp_path / 'a'}"])
+    assert sorted(history.history) == ["loss"]
+    with pytest.raises(ConfigError, match="OwnTestStep.test_step is overridden") as err:
+        phalanx.fit(model, x, y, batch_size=BATCH, epochs=1, verbose=0, validation_data=(x, y),
+                    overrides=[*pp2, f"run.dir={tmp_path / 'b'}"])
+    assert err.value.key == "parallel.pp"
+    dp2 = ["parallel.devices=cpu:2", "parallel.dp=2"]
+    history = phalanx.fit(model, x, y, batch_size=BATCH, epochs=1, verbose=0, validation_data=(x, y),
+                          overrides=[*dp2, f"run.dir={tmp_path / 'c'}"])
+    want = float(np.mean((model.predict(x[-BATCH:], verbose=0) - y[-BATCH:]) ** 2))  # Keras: the last batch's
+    np.testing.assert_allclose(history.history["val_mse"], [want], rtol=1e-4)

@@ -24,7 +24,9 @@ user's method instead, the way Keras's ``fit`` under ``MirroredStrategy`` does:
   Keras's ``_get_metrics_result_or_logs`` of the step's returned dict: the model's metric
   results when the keys are theirs; otherwise a value named after one of the model's metrics
   is that metric's result after every replica, and any other value its mean over the replicas
-  (Keras's ``reduce_per_replica(..., "auto")``). Float state that is not trained (BatchNormalization
+  (Keras's ``reduce_per_replica(..., "auto")``): one device's value for a mean over rows
+  split evenly, not for a sum (a per-replica sum reads 1/dp of the batch's, as under
+  MirroredStrategy). Float state that is not trained (BatchNormalization
   statistics) starts every replica from the step's starting values and ends as the mean of
   the replicas' results (a MEAN-aggregated mirrored variable); integer state (Dropout's seed)
   runs through the replicas in order, so each replica draws its own mask.
@@ -103,9 +105,8 @@ def check_layout(model, cfg: Config, mesh: Mesh, methods, workers: int = 1) -> N
         train.grad_accum
     """
     p = cfg.parallel
-    for method in methods:
-        if not overridden(model, method):
-            continue
+    own = [method for method in methods if overridden(model, method)]
+    for method in own:
         where = f"{type(model).__name__}.{method} is overridden"
         runs = f"phalanx runs a model's own {method} on one device or over data replicas (parallel.dp) only"
         training = method == "train_step"
@@ -122,15 +123,15 @@ def check_layout(model, cfg: Config, mesh: Mesh, methods, workers: int = 1) -> N
                  "accumulation sums several steps' gradients before one update; set "
                  "gradient_accumulation_steps= on your Keras optimizer instead, which your step's "
                  "optimizer.apply honours"),
-                ("parallel.strategy", "multi_worker" if workers > 1 else p.strategy, p.strategy if workers <= 1
-                 else None, "across workers the gradients are exchanged inside phalanx's own step"),
+                ("parallel.strategy", f"multi_worker over {workers} workers" if workers > 1 else "one process",
+                 "one process", "across workers the gradients are exchanged inside phalanx's own step"),
             ]
         for key, value, plain, why in checks:
             if value != plain:
                 raise ConfigError(key, f"{value}: {where}; {runs}, and {why}. Remove {key} (use "
                                        f"parallel.dp for more devices), or drop the override to let phalanx "
                                        f"build the step from the compiled loss and metrics")
-    if p.recompute != "none":
+    if own and p.recompute != "none":
         raise ConfigError("parallel.recompute", f"{p.recompute!r}: recomputation is built for the GPT's blocks "
                                                 f"only; use parallel.recompute=none for a Keras model")
 
