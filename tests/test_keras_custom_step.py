@@ -142,24 +142,31 @@ def test_other_layouts_refuse_before_any_step(overrides, key, tmp_path):
 
 
 class TwoUpdates(HeadOnly):
-    """Applies twice per step (as a GAN's two optimizers would)."""
+    """Applies twice per step: with one optimizer, or (``two_optimizers``) with two, as a GAN."""
+
+    two_optimizers = False
 
     def train_step(self, data):
         x, y = data
-        for layer in (self.head, self.body):
+        for layer, optimizer in ((self.head, self.optimizer),
+                                 (self.body, self.other if self.two_optimizers else self.optimizer)):
             with tf.GradientTape() as tape:
                 loss = self.compute_loss(y=y, y_pred=self(x, training=True))
-            self.optimizer.apply(tape.gradient(loss, layer.trainable_variables), layer.trainable_variables)
+            optimizer.apply(tape.gradient(loss, layer.trainable_variables), layer.trainable_variables)
         return {"loss": loss}
 
 
-def test_two_updates_per_step_refused_over_replicas(tmp_path):
+@pytest.mark.parametrize("two_optimizers", [False, True])
+def test_two_updates_per_step_refused_over_replicas(two_optimizers, tmp_path):
     x, y = _data()
     model = TwoUpdates(name="two")
     model(np.zeros((1, 4), "float32"))
+    model.two_optimizers = two_optimizers
+    model.other = keras.optimizers.SGD(0.05)
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    model.other.build(model.trainable_variables)
     before = [w.copy() for w in model.get_weights()]
-    with pytest.raises(ValueError, match="more than once per step"):
+    with pytest.raises(ValueError, match="applies gradients again .* in one step"):
         phalanx.fit(model, x, y, batch_size=BATCH, epochs=1, verbose=0,
                     overrides=["parallel.devices=cpu:2", "parallel.dp=2", f"run.dir={tmp_path}"])
     for w, b in zip(model.get_weights(), before):

@@ -32,9 +32,9 @@ user's method instead, the way Keras's ``fit`` under ``MirroredStrategy`` does:
   runs through the replicas in order, so each replica draws its own mask.
   ``predict_step`` outputs are joined along the batch axis.
 
-A step that applies gradients more than once (two optimizers, as a GAN's) needs every
-replica's first update before any replica's second: under ``parallel.dp > 1`` it is refused
-when the step is traced, before it runs. Other layouts (pipeline, tensor or expert
+A step that applies gradients more than once (once per optimizer of two, as a GAN's) needs
+every replica's first update before any replica's second: under ``parallel.dp > 1`` it is
+refused when the step is traced, before it runs. Other layouts (pipeline, tensor or expert
 parallelism, ZeRO, gradient accumulation, micro-batches, several workers) cut the model or
 the step where the user's code cannot be: :func:`check_layout` refuses them before any step,
 naming the method, the key and what to do instead.
@@ -140,20 +140,23 @@ class _Recorder:
     """Stands in for a Keras optimizer while one replica's ``train_step`` runs: records what
     the step applies instead of applying it; everything else is the real optimizer's."""
 
-    def __init__(self, real, name: str, method: str):
+    def __init__(self, real, name: str, method: str, calls: list):
         object.__setattr__(self, "_real", real)
         object.__setattr__(self, "_name", name)
         object.__setattr__(self, "_method", method)
+        object.__setattr__(self, "_calls", calls)  # the applies of this replica's step, every optimizer's
         object.__setattr__(self, "applied", [])
 
     def apply(self, grads, trainable_variables=None):
         if trainable_variables is None:
             trainable_variables = self._real._trainable_variables
-        if self.applied:
-            raise ValueError(f"{self._method} applies gradients with {self._name} more than once per step; over "
-                             f"data replicas (parallel.dp > 1) phalanx combines the replicas' gradients and "
-                             f"applies them once at the end of the step, so each optimizer may apply once: use "
+        if self._calls:
+            # A second update would read weights the first changed, which are only changed at the end.
+            raise ValueError(f"{self._method} applies gradients again ({self._name} after {self._calls[0]}) in one "
+                             f"step; over data replicas (parallel.dp > 1) phalanx combines the replicas' gradients "
+                             f"and applies them once at the end of the step, so a step may apply once: use "
                              f"parallel.dp=1, or apply once per step")
+        self._calls.append(self._name)
         self.applied.append((list(grads), list(trainable_variables)))
 
     def apply_gradients(self, grads_and_vars):
@@ -178,8 +181,9 @@ def _recording(model, method: str, recorders: dict):
     """Swap the model's optimizers for :class:`_Recorder` stand-ins (``recorders``: filled
     with name -> recorder), and back."""
     originals = _optimizer_attributes(model)
+    calls: list = []
     for name, real in originals.items():
-        recorders[name] = _Recorder(real, f"self.{name}", method)
+        recorders[name] = _Recorder(real, f"self.{name}", method, calls)
         object.__setattr__(model, name, recorders[name])  # no tracking: the swap is undone below
     try:
         yield recorders
