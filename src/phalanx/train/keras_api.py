@@ -173,11 +173,7 @@ def _verbose(verbose) -> int:
 
 
 def _logs(model) -> dict:
-    logs = {}
-    for name, value in model.get_metrics_result().items():
-        value = np.asarray(value)
-        logs[name] = float(value) if value.size == 1 else value
-    return logs
+    return custom_step.logs_as_numbers(model.get_metrics_result())
 
 
 # -- run directory ---------------------------------------------------------------------------
@@ -310,16 +306,17 @@ def _step_logs(engine, model, returned) -> dict:
     return _logs(model)
 
 
-def _engine(model, cfg: Config, mesh: Mesh, sample_batch, method: str, workers=None, inference_only=False):
+def _engine(model, cfg: Config, mesh: Mesh, sample_batch, method: str, workers=None, inference_only=False,
+            validating=False):
     """The engine that runs ``method`` of ``model``: the model's own (overridden) step
-    (:class:`~phalanx.engines.custom_step.CustomStepEngine`), or phalanx's. A fit whose model
-    overrides ``test_step`` only validates with that (``engine.evaluator``)."""
+    (:class:`~phalanx.engines.custom_step.CustomStepEngine`), or phalanx's. A validating fit
+    whose model overrides ``test_step`` only validates with that (``engine.evaluator``)."""
     if custom_step.overridden(model, method):
         methods = ["train_step", "test_step"] if method == "train_step" else [method]
         return custom_step.CustomStepEngine(model, cfg, mesh, sample_batch, inference_only=inference_only,
                                             workers=workers, methods=methods)
     engine = KerasModelEngine(model, cfg, mesh, sample_batch, inference_only=inference_only, workers=workers)
-    if method == "train_step" and custom_step.overridden(model, "test_step"):
+    if method == "train_step" and validating and custom_step.overridden(model, "test_step"):
         engine.evaluator = custom_step.CustomStepEngine(model, cfg, mesh, sample_batch, methods=["test_step"])
     return engine
 
@@ -414,9 +411,9 @@ def fit(model, cfg: Config, mesh: Mesh, x=None, y=None, *, batch_size=None, epoc
     workers = keras_cluster.join(cfg)
     world = 1 if workers is None else workers.size
     _check_callbacks(callbacks, workers)
-    own_step = custom_step.overridden(model, "train_step")
-    if own_step or custom_step.overridden(model, "test_step"):  # refused layouts: before any data is read
-        custom_step.check_layout(model, cfg, mesh, ["train_step", "test_step"], world)
+    # A model's own steps this fit runs (test_step only to validate): a layout they refuse, before any data is read.
+    own_steps = ["train_step"] + (["test_step"] if validation_data is not None else [])
+    custom_step.check_layout(model, cfg, mesh, own_steps, world)
     train = Batches(x, y, sample_weight, batch_size=batch_size, steps_per_epoch=steps_per_epoch, shuffle=shuffle,
                     seed=cfg.train.seed, divisor=world)  # any batch splits over a worker's replicas
     val = _validation_batches(validation_data, validation_batch_size or batch_size, cfg, mesh)
@@ -425,7 +422,7 @@ def fit(model, cfg: Config, mesh: Mesh, x=None, y=None, *, batch_size=None, epoc
     if model.optimizer is None:
         model.optimizer = default_optimizer(cfg, (train.steps or 1) * epochs)
     first = train.first()
-    engine = _engine(model, cfg, mesh, first, "train_step", workers=workers)
+    engine = _engine(model, cfg, mesh, first, "train_step", workers=workers, validating=val is not None)
     _check_labels(model, first, train, val)
     # train.prune.*: checked on the built model before anything is written, run around every step
     pruning = KerasPruning(cfg, model, workers=world)
