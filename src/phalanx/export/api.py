@@ -26,16 +26,13 @@ from typing import Callable
 import numpy as np
 
 from phalanx import checkpoint
-from phalanx.config import ConfigError, load_config
+from phalanx.config import ConfigError, load_config, one_device_overrides
 from phalanx.data.pipeline import make_datasets
 from phalanx.export import calibration, formats, report as report_lib
 from phalanx.export.formats import META_FILE, MODEL_FILES, REPORT_FILE
 from phalanx.export.quantization import copy_model, keras_quantize
 from phalanx.export.runtime import load_artifact
 
-SINGLE_DEVICE = ["parallel.dp=1", "parallel.tp=1", "parallel.pp=1", "parallel.zero=0", "parallel.microbatches=1",
-                 "parallel.devices=auto", "parallel.strategy=auto", "parallel.recompute=none",
-                 "parallel.schedule=1f1b", "parallel.virtual_stages=1", "parallel.ep=1", "train.grad_accum=1"]
 
 
 def _sayer(quiet: bool) -> Callable[[str], None]:
@@ -75,7 +72,7 @@ def export_run(run_dir: str | Path, format: str = "litert", quantize: str = "non
         raise ConfigError("RUN_DIR", f"{str(run_dir)!r} has no config.yaml; is it a phalanx run directory "
                                      f"(made by `phalanx train`)?")
 
-    cfg = load_config(cfg_path, SINGLE_DEVICE + [f"run.dir={run_dir}"] + list(overrides))
+    cfg = load_config(cfg_path, one_device_overrides() + [f"run.dir={run_dir}"] + list(overrides))
     latest = checkpoint.latest(run_dir / "checkpoints")
     if latest is None:
         raise ConfigError("RUN_DIR", f"{str(run_dir)!r} has no checkpoint (no checkpoints/step-*/); train it "
