@@ -34,7 +34,7 @@ import numpy as np
 import yaml
 
 from phalanx import checkpoint
-from phalanx.config import Config, ConfigError
+from phalanx.config import Config, ConfigError, given
 from phalanx.data.keras_inputs import Batches
 from phalanx.engines import custom_step, keras_cluster
 from phalanx.engines.keras_model import KerasModelEngine, apply_precision, precision_of
@@ -113,6 +113,11 @@ def check_config_for_keras(cfg: Config, model) -> None:
                                                    f"{model.name!r} is compiled with "
                                                    f"{type(model.optimizer).__name__}, whose settings rule; set it "
                                                    f"on that optimizer")
+    policy, _ = precision_of(model, cfg)  # the model's own mixed policy may rule under auto
+    for key in ("precision.loss_scale_init", "precision.loss_scale_growth_interval"):
+        if given(cfg, key) and policy != "mixed_float16":
+            raise ConfigError(key, f"is ignored: model {model.name!r} trains under {policy}, and loss scaling "
+                                   f"applies to precision.policy=mixed_float16 only; set that, or remove {key}")
     # Refuses parameter_server (and a strategy that cannot span a cluster's workers);
     # multi_worker runs on every worker of a TF_CONFIG cluster (phalanx.engines.keras_cluster).
     keras_cluster.cluster_mode(cfg)
