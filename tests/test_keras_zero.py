@@ -314,15 +314,23 @@ def moe_compile(model):
 @pytest.fixture(scope="module")
 def moe_reference():
     """Keras's own fit, batches of 8 cut into 4 calls (each balancing its own tokens): the
-    micro-batches of dp2 x ep2 with grad_accum 2 and of dp4 x ep2."""
-    rng = np.random.default_rng(0)
-    x = rng.integers(0, 16, (N, 6)).astype("int32")
-    y = np.roll(x, 1, axis=1)
-    reference = moe_model()
-    trained = ghost_batches(reference, 4, average_added_losses=True)
-    moe_compile(trained)
-    history = trained.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history
-    return x, y, history, logical(reference)
+    micro-batches of dp2 x ep2 with grad_accum 2 and of dp4 x ep2, in ``replicas`` data replicas
+    (tests/helpers.py: how the replicas' MoE figures combine)."""
+    fits = {}
+
+    def get(replicas: int):
+        if replicas not in fits:
+            rng = np.random.default_rng(0)
+            x = rng.integers(0, 16, (N, 6)).astype("int32")
+            y = np.roll(x, 1, axis=1)
+            reference = moe_model()
+            trained = ghost_batches(reference, 4, average_added_losses=True, replicas=replicas)
+            moe_compile(trained)
+            history = trained.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history
+            fits[replicas] = x, y, history, logical(reference)
+        return fits[replicas]
+
+    return get
 
 
 @pytest.mark.parametrize("layout,dp", [
@@ -333,7 +341,7 @@ def test_zero2_with_expert_parallelism_equals_keras_fit(layout, dp, moe_referenc
     """No token dropped (capacity_factor 0). ZeRO-2 with dp2 x ep2: one group holds the
     experts, each expert shard is one slice, the rest cut over both replicas; dp4 x ep2: two
     groups hold copies of each expert shard, cut into two slices, one per group."""
-    x, y, ref, want = moe_reference
+    x, y, ref, want = moe_reference(dp)
     overrides = [f"parallel.devices=cpu:{dp}", f"parallel.dp={dp}", "parallel.ep=2"] + \
         (["train.grad_accum=2"] if dp == 2 else [])
     model = moe_model(ep=2)

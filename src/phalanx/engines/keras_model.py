@@ -62,10 +62,14 @@ compiled metrics. The engine only decides *where* things run:
   joined on the tensor rank 0 device for Keras's loss, and :attr:`KerasModelEngine.loss_note`
   says why (``phalanx.fit`` prints it). ``predict`` returns the joined logits.
 * **State that is not trained** (BatchNormalization moving statistics, Dropout's seed
-  state) is threaded through the micro-batches in order — replica 0's micro-batches, then
-  replica 1's, and so on — as GPipe does: each micro-batch is normalised with its own batch
-  statistics and moves the averages once, and each draws its own dropout mask. With one
-  replica and one micro-batch this is exactly Keras's own step.
+  state, MoE statistics) follows one rule on every layout (:mod:`phalanx.parallel.replica_state`):
+  within a replica it is threaded through the micro-batches in order, as GPipe does (each
+  micro-batch is normalised with its own batch statistics and moves the averages once, and
+  each draws its own dropout mask); every replica starts from the step's starting state, and
+  the replicas' results are combined once per step as MirroredStrategy does (moving
+  statistics averaged, MoE step totals summed, integer seed state equal on every replica, so
+  the replicas of a step draw the same dropout masks). With one replica and one micro-batch
+  this is exactly Keras's own step.
 * **Recomputation** (``parallel.recompute``): ``full`` runs each stage's forward on a
   micro-batch as blocks whose activations are recomputed in the backward (a Functional or
   Sequential stage cut into about ``sqrt(n)`` blocks, a subclassed model as one);
@@ -74,8 +78,8 @@ compiled metrics. The engine only decides *where* things run:
 * **Across workers** (``workers=``, a :class:`~phalanx.engines.keras_cluster.WorkerGroup`):
   the mesh is this worker's own devices, the step runs on its rows of the global batch with
   the loss weights divided by the number of workers too, and one exchange before the
-  optimizer sums the gradients and the metrics' changes and averages the float state
-  across workers (:mod:`phalanx.engines.keras_cluster`).
+  optimizer sums the gradients and the metrics' changes and joins the state across workers
+  by the same rule as across replicas (:mod:`phalanx.engines.keras_cluster`).
 
 Example:
     >>> import keras, numpy as np
@@ -109,6 +113,7 @@ from phalanx.parallel.gradients import finish, join_gradients
 from phalanx.parallel.keras_graph import split_keras_model
 from phalanx.parallel.keras_zero import ZeroSlices, check_sliceable
 from phalanx.parallel.pipeline import run_schedule, schedule_for
+from phalanx.parallel.replica_state import combine_replicas, rule_of
 from phalanx.precision import resolve_policy
 
 MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")
@@ -898,13 +903,15 @@ class KerasModelEngine:
         metrics_before = None if self.workers is None else self.workers.read_metrics(self.model)
         self._reg_value, reg_grads = self._regularization() if self.regularized else (None, {})
         self._casts = self._expert_casts(self.dp)
-        state = self._initial_state(training=True)
-        start = [list(values) for values in state]
+        start = self._initial_state(training=True)
+        ends = []  # each replica's state after its micro-batches (parallel.replica_state)
         self._gathered = {}
-        acc = [[[] for _ in self._params(0, s)] for s in range(self.chunks)]
+        acc = [[[] for _ in stage.trainable_variables] for stage in self.stages]
         losses = []
         first = 0
         for d in range(self.dp):
+            state = [list(values) for values in start]  # every replica from the step's starting state
+            ends.append(state)
             params = [self._params(d, s) for s in range(self.chunks)]
             for a in range(self.accum):
                 if not plan[d][a]:
@@ -916,8 +923,8 @@ class KerasModelEngine:
                         first += n
                 grads, loss_sum = run_schedule(
                     self._schedule_of(len(group)),
-                    lambda s, i, h, _d=d, _g=group, _w=share[d][a]: self._weighted(
-                        self._forward(_d, s, h, _g[i], state, "train"), s, _w[i]),
+                    lambda s, i, h, _d=d, _g=group, _w=share[d][a], _st=state: self._weighted(
+                        self._forward(_d, s, h, _g[i], _st, "train"), s, _w[i]),
                     params, scale / float(total * self.world), prefix=f"dp{d}_acc{a}", keep_sparse=True)
                 losses.append(loss_sum)
                 for s, stage_grads in enumerate(grads):
@@ -945,12 +952,18 @@ class KerasModelEngine:
                 grads.append(g)
             variables.append(v)
         loss_sum = tf.add_n(losses)
-        if self.workers is not None:  # across workers: gradients, metrics, float state (keras_cluster)
+        rules = [[rule_of(v) for v in stage.non_trainable_variables] for stage in self.stages]
+        state = []
+        for s in range(len(self.stages)):  # the replicas' state joined once per step, by one rule
+            with tf.device(self.stage_device(0, s)):
+                state.append(combine_replicas(start[s], [end[s] for end in ends], rules[s]))
+        if self.workers is not None:  # across workers: gradients, metrics, state by the same rule (keras_cluster)
             changed = [(s, k) for s, values in enumerate(state) for k, value in enumerate(values)
                        if value is not start[s][k]]
-            grads, averaged, loss_sum = self.workers.exchange(self.model, grads, metrics_before,
-                                                              [state[s][k] for s, k in changed], loss_sum)
-            for (s, k), value in zip(changed, averaged):
+            grads, combined, loss_sum = self.workers.exchange(self.model, grads, metrics_before,
+                                                              [state[s][k] for s, k in changed], loss_sum,
+                                                              rules=[rules[s][k] for s, k in changed])
+            for (s, k), value in zip(changed, combined):
                 state[s][k] = value
         joined = grads
         grads = []
