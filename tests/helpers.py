@@ -34,14 +34,21 @@ def tiny_overrides(tmp_path: Path, corpus: str, run: str = "run", **extra) -> li
     return items + [f"{k.replace('__', '.')}={v}" for k, v in extra.items()]
 
 
-def ghost_batches(inner, chunks: int, average_added_losses: bool = False):
+def ghost_batches(inner, chunks: int, average_added_losses: bool = False, replicas: int = 1):
     """The oracle of phalanx's micro-batch semantics, as a Keras model for Keras's own ``fit``:
     each batch is cut into ``chunks`` equal pieces, in order, and ``inner`` runs on each
-    (BatchNorm: its own statistics per piece, moving averages updated once per piece in
-    order; an MoE layer: its capacity and losses per piece). With
-    ``average_added_losses`` the losses the layers add (one per piece) are averaged, as
-    phalanx averages every micro-batch's whole loss."""
+    (BatchNorm: its own statistics per piece; an MoE layer: its capacity and losses per piece).
+    The pieces are ``replicas`` equal groups of consecutive pieces (data replicas): within a
+    group the moving averages are updated once per piece in order; every group starts from the
+    step's starting state, and the groups' floating-point state is averaged after the step, as
+    MirroredStrategy does (a variable created with aggregation="only_first_replica" takes the
+    first group's value; an MoE step total adds every group's additions). With ``average_added_losses`` the
+    losses the layers add (one per piece) are averaged, as phalanx averages every micro-batch's
+    whole loss."""
     import keras
+    import tensorflow as tf
+
+    from phalanx.layers.moe import is_step_total
 
     class Ghost(keras.Model):
         def __init__(self):
@@ -49,8 +56,26 @@ def ghost_batches(inner, chunks: int, average_added_losses: bool = False):
             self.inner, self.chunks = inner, chunks
 
         def call(self, x, training=False):
-            pieces = [self.inner(p, training=training) for p in keras.ops.split(x, self.chunks, axis=0)]
-            return keras.ops.concatenate(pieces, axis=0)
+            pieces = keras.ops.split(x, self.chunks, axis=0)
+            if not training or replicas == 1:
+                return keras.ops.concatenate([self.inner(p, training=training) for p in pieces], axis=0)
+            state = [v for v in self.inner.non_trainable_variables if "float" in str(v.dtype)]
+            start = [tf.identity(v.value) for v in state]
+            per, outputs, ends = chunks // replicas, [], []
+            for r in range(replicas):
+                for v, value in zip(state, start):
+                    v.assign(value)
+                outputs += [self.inner(p, training=training) for p in pieces[r * per:(r + 1) * per]]
+                ends.append([tf.identity(v.value) for v in state])
+            for k, v in enumerate(state):
+                values = [end[k] for end in ends]
+                if is_step_total(v):  # an MoE total: every replica's additions
+                    v.assign(start[k] + tf.add_n([value - start[k] for value in values]))
+                elif v.aggregation == "only_first_replica":  # Keras's own rule for such a variable
+                    v.assign(values[0])
+                else:
+                    v.assign(tf.add_n(values) / float(replicas))
+            return keras.ops.concatenate(outputs, axis=0)
 
         def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
             if not average_added_losses:

@@ -86,7 +86,8 @@ def oracle():
     keras.utils.set_random_seed(0)
     model = _model()
     start = [w.copy() for w in model.get_weights()]
-    history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+                        validation_data=(x[:12], y[:12]))
     evaluated = model.evaluate(x, y, batch_size=BATCH, return_dict=True, verbose=0)
     predicted = model.predict(x, batch_size=BATCH, verbose=0)
     return start, history.history, model.get_weights(), evaluated, predicted
@@ -98,9 +99,10 @@ def test_own_steps_equal_keras(layout, oracle, tmp_path):
     x, y = _data()
     cfg = phalanx.init(*LAYOUTS[layout], f"run.dir={tmp_path}")
     model = _model(start)
-    got = phalanx.fit(model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, config=cfg, verbose=0)
-    assert sorted(got.history) == ["loss", "mae"]
-    for key in ("loss", "mae"):
+    got = phalanx.fit(model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, config=cfg, verbose=0,
+                      validation_data=(x[:12], y[:12]))  # 12 rows: a last batch of 4, 2 rows a replica
+    assert sorted(got.history) == ["loss", "mae", "val_centre", "val_mae"]  # validation: the model's test_step
+    for key in got.history:
         np.testing.assert_allclose(got.history[key], history[key], rtol=1e-4, err_msg=key)
     assert history["mae"][-1] > 0  # the custom metric is tracked
     for name, w, want, before in zip([v.path for v in model.weights], model.get_weights(), weights, start):
@@ -140,24 +142,31 @@ def test_other_layouts_refuse_before_any_step(overrides, key, tmp_path):
 
 
 class TwoUpdates(HeadOnly):
-    """Applies twice per step (as a GAN's two optimizers would)."""
+    """Applies twice per step: with one optimizer, or (``two_optimizers``) with two, as a GAN."""
+
+    two_optimizers = False
 
     def train_step(self, data):
         x, y = data
-        for layer in (self.head, self.body):
+        for layer, optimizer in ((self.head, self.optimizer),
+                                 (self.body, self.other if self.two_optimizers else self.optimizer)):
             with tf.GradientTape() as tape:
                 loss = self.compute_loss(y=y, y_pred=self(x, training=True))
-            self.optimizer.apply(tape.gradient(loss, layer.trainable_variables), layer.trainable_variables)
+            optimizer.apply(tape.gradient(loss, layer.trainable_variables), layer.trainable_variables)
         return {"loss": loss}
 
 
-def test_two_updates_per_step_refused_over_replicas(tmp_path):
+@pytest.mark.parametrize("two_optimizers", [False, True])
+def test_two_updates_per_step_refused_over_replicas(two_optimizers, tmp_path):
     x, y = _data()
     model = TwoUpdates(name="two")
     model(np.zeros((1, 4), "float32"))
+    model.two_optimizers = two_optimizers
+    model.other = keras.optimizers.SGD(0.05)
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    model.other.build(model.trainable_variables)
     before = [w.copy() for w in model.get_weights()]
-    with pytest.raises(ValueError, match="more than once per step"):
+    with pytest.raises(ValueError, match="applies gradients again .* in one step"):
         phalanx.fit(model, x, y, batch_size=BATCH, epochs=1, verbose=0,
                     overrides=["parallel.devices=cpu:2", "parallel.dp=2", f"run.dir={tmp_path}"])
     for w, b in zip(model.get_weights(), before):
@@ -182,3 +191,31 @@ def test_doctests():
     from phalanx.engines import custom_step
 
     assert doctest.testmod(custom_step).failed == 0
+
+
+class OwnTestStep(keras.Sequential):
+    """Overrides test_step only: phalanx's own step trains it on every layout."""
+
+    def test_step(self, data):
+        x, y = data
+        # Not a metric: over replicas Keras's MirroredStrategy (and phalanx) report its mean
+        return {"mse": keras.ops.mean(keras.ops.square(self(x, training=False) - y))}
+
+
+def test_a_test_step_override_refuses_only_the_validation_it_cannot_run(tmp_path):
+    x, y = _data()
+    model = OwnTestStep([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    pp2 = ["parallel.devices=cpu:2", "parallel.pp=2", "parallel.microbatches=2"]
+    history = phalanx.fit(model, x, y, batch_size=BATCH, epochs=1, verbose=0,
+                          overrides=[*pp2, f"run.dir={tmp_path / 'a'}"])
+    assert sorted(history.history) == ["loss"]
+    with pytest.raises(ConfigError, match="OwnTestStep.test_step is overridden") as err:
+        phalanx.fit(model, x, y, batch_size=BATCH, epochs=1, verbose=0, validation_data=(x, y),
+                    overrides=[*pp2, f"run.dir={tmp_path / 'b'}"])
+    assert err.value.key == "parallel.pp"
+    dp2 = ["parallel.devices=cpu:2", "parallel.dp=2"]
+    history = phalanx.fit(model, x, y, batch_size=BATCH, epochs=1, verbose=0, validation_data=(x, y),
+                          overrides=[*dp2, f"run.dir={tmp_path / 'c'}"])
+    want = float(np.mean((model.predict(x[-BATCH:], verbose=0) - y[-BATCH:]) ** 2))  # Keras: the last batch's
+    np.testing.assert_allclose(history.history["val_mse"], [want], rtol=1e-4)

@@ -7,8 +7,8 @@ the epoch metrics and every final weight must agree to rtol 1e-4 (float32, no dr
 
 BatchNormalization on a layout with several micro-batches normalises each micro-batch with
 its own statistics (GPipe's rule), so its oracle is Keras's ``fit`` of a "ghost batch"
-wrapper written here: a model that cuts each batch into the same chunks, in the same order,
-and calls the user's model on each.
+wrapper (tests/helpers.py): a model that cuts each batch into the same chunks, in the same order,
+and calls the user's model on each, the data replicas' moving statistics averaged once per step.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ LAYOUTS = {
     "accum2": ["train.grad_accum=2"],
 }
 CHUNKS = {"one": 1, "dp2": 2, "pp2": 2, "dp2pp2": 4, "accum2": 2}
+REPLICAS = {"dp2": 2, "dp2pp2": 2}
 N, BATCH, EPOCHS = 16, 8, 2
 
 
@@ -138,12 +139,12 @@ class StepLosses(keras.callbacks.Callback):
         self.losses.append(float(logs["loss"]))
 
 
-def keras_reference(name: str, opt: str, chunks: int = 1):
+def keras_reference(name: str, opt: str, chunks: int = 1, replicas: int = 1):
     """(per-step losses, history, model, optimizer) of Keras's own fit on one device."""
     model = build(name, opt)
     trained = model
     if chunks > 1 and name == "cnn":
-        trained = ghost_batches(model, chunks)
+        trained = ghost_batches(model, chunks, replicas=replicas)
         trained.compile(optimizer=optimizer(opt), **compile_args(name))
     x, y = data(name)
     record = StepLosses()
@@ -176,8 +177,8 @@ def references():
     changed, by the tests."""
     fits = {}
 
-    def get(name: str, opt: str, chunks: int):
-        key = (name, opt, chunks if name == "cnn" else 1)
+    def get(name: str, opt: str, chunks: int, replicas: int = 1):
+        key = (name, opt, chunks if name == "cnn" else 1, replicas if name == "cnn" else 1)
         if key not in fits:
             fits[key] = keras_reference(*key)
         return fits[key]
@@ -189,7 +190,7 @@ def references():
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_fit_equals_keras_fit(name, opt, layout, tmp_path, references):
-    ref_losses, ref_history, reference, ref_optimizer = references(name, opt, CHUNKS[layout])
+    ref_losses, ref_history, reference, ref_optimizer = references(name, opt, CHUNKS[layout], REPLICAS.get(layout, 1))
     losses, history, model = phalanx_run(name, opt, layout, tmp_path)
     assert len(losses) == len(ref_losses) == EPOCHS * N // BATCH
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4, atol=1e-6)

@@ -201,8 +201,10 @@ def test_sequence_parallel_key_runs_the_transformer_blocks_sequence_parallel(tmp
     from phalanx.config import load_config
     from phalanx.engines.task import GPTTask
     from phalanx.engines.factory import build_engine
-    cfg = load_config(None, ["parallel.sequence_parallel=true"])
-    with pytest.raises(ConfigError, match="parallel.sequence_parallel"):
+    with pytest.raises(ConfigError, match="parallel.sequence_parallel.*parallel.tp > 1"):  # refused as it is read
+        load_config(None, ["parallel.sequence_parallel=true"])
+    cfg = load_config(None, ["parallel.sequence_parallel=true", "parallel.tp=-1", "parallel.devices=cpu:1"])
+    with pytest.raises(ConfigError, match="parallel.sequence_parallel"):  # tp=-1 filled with 1 device: at build
         build_engine(cfg, GPTTask(cfg.model))
 
 

@@ -87,10 +87,12 @@ LAYOUTS = {
     "dp2": (["parallel.devices=cpu:2", "parallel.dp=2"], adamw_clipped),
     "dp2pp2": (["parallel.devices=cpu:4", "parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2"], adam),
     "dp4": (["parallel.devices=cpu:4", "parallel.dp=4"], sgd_momentum),
+    "dp2accum2": (["parallel.devices=cpu:2", "parallel.dp=2", "train.grad_accum=2"], adam),
 }
 
 
-@pytest.mark.parametrize("layout,zero", [("dp2", 1), ("dp2", 2), ("dp2", 3), ("dp2pp2", 2), ("dp2pp2", 3), ("dp4", 3)])
+@pytest.mark.parametrize("layout,zero", [("dp2", 1), ("dp2", 2), ("dp2", 3), ("dp2pp2", 2), ("dp2pp2", 3), ("dp4", 3),
+                                         ("dp2accum2", 3)])
 def test_zero_fit_equals_keras_fit(layout, zero, tmp_path):
     """Losses, accuracy, weights and model.optimizer's state (joined from the slices) equal
     Keras's one-device fit to 1e-4 (float32 sums in another order)."""
@@ -162,6 +164,52 @@ def test_state_per_device_is_a_dp_th_and_follows_a_built_optimizer(zero, tmp_pat
         for start in range(0, N, BATCH):
             engine.train_step((x[start:start + BATCH], y[start:start + BATCH], None))
     engine.gather_state()
+    for mine, want in zip(model.variables + model.optimizer.variables,
+                          reference.variables + reference.optimizer.variables):
+        np.testing.assert_allclose(mine.numpy(), want.numpy(), rtol=1e-4, atol=1e-6, err_msg=mine.path)
+
+
+def test_zero3_checkpoint_resumes_into_the_slices(tmp_path):
+    """A ZeRO-3 fit of one epoch, then the same run dir fitted to two epochs by a new model:
+    the checkpoint (model.optimizer's state joined from the slices at the epoch's end) is
+    restored and cut into the slices again; the result equals Keras's two-epoch fit."""
+    x, y = mlp_data()
+    reference = mlp(adam)
+    reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    overrides = ["parallel.devices=cpu:2", "parallel.dp=2", "parallel.zero=3", f"run.dir={tmp_path}"]
+    phalanx.fit(mlp(adam), x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, overrides=overrides)
+    model = mlp(adam)
+    phalanx.fit(model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, overrides=overrides)
+    assert int(model.optimizer.iterations.numpy()) == 2 * N // BATCH
+    for mine, want in zip(model.variables + model.optimizer.variables,
+                          reference.variables + reference.optimizer.variables):
+        np.testing.assert_allclose(mine.numpy(), want.numpy(), rtol=1e-4, atol=1e-6, err_msg=mine.path)
+
+
+def embedder():
+    keras.utils.set_random_seed(6)
+    tokens = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(16, 8)(tokens)
+    model = keras.Model(tokens, keras.layers.Dense(16)(keras.layers.LayerNormalization()(h)), name="embedder")
+    model.compile(optimizer=keras.optimizers.Adam(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_zero_keeps_an_embeddings_sparse_gradient_sparse(zero, tmp_path):
+    """Tokens repeat in every batch: Keras's Adam updates an embedding from its sparse
+    gradient (each row's pieces squared on their own), which a densified gradient would not
+    equal. Cut by rows, each slice's optimizer sees its rows' sparse gradient: equal to
+    Keras's fit to 1e-4."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 16, (N, 6)).astype("int32")
+    y = np.roll(x, 1, axis=1)
+    reference = embedder()
+    reference.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    model = embedder()
+    phalanx.fit(model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+                overrides=["parallel.devices=cpu:2", "parallel.dp=2", f"parallel.zero={zero}", f"run.dir={tmp_path}"])
     for mine, want in zip(model.variables + model.optimizer.variables,
                           reference.variables + reference.optimizer.variables):
         np.testing.assert_allclose(mine.numpy(), want.numpy(), rtol=1e-4, atol=1e-6, err_msg=mine.path)
@@ -266,15 +314,23 @@ def moe_compile(model):
 @pytest.fixture(scope="module")
 def moe_reference():
     """Keras's own fit, batches of 8 cut into 4 calls (each balancing its own tokens): the
-    micro-batches of dp2 x ep2 with grad_accum 2 and of dp4 x ep2."""
-    rng = np.random.default_rng(0)
-    x = rng.integers(0, 16, (N, 6)).astype("int32")
-    y = np.roll(x, 1, axis=1)
-    reference = moe_model()
-    trained = ghost_batches(reference, 4, average_added_losses=True)
-    moe_compile(trained)
-    history = trained.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history
-    return x, y, history, logical(reference)
+    micro-batches of dp2 x ep2 with grad_accum 2 and of dp4 x ep2, in ``replicas`` data replicas
+    (tests/helpers.py: how the replicas' MoE figures combine)."""
+    fits = {}
+
+    def get(replicas: int):
+        if replicas not in fits:
+            rng = np.random.default_rng(0)
+            x = rng.integers(0, 16, (N, 6)).astype("int32")
+            y = np.roll(x, 1, axis=1)
+            reference = moe_model()
+            trained = ghost_batches(reference, 4, average_added_losses=True, replicas=replicas)
+            moe_compile(trained)
+            history = trained.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history
+            fits[replicas] = x, y, history, logical(reference)
+        return fits[replicas]
+
+    return get
 
 
 @pytest.mark.parametrize("layout,dp", [
@@ -285,7 +341,7 @@ def test_zero2_with_expert_parallelism_equals_keras_fit(layout, dp, moe_referenc
     """No token dropped (capacity_factor 0). ZeRO-2 with dp2 x ep2: one group holds the
     experts, each expert shard is one slice, the rest cut over both replicas; dp4 x ep2: two
     groups hold copies of each expert shard, cut into two slices, one per group."""
-    x, y, ref, want = moe_reference
+    x, y, ref, want = moe_reference(dp)
     overrides = [f"parallel.devices=cpu:{dp}", f"parallel.dp={dp}", "parallel.ep=2"] + \
         (["train.grad_accum=2"] if dp == 2 else [])
     model = moe_model(ep=2)
@@ -448,4 +504,78 @@ def test_zero_cnn_with_batchnorm_equals_keras_fit(zero, tmp_path):
                                      f"run.dir={tmp_path}"]).history
     np.testing.assert_allclose(history["loss"], ref["loss"], rtol=1e-4)
     for mine, want in zip(model.variables, reference.variables):
+        np.testing.assert_allclose(mine.numpy(), want.numpy(), rtol=1e-4, atol=1e-5, err_msg=mine.path)
+
+
+# -- memory at ZeRO-3 -----------------------------------------------------------------------------
+
+
+def heavy():
+    """Weight-heavy: four 192 x 192 layers, so weights, gradients and Adam's state dominate
+    a step on 8 rows."""
+    keras.utils.set_random_seed(2)
+    layers = [keras.Input((192,))] + [keras.layers.Dense(192, activation="tanh") for _ in range(4)]
+    model = keras.Sequential(layers, name="heavy")
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model
+
+
+@pytest.mark.memory_peak
+def test_zero3_holds_a_dp_th_of_the_state_per_device_plus_the_gathered_stage():
+    """dp2 x pp2 at ZeRO-3 on devices 1-4 (the host CPU:0, which holds model's and
+    model.optimizer's whole copies, apart). Counted by shapes: each device holds half of its
+    stage's weights and Adam state (3 x weights / dp), and no whole weight. Measured (the
+    allocator's record of a step, tests/test_step_memory.py's machinery): each device's step
+    peak is at most that state plus 4 x its stage's weights (the gathered weights, their
+    gradient, the slices' gradients arriving, and the activations and Adam's temporaries:
+    generous)."""
+    from phalanx.train.calibrate import _short, _trace_placement, measure_step_memory
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(8, 192)).astype("float32"), rng.normal(size=(8, 192)).astype("float32")
+    model = heavy()
+    mesh = Mesh.from_devices([local(i) for i in range(1, 5)], 2, 2, 1)
+    cfg = load_config(None, ["parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.zero=3"])
+    engine = KerasModelEngine(model, cfg, mesh, (x, y, None))
+    stage_weights: dict[str, int] = {}  # a stage's whole weights, on each of its devices
+    for s, stage in enumerate(engine.stages):
+        for d in range(2):
+            dev = _short(engine.stage_device(d, s))
+            stage_weights[dev] = stage_weights.get(dev, 0) + sum(nbytes(v) for v in stage.trainable_variables)
+    state: dict[str, int] = {}
+    for piece in engine.slices.flat + [v for v in engine.optimizer.variables if len(v.shape)]:
+        state[_short(piece.value.device)] = state.get(_short(piece.value.device), 0) + nbytes(piece)
+    assert sorted(state) == sorted(stage_weights) == [f"CPU:{i}" for i in range(1, 5)], (state, stage_weights)
+    for dev in state:
+        assert state[dev] == 3 * stage_weights[dev] / 2, (dev, state, stage_weights)  # 192 rows: no padding
+    assert engine.copies == {} and {v.value.device for v in model.trainable_variables} == {local(0)}
+    batch = (x, y, None)
+    placement = _trace_placement(engine, batch)  # the first step traces and allocates
+    peaks = [measure_step_memory(engine, batch, placement)[0] for _ in range(2)]
+    print("zero3 dp2 x pp2 step peaks", peaks, "state", state, "stage weights", stage_weights)
+    for dev in state:
+        least = min(p[dev] for p in peaks)
+        assert least <= state[dev] + 4 * stage_weights[dev], (dev, least, state[dev], stage_weights[dev])
+
+
+# -- keras-hub GPT-2 -------------------------------------------------------------------------------
+
+
+def test_keras_hub_gpt2_zero3_dp2_tp2_pp2_equals_keras_fit(tmp_path):
+    """keras-hub's GPT-2 (small random config, tests/test_keras_hub.py) at ZeRO-3 on dp2 x
+    tp2 x pp2: tensor shards sliced over the replicas on their own ranks, each stage gathered
+    for its forward; per-step losses and every weight (after unparallelize) equal Keras's
+    one-device fit to 1e-4 (tests/test_keras_hub_tp.py's tolerances)."""
+    from test_keras_hub import StepLosses as HubSteps, build, data
+
+    x, y = data()
+    reference, ref_steps = build("gpt2"), HubSteps()
+    reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[ref_steps])
+    model, steps = build("gpt2"), HubSteps()
+    phalanx.fit(model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[steps],
+                overrides=["parallel.devices=cpu:8", "parallel.dp=2", "parallel.tp=2", "parallel.pp=2",
+                           "parallel.microbatches=2", "parallel.zero=3", f"run.dir={tmp_path}"])
+    np.testing.assert_allclose(steps.losses, ref_steps.losses, rtol=1e-4)
+    phalanx.unparallelize(model)
+    for mine, want in zip(model.weights, reference.weights):
         np.testing.assert_allclose(mine.numpy(), want.numpy(), rtol=1e-4, atol=1e-5, err_msg=mine.path)

@@ -245,7 +245,9 @@ def test_dropout_layouts_match_one_device(name, devices, one_device_dropout):
 def test_sequence_parallel_errors_name_the_key(devices):
     with pytest.raises(ConfigError, match=r"parallel.sequence_parallel.*tp > 1"):
         mesh_engine(devices, sequence_parallel=True)
-    cfg = make_cfg(sequence_parallel=True, devices="cpu:1")
+    with pytest.raises(ConfigError, match=r"parallel.sequence_parallel.*tp > 1"):  # refused as the config is read
+        make_cfg(sequence_parallel=True, devices="cpu:1")
+    cfg = make_cfg(sequence_parallel=True, tp=-1, devices="cpu:1")  # tp=-1 fills one device: refused at build
     with pytest.raises(ConfigError, match=r"parallel.sequence_parallel.*tp > 1"):
         build_engine(cfg, GPTTask(cfg.model))
     cfg = Config().replace(model={**MODEL, "seq_len": 18}, parallel={"tp": 4, "sequence_parallel": True})

@@ -126,7 +126,9 @@ def test_moe_model_trains_through_phalanx_fit_like_keras(layout, overrides, chun
     x = rng.integers(0, 16, (16, 6)).astype("int32")
     y = np.roll(x, 1, axis=1)
     reference = moe_model()
-    trained = ghost_batches(reference, chunks, average_added_losses=True) if chunks > 1 else reference
+    replicas = int(next((o.split("=")[1] for o in overrides if o.startswith("parallel.dp=")), 1))
+    trained = ghost_batches(reference, chunks, average_added_losses=True, replicas=replicas) if chunks > 1 \
+        else reference
     if chunks > 1:
         trained.compile(optimizer=keras.optimizers.Adam(0.01),
                         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))

@@ -105,7 +105,7 @@ def test_two_workers_with_expert_parallel_groups_equal_keras_fit(tmp_path):
     # The oracle: Keras's fit of the model on 4 chunks per batch (2 workers x 2 replicas).
     ns = namespace()
     reference = ns["build"](4, 1)
-    trained = ghost_batches(reference, 4, average_added_losses=True)
+    trained = ghost_batches(reference, 4, average_added_losses=True, replicas=4)
     ns["compile_model"](trained)
     ref = trained.fit(*ns["data"](), batch_size=8, epochs=2, shuffle=False, verbose=0).history
     for result in results:

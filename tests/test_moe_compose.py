@@ -58,14 +58,15 @@ def data():
     return x, np.roll(x, 1, axis=1)
 
 
-def keras_reference(chunks: int, tp: int = 0, policy: str = "float32"):
-    """(history, model) of Keras's own fit: batches of 8 cut into ``chunks`` calls."""
+def keras_reference(chunks: int, tp: int = 0, policy: str = "float32", replicas: int = 1):
+    """(history, model) of Keras's own fit: batches of 8 cut into ``chunks`` calls (in ``replicas``
+    data replicas, tests/helpers.py)."""
     x, y = data()
     keras.config.set_dtype_policy(policy)
     try:
         reference = build(tp=1 if tp else 0)
         start = [w.copy() for w in logical(reference)]
-        trained = ghost_batches(reference, chunks, average_added_losses=True)
+        trained = ghost_batches(reference, chunks, average_added_losses=True, replicas=replicas)
         compile_(trained)
         history = trained.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
     finally:
@@ -79,7 +80,7 @@ def keras_reference(chunks: int, tp: int = 0, policy: str = "float32"):
 ])
 def test_expert_parallel_composes_like_keras(layout, overrides, chunks, tp, tmp_path):
     x, y = data()
-    ref, reference, start = keras_reference(chunks, tp)
+    ref, reference, start = keras_reference(chunks, tp, replicas=2)  # both layouts: dp2
     model = build(ep=2, tp=tp)
     for layer, want in zip(model.layers, build(tp=1 if tp else 0).layers):  # the reference's starting weights
         if isinstance(layer, ShardedLayer):
@@ -101,7 +102,7 @@ def test_expert_parallel_composes_like_keras(layout, overrides, chunks, tp, tmp_
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_expert_parallel_under_mixed_precision_like_keras(policy, tmp_path):
     x, y = data()
-    ref, reference, start = keras_reference(2, policy=policy)
+    ref, reference, start = keras_reference(2, policy=policy, replicas=2)
     model = build(ep=2)
     copy_weights(build(), model)
     history = phalanx.fit(model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,

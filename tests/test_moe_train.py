@@ -170,9 +170,9 @@ def test_what_the_expert_parallel_engine_cannot_honour_is_refused(extra, key):
     from phalanx.engines.factory import build_engine
     from phalanx.engines.task import GPTTask
 
-    cfg = load_config(None, ["model.experts=4", "model.moe_every=1", "model.layers=2", "train.global_batch=8",
-                             "parallel.devices=cpu:4", "parallel.dp=4", "parallel.ep=2", *extra])
-    with pytest.raises(ConfigError, match=key):
+    with pytest.raises(ConfigError, match=key):  # (parallel.microbatches with pp=1: refused as the config is read)
+        cfg = load_config(None, ["model.experts=4", "model.moe_every=1", "model.layers=2", "train.global_batch=8",
+                                 "parallel.devices=cpu:4", "parallel.dp=4", "parallel.ep=2", *extra])
         build_engine(cfg, GPTTask(cfg.model))
 
 

@@ -358,8 +358,17 @@ def test_keras_hub_rule_errors():
     trained = build("gpt2")
     trained.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     trained.optimizer.build(trained.trainable_variables)  # as after a step of fit
-    with pytest.raises(ValueError, match=r"optimizer already holds state"):
-        phalanx.parallelize(trained, 2)
+    moments = {v.path: np.random.default_rng(0).normal(size=v.shape).astype("float32")
+               for v in trained.trainable_variables}
+    for v in trained.trainable_variables:
+        trained.optimizer._momentums[trained.optimizer._get_variable_index(v)].assign(moments[v.path])
+    embedding = trained.backbone.token_embedding.embeddings.path
+    phalanx.parallelize(trained, 2)  # the built optimizer is rebuilt for the shards, its state carried
+    assert [id(v) for v in trained.optimizer._trainable_variables] == [id(v) for v in trained.trainable_variables]
+    table = trained.backbone.token_embedding  # vocabulary-parallel now: the moments are cut like the table
+    shards = [trained.optimizer._momentums[trained.optimizer._get_variable_index(v)].numpy()
+              for v in table.trainable_variables]
+    np.testing.assert_array_equal(np.concatenate(shards, axis=0), moments[embedding])
 
 
 @pytest.mark.parametrize("module", ["phalanx.models.parallelize", "phalanx.models.presets",

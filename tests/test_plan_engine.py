@@ -99,7 +99,7 @@ def test_plan_overrides_anywhere_and_one_name_per_knob(capsys):
     assert cli.main(["--devices", "4", "parallel.pp=2", "--hardware", "a100-80gb", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert (doc["layout"]["dp"], doc["layout"]["pp"]) == (2, 2)           # dp filled the rest
-    assert cli.main(["--hardware", "a100-80gb", "parallel.dp=2", "--json", "parallel.microbatches=2"]) == 0
+    assert cli.main(["--hardware", "a100-80gb", "parallel.pp=2", "--json", "parallel.microbatches=2"]) == 0
     assert json.loads(capsys.readouterr().out)["layout"]["microbatches"] == 2
     for gone in (["--zero", "1"], ["--schedule", "gpipe"], ["--global-batch", "8"]):
         with pytest.raises(SystemExit):                                   # the config key is the only name

@@ -447,11 +447,11 @@ def test_values_a_multi_process_strategy_cannot_honour_are_refused(strategy, par
     from phalanx.cluster.strategies import resolve_strategy_name
 
     info = cluster(2, ps=1 if strategy == "parameter_server" else 0)
-    cfg = Config().replace(parallel={"strategy": strategy, **parallel})
-    with pytest.raises(ConfigError) as err:
-        resolve_strategy_name(cfg, info)
-    assert err.value.key == key and "is not honoured by parallel.strategy=" in str(err.value)
-    assert ("parallel.strategy=mesh" in str(err.value)) or key == "parallel.devices"
+    with pytest.raises(ConfigError) as err:  # micro-batches without a pipeline: refused as the config is read
+        resolve_strategy_name(Config().replace(parallel={"strategy": strategy, **parallel}), info)
+    ignored = key == "parallel.microbatches" and "is ignored unless parallel.pp > 1" in str(err.value)
+    assert err.value.key == key and ("is not honoured by parallel.strategy=" in str(err.value) or ignored)
+    assert ("parallel.strategy=mesh" in str(err.value)) or key == "parallel.devices" or ignored
     assert resolve_strategy_name(Config().replace(parallel={"strategy": strategy}), info) in (
         "multi_worker", "parameter_server")
 
@@ -461,9 +461,9 @@ def test_explicit_mirrored_refuses_what_only_the_mesh_engine_does(parallel, key)
     from phalanx.engines.task import GPTTask
     from phalanx.engines.factory import build_engine
 
-    cfg = Config().replace(parallel={"strategy": "mirrored", **parallel}, model={"layers": 1, "d_model": 32,
-                                                                              "heads": 2, "seq_len": 8})
     with pytest.raises(ConfigError) as err:
+        cfg = Config().replace(parallel={"strategy": "mirrored", **parallel}, model={"layers": 1, "d_model": 32,
+                                                                                  "heads": 2, "seq_len": 8})
         build_engine(cfg, GPTTask(cfg.model))
     assert err.value.key == key
 
@@ -472,9 +472,12 @@ def test_pipeline_microbatches_without_a_pipeline_are_refused():
     from phalanx.engines.task import GPTTask
     from phalanx.engines.factory import build_engine
 
-    cfg = Config().replace(parallel={"microbatches": 2}, model={"layers": 1, "d_model": 32, "heads": 2, "seq_len": 8})
+    model = {"layers": 1, "d_model": 32, "heads": 2, "seq_len": 8}
+    with pytest.raises(ConfigError, match="parallel.microbatches: 2 is ignored unless parallel.pp > 1.*grad_accum"):
+        Config().replace(parallel={"microbatches": 2}, model=model)  # refused as the config is read
+    cfg = Config().replace(parallel={"microbatches": 2, "pp": -1, "devices": "cpu:1"}, model=model)
     with pytest.raises(ConfigError, match="parallel.microbatches: 2 splits a pipeline's batch.*train.grad_accum=2"):
-        build_engine(cfg, GPTTask(cfg.model))
+        build_engine(cfg, GPTTask(cfg.model))  # parallel.pp=-1 filled with one device: at build
 
 
 def test_disk_full_outside_the_checkpoint_is_a_clean_error(tmp_path, corpus, monkeypatch):

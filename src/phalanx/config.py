@@ -661,6 +661,98 @@ def validate(cfg: Config) -> None:
     _require(bool(cfg.run.dir), "run.dir", "must not be empty")
     _require(cfg.checkpoint.every >= 0, "checkpoint.every", f"must be >= 0 (0: only at the end), got {cfg.checkpoint.every}")
     _require(cfg.checkpoint.keep >= 1, "checkpoint.keep", f"must be >= 1, got {cfg.checkpoint.keep}")
+    refuse_ignored(cfg)
+
+
+def one_device_overrides() -> list[str]:
+    """``key=value`` overrides that put a saved run's configuration on one device: every
+    ``parallel.*`` key at its default and ``train.grad_accum=1`` (what evaluation, generation
+    and export of a run use; checkpoints do not depend on the layout).
+
+    >>> "parallel.schedule=1f1b" in one_device_overrides()
+    True
+    """
+    layout = [f"parallel.{key_of(f)}={str(f.default).lower() if isinstance(f.default, bool) else f.default}"
+              for f in dataclasses.fields(ParallelConfig)]
+    return layout + ["train.grad_accum=1"]
+
+
+def given(cfg: Config, key: str) -> bool:
+    """Whether ``key`` (``"train.prune.every"``) differs from its default: how a key the user
+    set is told from one left alone (a key set to its default value changes nothing either).
+
+    >>> given(load_config(None, ["model.top_k=1", "model.experts=4"]), "model.top_k")
+    True
+    """
+    return _value(cfg, key) != default_of(key)
+
+
+def default_of(key: str):
+    """The dataclass default of ``key`` (``precision.policy``: ``"auto"``, before it is resolved).
+
+    >>> default_of("train.prune.every")
+    100
+    """
+    cls, default = Config, None
+    for part in key.split("."):
+        f = next((f for f in dataclasses.fields(cls) if key_of(f) == part), None)
+        if f is None:
+            raise ConfigError(key, "no such key")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        cls = type(default)
+    return default
+
+
+def _loss_scaled(cfg: Config) -> bool:
+    # Under precision.policy=auto (never float16 by itself) phalanx.fit may still run a model built
+    # under mixed_float16 with loss scaling: that case is refused where the model is known.
+    return cfg.precision.policy == "mixed_float16" or cfg.precision.reason is not None
+
+
+#: key -> (whether the rest of the configuration gives it an effect, the key(s) that would):
+#: a key set away from its default where it has none is refused by :func:`refuse_ignored`.
+#: (A key whose effect depends on the engine or the model is refused where that is known:
+#: :func:`phalanx.engines.factory.refuse_before_build`, ``phalanx.train.keras_api``.)
+MATTERS_ONLY_WITH: dict[str, tuple[typing.Callable[[Config], bool], str]] = {
+    "parallel.schedule": (lambda c: c.parallel.pp != 1, "parallel.pp > 1 (it orders a pipeline's micro-batches)"),
+    "parallel.microbatches": (lambda c: c.parallel.pp != 1, "parallel.pp > 1 (micro-batches feed a pipeline; "
+                                                            "train.grad_accum splits each step's batch without one)"),
+    "parallel.sequence_parallel": (lambda c: c.parallel.tp != 1,
+                                   "parallel.tp > 1 (its sequence chunks are the tensor ranks')"),
+    **{f"model.{name}": (lambda c: c.model.experts > 0, "model.experts >= 2 (a mixture of experts)")
+       for name in ("top_k", "capacity_factor", "moe_every", "aux_loss_coef")},
+    "data.bpe_vocab": (lambda c: c.data.tokenizer == "bpe", "data.tokenizer=bpe"),
+    **{f"precision.{name}": (_loss_scaled, "precision.policy=mixed_float16 (float32 and bfloat16 need no loss "
+                                           "scaling)")
+       for name in ("loss_scale_init", "loss_scale_growth_interval")},
+    **{f"train.prune.{name}": (lambda c: c.train.prune.target > 0, "train.prune.target > 0 (pruning on)")
+       for name in ("start", "end", "pattern", "every")},
+}
+
+
+def refuse_ignored(cfg: Config) -> None:
+    """Raise :class:`ConfigError` for the first key set away from its default that this
+    configuration would ignore (:data:`MATTERS_ONLY_WITH`), naming it and the key that would
+    give it an effect.
+
+    >>> refuse_ignored(load_config(None, ["train.prune.target=0.5", "train.prune.every=10"]))
+    >>> refuse_ignored(Config().replace(data={"bpe_vocab": 8192}))
+    Traceback (most recent call last):
+    ...
+    phalanx.config.ConfigError: data.bpe_vocab: 8192 is ignored unless data.tokenizer=bpe (data.tokenizer is 'bytes'); set that, or leave data.bpe_vocab at its default 4096
+    """
+    for key, (matters, needs) in MATTERS_ONLY_WITH.items():
+        if given(cfg, key) and not matters(cfg):
+            value, default = _value(cfg, key), default_of(key)
+            first = needs.split(" ")[0].split("=")[0]
+            raise ConfigError(key, f"{value!r} is ignored unless {needs} ({first} is {_value(cfg, first)!r}); set "
+                                   f"that, or leave {key} at its default {default!r}")
+
+
+def _value(cfg, key: str):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)  # (checkpoint.async: the property that reads async_)
+    return cfg
 
 
 def parse_prune_pattern(pattern: str) -> tuple[int, int] | None:

@@ -13,7 +13,8 @@ user's method instead, the way Keras's ``fit`` under ``MirroredStrategy`` does:
   the model (``model.optimizer`` and any other Keras optimizer attribute) are stand-ins that
   record the ``(gradients, variables)`` it applies; after the last replica, the real
   optimizer applies, once, each variable's gradients combined over the replicas with weights
-  ``rows of the replica / rows of the batch``. For a loss that is a mean over the replica's rows
+  ``rows of the replica / rows of the batch`` (an embedding's ``IndexedSlices`` rows are kept,
+  concatenated, as :func:`~phalanx.parallel.pipeline.accumulate_gradient` joins them). For a loss that is a mean over the replica's rows
   (any Keras loss, ``compute_loss``) that is the gradient of the mean over the batch: Keras's
   one-device step, and MirroredStrategy's numbers (its Keras losses scale by ``1/replicas``
   in a replica context and its optimizer sums the replicas' gradients). Clipping
@@ -23,15 +24,17 @@ user's method instead, the way Keras's ``fit`` under ``MirroredStrategy`` does:
   Keras's ``_get_metrics_result_or_logs`` of the step's returned dict: the model's metric
   results when the keys are theirs; otherwise a value named after one of the model's metrics
   is that metric's result after every replica, and any other value its mean over the replicas
-  (Keras's ``reduce_per_replica(..., "auto")``). Float state that is not trained (BatchNormalization
+  (Keras's ``reduce_per_replica(..., "auto")``): one device's value for a mean over rows
+  split evenly, not for a sum (a per-replica sum reads 1/dp of the batch's, as under
+  MirroredStrategy). Float state that is not trained (BatchNormalization
   statistics) starts every replica from the step's starting values and ends as the mean of
   the replicas' results (a MEAN-aggregated mirrored variable); integer state (Dropout's seed)
   runs through the replicas in order, so each replica draws its own mask.
   ``predict_step`` outputs are joined along the batch axis.
 
-A step that applies gradients more than once (two optimizers, as a GAN's) needs every
-replica's first update before any replica's second: under ``parallel.dp > 1`` it is refused
-when the step is traced, before it runs. Other layouts (pipeline, tensor or expert
+A step that applies gradients more than once (once per optimizer of two, as a GAN's) needs
+every replica's first update before any replica's second: under ``parallel.dp > 1`` it is
+refused when the step is traced, before it runs. Other layouts (pipeline, tensor or expert
 parallelism, ZeRO, gradient accumulation, micro-batches, several workers) cut the model or
 the step where the user's code cannot be: :func:`check_layout` refuses them before any step,
 naming the method, the key and what to do instead.
@@ -66,7 +69,9 @@ import tensorflow as tf
 from keras.src.trainers.data_adapters.data_adapter_utils import pack_x_y_sample_weight  # what fit hands a step
 
 from phalanx.config import Config, ConfigError
+from phalanx.engines.keras_model import _as_tensors, _even, _rows, _slice, _to_tensor  # the engine's batch cuts
 from phalanx.mesh import Mesh
+from phalanx.parallel.pipeline import accumulate_gradient
 
 METHODS = ("train_step", "test_step", "predict_step")
 
@@ -100,9 +105,8 @@ def check_layout(model, cfg: Config, mesh: Mesh, methods, workers: int = 1) -> N
         train.grad_accum
     """
     p = cfg.parallel
-    for method in methods:
-        if not overridden(model, method):
-            continue
+    own = [method for method in methods if overridden(model, method)]
+    for method in own:
         where = f"{type(model).__name__}.{method} is overridden"
         runs = f"phalanx runs a model's own {method} on one device or over data replicas (parallel.dp) only"
         training = method == "train_step"
@@ -119,61 +123,40 @@ def check_layout(model, cfg: Config, mesh: Mesh, methods, workers: int = 1) -> N
                  "accumulation sums several steps' gradients before one update; set "
                  "gradient_accumulation_steps= on your Keras optimizer instead, which your step's "
                  "optimizer.apply honours"),
-                ("parallel.strategy", "multi_worker" if workers > 1 else p.strategy, p.strategy if workers <= 1
-                 else None, "across workers the gradients are exchanged inside phalanx's own step"),
+                ("parallel.strategy", f"multi_worker over {workers} workers" if workers > 1 else "one process",
+                 "one process", "across workers the gradients are exchanged inside phalanx's own step"),
             ]
         for key, value, plain, why in checks:
             if value != plain:
                 raise ConfigError(key, f"{value}: {where}; {runs}, and {why}. Remove {key} (use "
                                        f"parallel.dp for more devices), or drop the override to let phalanx "
                                        f"build the step from the compiled loss and metrics")
-    if p.recompute != "none":
+    if own and p.recompute != "none":
         raise ConfigError("parallel.recompute", f"{p.recompute!r}: recomputation is built for the GPT's blocks "
                                                 f"only; use parallel.recompute=none for a Keras model")
-
-
-def _rows(x) -> int:
-    return int(next(t for t in tf.nest.flatten(x) if t is not None).shape[0])
-
-
-def _splits(rows: int, replicas: int) -> list[tuple[int, int]]:
-    """(start, size) of each replica's rows; empty replicas left out."""
-    base, extra = divmod(rows, replicas)
-    out, start = [], 0
-    for d in range(replicas):
-        size = base + (1 if d < extra else 0)
-        if size:
-            out.append((start, size))
-        start += size
-    return out
-
-
-def _slice(structure, start: int, size: int):
-    return tf.nest.map_structure(lambda t: None if t is None else t[start:start + size], structure)
-
-
-def _to_tensor(t):
-    return t if t is None or isinstance(t, tf.Tensor) else tf.convert_to_tensor(t)
 
 
 class _Recorder:
     """Stands in for a Keras optimizer while one replica's ``train_step`` runs: records what
     the step applies instead of applying it; everything else is the real optimizer's."""
 
-    def __init__(self, real, name: str, method: str):
+    def __init__(self, real, name: str, method: str, calls: list):
         object.__setattr__(self, "_real", real)
         object.__setattr__(self, "_name", name)
         object.__setattr__(self, "_method", method)
+        object.__setattr__(self, "_calls", calls)  # the applies of this replica's step, every optimizer's
         object.__setattr__(self, "applied", [])
 
     def apply(self, grads, trainable_variables=None):
         if trainable_variables is None:
             trainable_variables = self._real._trainable_variables
-        if self.applied:
-            raise ValueError(f"{self._method} applies gradients with {self._name} more than once per step; over "
-                             f"data replicas (parallel.dp > 1) phalanx combines the replicas' gradients and "
-                             f"applies them once at the end of the step, so each optimizer may apply once: use "
+        if self._calls:
+            # A second update would read weights the first changed, which are only changed at the end.
+            raise ValueError(f"{self._method} applies gradients again ({self._name} after {self._calls[0]}) in one "
+                             f"step; over data replicas (parallel.dp > 1) phalanx combines the replicas' gradients "
+                             f"and applies them once at the end of the step, so a step may apply once: use "
                              f"parallel.dp=1, or apply once per step")
+        self._calls.append(self._name)
         self.applied.append((list(grads), list(trainable_variables)))
 
     def apply_gradients(self, grads_and_vars):
@@ -198,8 +181,9 @@ def _recording(model, method: str, recorders: dict):
     """Swap the model's optimizers for :class:`_Recorder` stand-ins (``recorders``: filled
     with name -> recorder), and back."""
     originals = _optimizer_attributes(model)
+    calls: list = []
     for name, real in originals.items():
-        recorders[name] = _Recorder(real, f"self.{name}", method)
+        recorders[name] = _Recorder(real, f"self.{name}", method, calls)
         object.__setattr__(model, name, recorders[name])  # no tracking: the swap is undone below
     try:
         yield recorders
@@ -240,7 +224,9 @@ class CustomStepEngine:
                 if not optimizer.built:
                     optimizer.build(model.trainable_variables)
             self.float_state = [v for v in model.non_trainable_variables if tf.as_dtype(v.dtype).is_floating]
-        wrap = (lambda f: f) if model.run_eagerly else (lambda f: tf.function(f, reduce_retracing=True))
+        # Static shapes, one trace per batch shape: the replicas' row counts are cut from them
+        # (reduce_retracing would trace a second shape with an unknown batch size).
+        wrap = (lambda f: f) if model.run_eagerly else tf.function
         self._train_fn = wrap(self._train)
         self._test_fn = wrap(self._test)
         self._predict_fn = wrap(self._predict)
@@ -251,7 +237,8 @@ class CustomStepEngine:
         """``(per-replica returned values, per-replica row fractions, per-replica recorders)``."""
         x, y, sw = batch
         rows = _rows(x)
-        pieces = _splits(rows, self.dp) if self.dp > 1 else [(0, rows)]
+        sizes = [n for n in _even(rows, self.dp) if n]  # the larger parts first; an empty replica is left out
+        pieces = [(sum(sizes[:d]), n) for d, n in enumerate(sizes)]
         returned, fractions, recorded = [], [], []
         start_state = [tf.convert_to_tensor(v.value) for v in self.float_state] if len(pieces) > 1 else []
         ends = []
@@ -293,9 +280,13 @@ class CustomStepEngine:
                     if g is None:
                         continue
                     with tf.device(v.value.device if hasattr(v, "value") else None):
-                        g = tf.convert_to_tensor(g) * tf.cast(fraction, g.dtype)
-                        sums[id(v)] = g if sums[id(v)] is None else sums[id(v)] + g
-            real.apply([sums[id(v)] for v in order], order)
+                        if isinstance(g, tf.IndexedSlices):  # an embedding's rows: kept, as the engine joins them
+                            g = tf.IndexedSlices(g.values * tf.cast(fraction, g.values.dtype), g.indices,
+                                                 g.dense_shape)
+                        else:
+                            g = tf.convert_to_tensor(g) * tf.cast(fraction, g.dtype)
+                        sums[id(v)] = accumulate_gradient(sums[id(v)], g, keep_sparse=True)
+            real.apply([None if sums[id(v)] is None else tf.cast(sums[id(v)], v.dtype) for v in order], order)
 
     def _logs(self, returned):
         """Keras's ``_get_metrics_result_or_logs`` of the step's logs over the replicas: a value
@@ -366,9 +357,3 @@ def logs_as_numbers(logs) -> dict:
         value = np.asarray(value)
         out[name] = float(value) if value.size == 1 else value
     return out
-
-
-def _as_tensors(batch):
-    x, y, sw = batch
-    return (tf.nest.map_structure(_to_tensor, x), tf.nest.map_structure(_to_tensor, y),
-            None if sw is None else tf.nest.map_structure(_to_tensor, sw))

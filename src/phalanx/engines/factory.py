@@ -38,7 +38,7 @@ import keras
 
 from phalanx.engines.ps import ParameterServerEngine
 from phalanx.cluster.strategies import MULTI_WORKER, local_strategy, refuse_unhonoured
-from phalanx.config import Config, ConfigError, ModelConfig
+from phalanx.config import Config, ConfigError, ModelConfig, given
 from phalanx.engines import keras_cluster
 from phalanx.engines.keras_model import KerasModelEngine
 from phalanx.engines.keras_gpt import KerasGPTEngine, wants_keras_gpt
@@ -55,24 +55,47 @@ def needs_mesh_engine(cfg: Config) -> bool:
     return p.tp > 1 or p.pp > 1 or p.zero > 0 or p.recompute != "none" or p.strategy == "mesh"
 
 
+def refuse_before_build(cfg: Config, task, cluster=None) -> None:
+    """The refusals of :func:`build_engine` that need no device (a ConfigError naming the key):
+    ``phalanx train`` runs them before anything is written into the run directory."""
+    p = cfg.parallel
+    for key in ("precision.loss_scale_init", "precision.loss_scale_growth_interval"):
+        if given(cfg, key) and cfg.precision.policy != "mixed_float16":  # (auto: never float16 for the GPT)
+            raise ConfigError(key, f"is ignored under precision.policy={cfg.precision.policy}: loss scaling applies "
+                                   f"to precision.policy=mixed_float16 only; set that, or remove {key}")
+    if p.sequence_parallel and (wants_keras_gpt(cfg) or cfg.model.experts):
+        raise ConfigError("parallel.sequence_parallel", "true: the mesh engine runs sequence parallelism for the "
+                                                        "dense GPT; the mixture-of-experts GPT (model.experts, "
+                                                        "parallel.ep) does not run it yet")
+    if wants_keras_gpt(cfg):  # expert parallelism: the GPT of parallel Keras layers on the Keras-model engine
+        if not isinstance(task, GPTTask):
+            raise ConfigError("parallel.ep", f"{p.ep}: phalanx train runs expert parallelism for the "
+                                             f"built-in GPT (in one process, or across workers with parallel."
+                                             f"strategy=multi_worker); for another task use parallel.ep=1 (a Keras "
+                                             f"model: phalanx.layers.MoE(ep=N) through phalanx.fit)")
+        keras_gpt_refusals(cfg)
+    elif getattr(cluster, "devices", None):  # a mesh across the workers' devices: the mesh engine's own checks
+        return
+    elif cluster is not None:
+        refuse_unhonoured(cfg, cluster.name)
+    else:  # (parallel.microbatches with parallel.pp=1: config.refuse_ignored; with pp=-1: at build)
+        refuse_unhonoured(cfg, p.strategy)  # e.g. an explicit "mirrored" with parallel.zero=1
+        if p.zero and p.dp == 1:
+            raise ConfigError("parallel.zero", f"{p.zero} shards the optimizer state over the data replicas, and "
+                                               f"parallel.dp=1 has one: set parallel.dp > 1, or parallel.zero=0")
+
+
+def _refuse_microbatches(n: int) -> None:
+    raise ConfigError("parallel.microbatches", f"{n} splits a pipeline's batch, but parallel.pp=1 trains without a "
+                                               f"pipeline; use train.grad_accum={n} to split each step's batch")
+
+
 def build_engine(cfg: Config, task, cluster=None):
     """The engine ``phalanx train`` runs for ``cfg``: tf.distribute (dp only), parameter
     servers, or the mesh engine. ``cluster``: what ``setup_cluster`` returned (None on one
     process)."""
-    if cfg.parallel.sequence_parallel and (wants_keras_gpt(cfg) or cfg.model.experts):
-        raise ConfigError("parallel.sequence_parallel", "true: the mesh engine runs sequence parallelism for the "
-                                                        "dense GPT; the mixture-of-experts GPT (model.experts, "
-                                                        "parallel.ep) does not run it yet")
-    if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:
-        raise ConfigError("parallel.sequence_parallel", "true needs tensor parallelism: parallel.tp > 1 (its "
-                                                        "sequence chunks are the tensor ranks'); got parallel.tp=1")
+    refuse_before_build(cfg, task, cluster)
     if wants_keras_gpt(cfg):  # expert parallelism: the GPT of parallel Keras layers on the Keras-model engine
-        if not isinstance(task, GPTTask):
-            raise ConfigError("parallel.ep", f"{cfg.parallel.ep}: phalanx train runs expert parallelism for the "
-                                             f"built-in GPT (in one process, or across workers with parallel."
-                                             f"strategy=multi_worker); for another task use parallel.ep=1 (a Keras "
-                                             f"model: phalanx.layers.MoE(ep=N) through phalanx.fit)")
-        keras_gpt_refusals(cfg)  # before the devices are touched
         if cluster is None:
             return KerasGPTEngine(cfg, task, build_mesh(cfg))
         return _keras_gpt_across_workers(cfg, task, cluster)
@@ -83,21 +106,17 @@ def build_engine(cfg: Config, task, cluster=None):
     if getattr(cluster, "devices", None):  # cluster: a mesh whose devices span the workers
         return make_mesh_engine(cfg, build_mesh(cfg, list(cluster.devices)), task)
     if cluster is not None:  # a multi-process strategy, built first (cluster.strategies.setup_cluster)
-        refuse_unhonoured(cfg, cluster.name)  # (setup_cluster checked it too; a hand-made set-up may not)
         if cluster.coordinator is not None:  # cluster: parameter servers, steps scheduled on the workers
             return ParameterServerEngine(cfg, task, cluster.strategy, cluster.coordinator, cluster.info.num_workers)
         return StrategyEngine(cfg, task, cluster.strategy)
-    refuse_unhonoured(cfg, cfg.parallel.strategy)  # e.g. an explicit "mirrored" with parallel.zero=1
     mesh = build_mesh(cfg)
     if cfg.parallel.sequence_parallel and mesh.tp < 2:
         raise ConfigError("parallel.sequence_parallel", f"true needs tensor parallelism: parallel.tp > 1 (the "
                                                         f"layout has tp={mesh.tp})")
     if mesh.tp > 1 or mesh.pp > 1 or needs_mesh_engine(cfg):  # (mesh: -1 degrees resolved)
         return make_mesh_engine(cfg, mesh, task)
-    if cfg.parallel.microbatches != 1:
-        raise ConfigError("parallel.microbatches", f"{cfg.parallel.microbatches} splits a pipeline's batch, but "
-                                                   f"parallel.pp=1 trains without a pipeline; use train.grad_accum="
-                                                   f"{cfg.parallel.microbatches} to split each step's batch")
+    if cfg.parallel.microbatches != 1:  # (parallel.pp=-1 filled with 1)
+        _refuse_microbatches(cfg.parallel.microbatches)
     return StrategyEngine(cfg, task, local_strategy(mesh.devices))
 
 

@@ -18,7 +18,7 @@ global batch:
   replicas: every worker holds all the experts of an ``MoE(ep=...)`` model (shard j with
   its replica j), tokens travel to their expert inside the worker only, and the workers
   are data parallel over the experts as over every other weight (the MoE figures of the
-  rows are the whole global batch's: their totals are averaged like other float state).
+  rows are the whole global batch's: their step totals are summed across workers).
   Experts sharded across workers are not built: ep must divide each worker's
   ``parallel.dp``, and the error says so. No strategy object is kept: the fit
   re-derives its place in the cluster from TF_CONFIG (:func:`join`) and talks to the
@@ -46,11 +46,12 @@ global batch:
   values. (A custom metric whose state is not a sum, e.g. a running maximum, would be
   wrong.) Callbacks therefore see the same logs on every worker: ``EarlyStopping``,
   ``ReduceLROnPlateau`` and ``model.stop_training`` stop or change all workers alike.
-* **Non-trainable float state** (BatchNormalization's moving statistics) is averaged
-  across workers after each step, as Keras's MirroredStrategy does; each worker normalises
-  its rows with their own batch statistics, so BatchNorm equals Keras's one-device fit of
-  a "ghost batch" model (as with local dp). Dropout draws each worker's masks from its own
-  copy of the seed state (the same seeds on every worker).
+* **Non-trainable state** is joined across workers after each step by the rule that joins
+  a worker's own replicas (:mod:`phalanx.parallel.replica_state`): BatchNormalization's
+  moving statistics averaged, as Keras's MirroredStrategy does, MoE step totals summed; each
+  worker normalises its rows with their own batch statistics, so dp2 in one process and 2
+  workers x dp1 give the same statistics. Dropout draws each worker's masks from its own
+  copy of the seed state (the same seeds on every worker, as on every replica).
 * **Writes.** Only the chief (``worker:0``, or the ``chief`` task) writes the run
   directory (lock, ``config.yaml``, checkpoints, ``metrics.jsonl``), prints progress and
   runs the callbacks that only write files (``ModelCheckpoint``, ``CSVLogger``,
@@ -361,11 +362,13 @@ class WorkerGroup:
         """The metric variables before the step's updates."""
         return [v.value.read_value() for v in model.metrics_variables]
 
-    def exchange(self, model, grads: list, metrics_before: list, state: list, loss_sum):
+    def exchange(self, model, grads: list, metrics_before: list, state: list, loss_sum,
+                 rules: Sequence[str] | None = None):
         """The step's all-reduce: gradients summed (sparse ones: rows gathered, lookups with the
         same indices everywhere summed; :class:`~phalanx.parallel.gradients.SparseGradient`), metric
-        variables set to their global values, ``state`` (float non-trainable values)
-        averaged, the loss sum and the batch fingerprint summed. Returns
+        variables set to their global values, ``state`` (the changed non-trainable values)
+        joined by ``rules`` (:mod:`phalanx.parallel.replica_state`: ``sum``, ``mean``; ``first``
+        is kept, equal on every worker), the loss sum and the batch fingerprint summed. Returns
         ``(grads, state, loss_sum)``."""
         metric_vars = list(model.metrics_variables)
         dense = [i for i, g in enumerate(grads) if g is not None and not isinstance(g, (tf.IndexedSlices,
@@ -377,7 +380,13 @@ class WorkerGroup:
                  SparseGradient(g.dense_shape, dict(g.shared), list(g.rows)) if isinstance(g, SparseGradient) else g
                  for g in grads]  # copies: filled in below
         shared = [(i, key) for i in sparse for key in grads[i].shared]
-        floating = [i for i, s in enumerate(state) if tf.as_dtype(s.dtype).is_floating]
+        if rules is None:
+            rules = ["mean" if tf.as_dtype(s.dtype).is_floating else "first" for s in state]
+        # "first": worker 0's value (integer state is equal everywhere: kept as it is).
+        floating = [i for i, (rule, s) in enumerate(zip(rules, state))
+                    if rule in ("sum", "mean") or tf.as_dtype(s.dtype).is_floating]
+        state = [s if rules[i] != "first" or i not in floating or self.rank == 0 else tf.zeros_like(s)
+                 for i, s in enumerate(state)]
         deltas = [v.value.read_value() - before for v, before in zip(metric_vars, metrics_before)]
         with tf.control_dependencies(deltas):
             fingerprint = self._fingerprint.read_value()
@@ -396,7 +405,7 @@ class WorkerGroup:
         rest = rest[len(deltas):]
         state = list(state)
         for i, total in zip(floating, rest[:len(floating)]):
-            state[i] = total / tf.cast(self.size, total.dtype)
+            state[i] = total / tf.cast(self.size, total.dtype) if rules[i] == "mean" else total
         loss_sum, fingerprint_sum = rest[len(floating):]
         self._fingerprint_sum.assign(fingerprint_sum)
         for i in sparse:

@@ -62,10 +62,14 @@ compiled metrics. The engine only decides *where* things run:
   joined on the tensor rank 0 device for Keras's loss, and :attr:`KerasModelEngine.loss_note`
   says why (``phalanx.fit`` prints it). ``predict`` returns the joined logits.
 * **State that is not trained** (BatchNormalization moving statistics, Dropout's seed
-  state) is threaded through the micro-batches in order — replica 0's micro-batches, then
-  replica 1's, and so on — as GPipe does: each micro-batch is normalised with its own batch
-  statistics and moves the averages once, and each draws its own dropout mask. With one
-  replica and one micro-batch this is exactly Keras's own step.
+  state, MoE statistics) follows one rule on every layout (:mod:`phalanx.parallel.replica_state`):
+  within a replica it is threaded through the micro-batches in order, as GPipe does (each
+  micro-batch is normalised with its own batch statistics and moves the averages once, and
+  each draws its own dropout mask); every replica starts from the step's starting state, and
+  the replicas' results are combined once per step as MirroredStrategy does (moving
+  statistics averaged, MoE step totals summed, integer seed state equal on every replica, so
+  the replicas of a step draw the same dropout masks). With one replica and one micro-batch
+  this is exactly Keras's own step.
 * **Recomputation** (``parallel.recompute``): ``full`` runs each stage's forward on a
   micro-batch as blocks whose activations are recomputed in the backward (a Functional or
   Sequential stage cut into about ``sqrt(n)`` blocks, a subclassed model as one);
@@ -74,8 +78,8 @@ compiled metrics. The engine only decides *where* things run:
 * **Across workers** (``workers=``, a :class:`~phalanx.engines.keras_cluster.WorkerGroup`):
   the mesh is this worker's own devices, the step runs on its rows of the global batch with
   the loss weights divided by the number of workers too, and one exchange before the
-  optimizer sums the gradients and the metrics' changes and averages the float state
-  across workers (:mod:`phalanx.engines.keras_cluster`).
+  optimizer sums the gradients and the metrics' changes and joins the state across workers
+  by the same rule as across replicas (:mod:`phalanx.engines.keras_cluster`).
 
 Example:
     >>> import keras, numpy as np
@@ -109,6 +113,7 @@ from phalanx.parallel.gradients import finish, join_gradients
 from phalanx.parallel.keras_graph import split_keras_model
 from phalanx.parallel.keras_zero import ZeroSlices, check_sliceable
 from phalanx.parallel.pipeline import run_schedule, schedule_for
+from phalanx.parallel.replica_state import combine_replicas, rule_of
 from phalanx.precision import resolve_policy
 
 MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")
@@ -659,12 +664,15 @@ class KerasModelEngine:
 
     # -- one stage on one micro-batch -------------------------------------------------------
 
-    def _params(self, replica: int, stage: int) -> list[tf.Variable]:
-        """The variables stage ``stage`` of ``replica`` differentiates: its weights (or
-        their copies), or under ZeRO-3 the slices of its weights."""
+    def _params(self, replica: int, stage: int) -> list:
+        """What stage ``stage`` of ``replica`` differentiates: its weights (or their copies),
+        or under ZeRO-3 the whole weights gathered from their slices for this step
+        (:meth:`_stage_values`). Differentiating the gathered tensor, not the slices, gives
+        each replica the gradient one device's tape gives (an embedding's sparse rows
+        included), which the reduce-scatter then cuts and joins slice by slice
+        (:meth:`phalanx.parallel.keras_zero.ZeroSlices.reduce`)."""
         if self.zero == 3:
-            return [piece.value for v in self.stages[stage].trainable_variables
-                    for piece in self.slices.slices_of(v)]
+            return self._stage_values(replica, stage)
         return [v.value if copy is None else copy
                 for v, copy in zip(self.stages[stage].trainable_variables, self.copies[(replica, stage)])]
 
@@ -869,19 +877,20 @@ class KerasModelEngine:
     def _regularization(self):
         """(value, gradients) of the weight-regularisation loss of a cut model (under ZeRO-3:
         of the weights gathered on their home devices, gradients by id of each slice)."""
-        sources = [v.value for v in self.regularized] if self.zero < 3 else \
-            [piece.value for v in self.regularized for piece in self.slices.slices_of(v)]
+        sources = [v.value if self.zero < 3 else self.slices.gather(v, self._reg_device(v)) for v in self.regularized]
         with tf.GradientTape() as tape:
+            tape.watch([t for t in sources if isinstance(t, tf.Tensor)])
             terms = []
-            for v in self.regularized:
-                device = v.value.device if self.zero < 3 else self._slice_devices(v)[0]
-                with tf.device(device):
-                    value = tf.convert_to_tensor(v.value) if self.zero < 3 else self.slices.gather(v, device)
-                    terms.append(tf.cast(v.regularizer(value), tf.float32))
+            for v, source in zip(self.regularized, sources):
+                with tf.device(self._reg_device(v)):
+                    terms.append(tf.cast(v.regularizer(tf.convert_to_tensor(source)), tf.float32))
             value = tf.add_n(terms)
-        keys = [id(v) for v in self.regularized] if self.zero < 3 else \
-            [id(piece.value) for v in self.regularized for piece in self.slices.slices_of(v)]
-        return value, dict(zip(keys, tape.gradient(value, sources)))
+        return value, dict(zip([id(v) for v in self.regularized], tape.gradient(value, sources)))
+
+    def _reg_device(self, v) -> str:
+        """Where a regularised weight's penalty and its gradient are formed: the weight's device,
+        or under ZeRO-3 its first slice's."""
+        return v.value.device if self.zero < 3 else self._slice_devices(v)[0]
 
     def _train_step(self, x, y, sw):
         batch = (x, y, sw)
@@ -894,13 +903,15 @@ class KerasModelEngine:
         metrics_before = None if self.workers is None else self.workers.read_metrics(self.model)
         self._reg_value, reg_grads = self._regularization() if self.regularized else (None, {})
         self._casts = self._expert_casts(self.dp)
-        state = self._initial_state(training=True)
-        start = [list(values) for values in state]
+        start = self._initial_state(training=True)
+        ends = []  # each replica's state after its micro-batches (parallel.replica_state)
         self._gathered = {}
-        acc = [[[] for _ in self._params(0, s)] for s in range(self.chunks)]
+        acc = [[[] for _ in stage.trainable_variables] for stage in self.stages]
         losses = []
         first = 0
         for d in range(self.dp):
+            state = [list(values) for values in start]  # every replica from the step's starting state
+            ends.append(state)
             params = [self._params(d, s) for s in range(self.chunks)]
             for a in range(self.accum):
                 if not plan[d][a]:
@@ -912,8 +923,8 @@ class KerasModelEngine:
                         first += n
                 grads, loss_sum = run_schedule(
                     self._schedule_of(len(group)),
-                    lambda s, i, h, _d=d, _g=group, _w=share[d][a]: self._weighted(
-                        self._forward(_d, s, h, _g[i], state, "train"), s, _w[i]),
+                    lambda s, i, h, _d=d, _g=group, _w=share[d][a], _st=state: self._weighted(
+                        self._forward(_d, s, h, _g[i], _st, "train"), s, _w[i]),
                     params, scale / float(total * self.world), prefix=f"dp{d}_acc{a}", keep_sparse=True)
                 losses.append(loss_sum)
                 for s, stage_grads in enumerate(grads):
@@ -941,12 +952,18 @@ class KerasModelEngine:
                 grads.append(g)
             variables.append(v)
         loss_sum = tf.add_n(losses)
-        if self.workers is not None:  # across workers: gradients, metrics, float state (keras_cluster)
+        rules = [[rule_of(v) for v in stage.non_trainable_variables] for stage in self.stages]
+        state = []
+        for s in range(len(self.stages)):  # the replicas' state joined once per step, by one rule
+            with tf.device(self.stage_device(0, s)):
+                state.append(combine_replicas(start[s], [end[s] for end in ends], rules[s]))
+        if self.workers is not None:  # across workers: gradients, metrics, state by the same rule (keras_cluster)
             changed = [(s, k) for s, values in enumerate(state) for k, value in enumerate(values)
                        if value is not start[s][k]]
-            grads, averaged, loss_sum = self.workers.exchange(self.model, grads, metrics_before,
-                                                              [state[s][k] for s, k in changed], loss_sum)
-            for (s, k), value in zip(changed, averaged):
+            grads, combined, loss_sum = self.workers.exchange(self.model, grads, metrics_before,
+                                                              [state[s][k] for s, k in changed], loss_sum,
+                                                              rules=[rules[s][k] for s, k in changed])
+            for (s, k), value in zip(changed, combined):
                 state[s][k] = value
         joined = grads
         grads = []
@@ -978,30 +995,17 @@ class KerasModelEngine:
     def _sliced_gradients(self, acc, reg_grads, scale) -> list:
         """ZeRO: the gradient of every slice (aligned with ``self.slices.flat``), summed over
         replicas, stages and micro-batches. ``acc[s][j]``: ``(replica, gradient)`` of stage
-        ``s``'s ``j``-th differentiated variable (a weight, or under ZeRO-3 a slice)."""
+        ``s``'s ``j``-th weight (under ZeRO-3 of its gathered value), formed on that replica's
+        device for the weight: zero=1 sums them whole, zero=2/3 cut each where it was formed
+        (the reduce-scatter)."""
         factor = scale / float(self.world)  # the regularisers' gradient, once over the workers
-        if self.zero < 3:
-            parts: dict[int, list] = {}
-            for s, stage in enumerate(self.stages):
-                for j, v in enumerate(stage.trainable_variables):
-                    parts.setdefault(id(v), []).extend((self.variable_device(v, d, s), g) for d, g in acc[s][j])
-            for v in self.regularized:
-                parts.setdefault(id(v), []).append((v.value.device, tf.cast(reg_grads[id(v)], tf.float32) * factor))
-            return self.slices.reduce(parts)
-        # ZeRO-3: each replica's gradient of a slice was formed where it gathered the weight
-        # and summed on the slice's device (run_schedule accumulates on the variable's device):
-        # the reduce-scatter. Here the replicas' sums meet there.
-        sums: dict[int, Any] = {}  # id(the slice's tf.Variable) -> its gradient
-        for s in range(self.chunks):
-            for j, piece in enumerate(self._params(0, s)):
-                with tf.device(piece.device):
-                    for _, g in acc[s][j]:
-                        sums[id(piece)] = join_gradients(sums.get(id(piece)), g)
-        for key, g in reg_grads.items():
-            if g is not None:
-                sums[key] = join_gradients(sums.get(key), tf.cast(tf.convert_to_tensor(g), tf.float32) * factor)
-        return [None if id(piece.value) not in sums else ZeroSlices.cast(finish(sums[id(piece.value)]), piece.dtype)
-                for piece in self.slices.flat]
+        parts: dict[int, list] = {}
+        for s, stage in enumerate(self.stages):
+            for j, v in enumerate(stage.trainable_variables):
+                parts.setdefault(id(v), []).extend((self.variable_device(v, d, s), g) for d, g in acc[s][j])
+        for v in self.regularized:
+            parts.setdefault(id(v), []).append((self._reg_device(v), tf.cast(reg_grads[id(v)], tf.float32) * factor))
+        return self.slices.reduce(parts)
 
     def _split_for_inference(self, rows: int) -> tuple[int, int]:
         """(replicas, micro-batches per replica) that divide an evaluation batch evenly."""

@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 
 from phalanx import checkpoint
-from phalanx.config import ConfigError, load_config
+from phalanx.config import ConfigError, load_config, one_device_overrides
 from phalanx.data.pipeline import make_datasets
 from phalanx.export import calibration, formats, report as report_lib
 from phalanx.export.formats import META_FILE, MODEL_FILES, REPORT_FILE
@@ -36,9 +36,6 @@ from phalanx.export.quantization import copy_model, keras_quantize
 from phalanx.export.runtime import load_artifact
 from phalanx.fsutil import RunLock
 
-SINGLE_DEVICE = ["parallel.dp=1", "parallel.tp=1", "parallel.pp=1", "parallel.zero=0", "parallel.microbatches=1",
-                 "parallel.devices=auto", "parallel.strategy=auto", "parallel.recompute=none",
-                 "parallel.schedule=1f1b", "parallel.virtual_stages=1", "parallel.ep=1", "train.grad_accum=1"]
 
 
 def _sayer(quiet: bool) -> Callable[[str], None]:
@@ -85,7 +82,7 @@ def export_run(run_dir: str | Path, format: str = "litert", quantize: str = "non
                                      f"(made by `phalanx train`)?")
     out = check_output(output if output is not None else default_output(run_dir, format, quantize), overwrite,
                        run_dir)
-    cfg = load_config(cfg_path, SINGLE_DEVICE + [f"run.dir={run_dir}"] + list(overrides))
+    cfg = load_config(cfg_path, one_device_overrides() + [f"run.dir={run_dir}"] + list(overrides))
     if getattr(cfg.model, "experts", 0):
         raise ConfigError("model.experts", f"{cfg.model.experts}: exporting a mixture-of-experts GPT is not "
                                            f"supported yet (the export model has dense MLPs only); export a dense "

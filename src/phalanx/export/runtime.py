@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from phalanx.config import ConfigError, load_config
+from phalanx.config import ConfigError, load_config, one_device_overrides
 from phalanx.data.pipeline import make_datasets
 from phalanx.data.tokenize import load_run_tokenizer
 from phalanx.export.formats import FORMATS, META_FILE, MODEL_FILES, size_on_disk
@@ -150,9 +150,7 @@ def _artifact_config(path: Path, overrides: list[str]):
     if not cfg_path.is_file():
         raise ConfigError(str(path), "this export has no config.yaml: it was exported from a Keras model, not a "
                                      "phalanx run; score it with phalanx.export.report instead")
-    single = ["parallel.dp=1", "parallel.tp=1", "parallel.pp=1", "parallel.zero=0", "parallel.microbatches=1",
-              "parallel.devices=auto", "parallel.strategy=auto", "parallel.ep=1", "train.grad_accum=1"]
-    return load_config(cfg_path, single + list(overrides))
+    return load_config(cfg_path, one_device_overrides() + list(overrides))
 
 
 def evaluate_lm_artifact(path: str | Path, overrides: list[str] = (), batches: int | None = None) -> dict:

@@ -294,6 +294,19 @@ def _capture_optimizer(model):
     return inner, records
 
 
+def _acknowledge_list_edit(value) -> None:
+    """A TensorFlow-tracked list edited in place other than by appending holds what it should:
+    say so (TensorFlow refuses to checkpoint such a list otherwise)."""
+    try:
+        from tensorflow.python.trackable.data_structures import ListWrapper
+    except ImportError:  # pragma: no cover - another TensorFlow layout
+        return
+    if isinstance(value, ListWrapper):
+        value._non_append_mutation = False
+        value._external_modification = False
+        value._last_wrapped_list_snapshot = list(value._storage)
+
+
 def _restore_optimizer(model, captured) -> None:
     """Rebuild the optimizer ``_capture_optimizer`` read, in place (the same object, its
     step count and other own variables kept), for the model's new weights, and give each
@@ -305,7 +318,9 @@ def _restore_optimizer(model, captured) -> None:
         return
     inner, records = captured
     old_slots = {id(s) for d in _slots_of(inner, inner._trainable_variables).values() for s in d.values()}
-    inner._variables = [v for v in inner._variables if id(v) not in old_slots]
+    kept = [v for v in inner._variables if id(v) not in old_slots]
+    inner._variables[:] = kept  # in place: Keras's tracker appends new variables to this very list
+    _acknowledge_list_edit(inner._variables)
     inner._trainable_variables_indices = {}
     inner.built = False
     inner.build(model.trainable_variables)
@@ -406,9 +421,7 @@ def _fix_tf_tracking(layer, old, new) -> None:
             continue
         snapshot = value._last_wrapped_list_snapshot or []
         if any(v is new for v in value._storage) or any(v is old for v in snapshot):
-            value._non_append_mutation = False
-            value._external_modification = False
-            value._last_wrapped_list_snapshot = list(value._storage)
+            _acknowledge_list_edit(value)
 
 
 def replace_layer(root, old, new, after=()) -> None:

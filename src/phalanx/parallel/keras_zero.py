@@ -85,7 +85,9 @@ class SliceLayout:
 
     def join(self, pieces: Sequence) -> tf.Tensor:
         """The whole value from its ``n`` slices (the all-gather: a concat where it runs)."""
-        joined = tf.concat([tf.convert_to_tensor(p) for p in pieces], axis=0)[:self.rows]
+        joined = tf.concat([tf.convert_to_tensor(p) for p in pieces], axis=0)
+        if self.per * self.n != self.rows:  # (no slice op otherwise: an embedding's gradient stays sparse)
+            joined = joined[:self.rows]
         return joined if self.by_rows else tf.reshape(joined, self.shape)
 
     def grad_piece(self, grad, k: int):

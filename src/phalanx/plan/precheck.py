@@ -203,13 +203,21 @@ def check_fits(cfg: Config, device_count: int | None = None, *, device_memory_by
     # The step's temporaries (weight casts, optimizer flat buffers) grow with the model's size.
     states = mem.weights + mem.gradients + mem.optimizer + mem.temporaries
     key = "model" if states >= mem.activations else "train.global_batch"
+    if key == "train.global_batch":
+        # One sequence per micro-batch is the least a batch can be: if that does not fit either,
+        # the sequence itself is too long.
+        t, p = cfg.train, cfg.parallel
+        least = cfg.replace(train={"global_batch": dp * t.grad_accum * p.microbatches})
+        one = estimate_per_device(least, count)[0].total
+        if (one * count + transient if cpu else one) > available:
+            key = "model.seq_len"
     raise ConfigError(key, (
         f"does not fit in memory: needs {mem.total / GiB:,.1f} GiB on the fullest device (pipeline rank "
         f"{mem.rank}: weights {mem.weights / GiB:,.1f}, gradients {mem.gradients / GiB:,.1f}, optimizer "
         f"{mem.optimizer / GiB:,.1f}, activations {mem.activations / GiB:,.1f}, temporaries "
         f"{mem.temporaries / GiB:,.1f}, overhead "
         f"{mem.overhead / GiB:,.1f} GiB) at dp={dp} tp={tp} pp={pp}; {per / GiB:,.1f} GiB needed in all, "
-        f"but {where}. To fit: shrink the model (model.d_model, model.layers, model.vocab, model.ffn), "
+        f"but {where}. To fit: {'shorten model.seq_len (one sequence per micro-batch does not fit); ' if key == 'model.seq_len' else ''}shrink the model (model.d_model, model.layers, model.vocab, model.ffn), "
         f"the activations (train.global_batch, or more parallel.microbatches / train.grad_accum, "
         f"parallel.recompute=full), shard the optimizer (parallel.zero=1 with parallel.dp > 1), or split "
         f"over more devices (parallel.tp, parallel.pp, parallel.devices); `phalanx plan --search` "

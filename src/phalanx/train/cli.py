@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from phalanx import checkpoint
-from phalanx.config import Config, ConfigError, load_config, sections_help, split_config_args
+from phalanx.config import Config, ConfigError, load_config, one_device_overrides, sections_help, split_config_args
 from phalanx.data.pipeline import make_datasets
 from phalanx.data.tokenize import load_run_tokenizer
 from phalanx.export.runtime import main_eval as eval_artifact, main_generate as generate_artifact
@@ -72,10 +72,7 @@ def _load_run(run_dir: str, overrides: list[str]) -> Config:
     if not path.is_file():
         raise ConfigError("run.dir", f"{run_dir!r} has no config.yaml; is it a phalanx run directory?")
     # Evaluate/generate on one device whatever layout trained it (checkpoints are layout-independent).
-    single = ["parallel.dp=1", "parallel.tp=1", "parallel.pp=1", "parallel.zero=0", "parallel.microbatches=1",
-              "parallel.devices=auto", "parallel.strategy=auto", "parallel.recompute=none", "parallel.ep=1",
-              "parallel.schedule=1f1b", "parallel.virtual_stages=1", "train.grad_accum=1", f"run.dir={run_dir}"]
-    return load_config(path, single + overrides)
+    return load_config(path, one_device_overrides() + [f"run.dir={run_dir}"] + overrides)
 
 
 def _restored_engine(cfg: Config):

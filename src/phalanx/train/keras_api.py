@@ -35,7 +35,7 @@ import numpy as np
 import yaml
 
 from phalanx import checkpoint
-from phalanx.config import Config, ConfigError
+from phalanx.config import Config, ConfigError, given
 from phalanx.data.keras_inputs import Batches
 from phalanx.engines import custom_step, keras_cluster
 from phalanx.engines.keras_model import KerasModelEngine, apply_precision, precision_of
@@ -114,6 +114,11 @@ def check_config_for_keras(cfg: Config, model) -> None:
                                                    f"{model.name!r} is compiled with "
                                                    f"{type(model.optimizer).__name__}, whose settings rule; set it "
                                                    f"on that optimizer")
+    policy, _ = precision_of(model, cfg)  # the model's own mixed policy may rule under auto
+    for key in ("precision.loss_scale_init", "precision.loss_scale_growth_interval"):
+        if given(cfg, key) and policy != "mixed_float16":
+            raise ConfigError(key, f"is ignored: model {model.name!r} trains under {policy}, and loss scaling "
+                                   f"applies to precision.policy=mixed_float16 only; set that, or remove {key}")
     # Refuses a strategy that cannot span a cluster's workers; multi_worker runs on every worker
     # of a TF_CONFIG cluster (phalanx.engines.keras_cluster), parameter_server on the chief
     # (phalanx.train.keras_ps).
@@ -177,11 +182,7 @@ def _verbose(verbose) -> int:
 
 
 def _logs(model) -> dict:
-    logs = {}
-    for name, value in model.get_metrics_result().items():
-        value = np.asarray(value)
-        logs[name] = float(value) if value.size == 1 else value
-    return logs
+    return custom_step.logs_as_numbers(model.get_metrics_result())
 
 
 # -- run directory ---------------------------------------------------------------------------
@@ -314,16 +315,17 @@ def _step_logs(engine, model, returned) -> dict:
     return _logs(model)
 
 
-def _engine(model, cfg: Config, mesh: Mesh, sample_batch, method: str, workers=None, inference_only=False):
+def _engine(model, cfg: Config, mesh: Mesh, sample_batch, method: str, workers=None, inference_only=False,
+            validating=False):
     """The engine that runs ``method`` of ``model``: the model's own (overridden) step
-    (:class:`~phalanx.engines.custom_step.CustomStepEngine`), or phalanx's. A fit whose model
-    overrides ``test_step`` only validates with that (``engine.evaluator``)."""
+    (:class:`~phalanx.engines.custom_step.CustomStepEngine`), or phalanx's. A validating fit
+    whose model overrides ``test_step`` only validates with that (``engine.evaluator``)."""
     if custom_step.overridden(model, method):
         methods = ["train_step", "test_step"] if method == "train_step" else [method]
         return custom_step.CustomStepEngine(model, cfg, mesh, sample_batch, inference_only=inference_only,
                                             workers=workers, methods=methods)
     engine = KerasModelEngine(model, cfg, mesh, sample_batch, inference_only=inference_only, workers=workers)
-    if method == "train_step" and custom_step.overridden(model, "test_step"):
+    if method == "train_step" and validating and custom_step.overridden(model, "test_step"):
         engine.evaluator = custom_step.CustomStepEngine(model, cfg, mesh, sample_batch, methods=["test_step"])
     return engine
 
@@ -426,9 +428,9 @@ def fit(model, cfg: Config, mesh: Mesh, x=None, y=None, *, batch_size=None, epoc
     workers = keras_cluster.join(cfg)
     world = 1 if workers is None else workers.size
     _check_callbacks(callbacks, workers)
-    own_step = custom_step.overridden(model, "train_step")
-    if own_step or custom_step.overridden(model, "test_step"):  # refused layouts: before any data is read
-        custom_step.check_layout(model, cfg, mesh, ["train_step", "test_step"], world)
+    # A model's own steps this fit runs (test_step only to validate): a layout they refuse, before any data is read.
+    own_steps = ["train_step"] + (["test_step"] if validation_data is not None else [])
+    custom_step.check_layout(model, cfg, mesh, own_steps, world)
     train = Batches(x, y, sample_weight, batch_size=batch_size, steps_per_epoch=steps_per_epoch, shuffle=shuffle,
                     seed=cfg.train.seed, divisor=world)  # any batch splits over a worker's replicas
     val = _validation_batches(validation_data, validation_batch_size or batch_size, cfg, mesh)
@@ -437,7 +439,7 @@ def fit(model, cfg: Config, mesh: Mesh, x=None, y=None, *, batch_size=None, epoc
     if model.optimizer is None:
         model.optimizer = default_optimizer(cfg, (train.steps or 1) * epochs)
     first = train.first()
-    engine = _engine(model, cfg, mesh, first, "train_step", workers=workers)
+    engine = _engine(model, cfg, mesh, first, "train_step", workers=workers, validating=val is not None)
     _check_labels(model, first, train, val)
     # train.prune.*: checked on the built model before anything is written, run around every step
     pruning = KerasPruning(cfg, model, workers=world)

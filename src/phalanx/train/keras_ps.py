@@ -46,13 +46,13 @@ import sys
 from typing import Any
 
 import keras
-import numpy as np
 import yaml
 
 from phalanx.cluster import strategies
 from phalanx.cluster.tf_config import ClusterInfo, cluster_info_from_env
 from phalanx.config import Config, ConfigError
 from phalanx.data.keras_inputs import Batches
+from phalanx.engines.custom_step import logs_as_numbers
 from phalanx.engines.keras_model import apply_precision
 from phalanx.engines.ps import KerasParameterServerEngine
 from phalanx.fsutil import RunLock
@@ -221,7 +221,7 @@ def _fit_loop(engine: KerasParameterServerEngine, model, cfg: Config, run_dir, t
             if steps_run == 0:
                 say(f"epoch {epoch + 1}: no batch to train on; stopping")
                 break
-            epoch_logs = _numbers(model._get_metrics_result_or_logs({k: v.numpy() for k, v in last.items()}))
+            epoch_logs = logs_as_numbers(model._get_metrics_result_or_logs({k: v.numpy() for k, v in last.items()}))
             if val is not None and (epoch + 1) % validation_freq == 0:
                 val_logs = _evaluate(engine, model, val, callback_list, validation_steps)
                 epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
@@ -243,14 +243,7 @@ def _evaluate(engine: KerasParameterServerEngine, model, batches: Batches, callb
         callbacks.on_test_batch_begin(step)
         callbacks.on_test_batch_end(step, engine.test_step(batch))
     engine.join()
-    logs = _numbers(model.get_metrics_result())
+    logs = logs_as_numbers(model.get_metrics_result())
     callbacks.on_test_end(logs)
     return logs
 
-
-def _numbers(logs: dict) -> dict[str, Any]:
-    out = {}
-    for name, value in logs.items():
-        value = np.asarray(value)
-        out[name] = float(value) if value.size == 1 else value
-    return out

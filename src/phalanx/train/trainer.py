@@ -36,7 +36,7 @@ from phalanx.cluster.preemption import StopSignals, stop_agreement
 from phalanx.config import Config, ConfigError
 from phalanx.data import pipeline
 from phalanx.data.tokenize import save_tokenizer
-from phalanx.engines.factory import build_engine
+from phalanx.engines.factory import build_engine, refuse_before_build
 from phalanx.engines.task import GPTTask
 from phalanx.fsutil import RunLock
 from phalanx.train.metrics import mfu, peak_flops
@@ -228,6 +228,7 @@ class Trainer:
         second trainer on the same directory fails at once with a ConfigError naming
         this one's pid.
         """
+        refuse_before_build(self.cfg, self.task, self.cluster)  # before the lock file: nothing written yet
         with RunLock(self.run_dir) if self.is_chief else contextlib.nullcontext():
             try:
                 try:
@@ -242,10 +243,12 @@ class Trainer:
                 # files (metrics.jsonl, config.yaml, loss.png) on a full or read-only disk.
                 if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
                     raise
-                newest = checkpoint.latest(self.ckpt_dir)
+                # only a checkpoint that verifies is called intact (the newest may be a damaged one)
+                newest = checkpoint.latest_valid(self.ckpt_dir, warn=lambda text: None)
+                kept = f"the newest valid checkpoint is {newest.name}" if newest else "no valid checkpoint is there"
+                fix = "free space" if err.errno in (errno.ENOSPC, errno.EDQUOT) else "make it writable"
                 raise ConfigError("run.dir", f"cannot write {err.filename or self.run_dir}: {err.strerror} "
-                                             f"[{errno.errorcode.get(err.errno, err.errno)}]; checkpoints are "
-                                             f"intact (newest: {newest.name if newest else 'none'}); free space "
+                                             f"[{errno.errorcode.get(err.errno, err.errno)}]; {kept}; {fix} "
                                              f"or use another run.dir") from None
 
     def _wait_for_saves(self, raising: bool = True) -> None:
