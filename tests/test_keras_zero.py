@@ -490,12 +490,13 @@ def cnn():
 def test_zero_cnn_with_batchnorm_equals_keras_fit(zero, tmp_path):
     """A CNN with BatchNormalization at dp2 x ZeRO-2/3 (global_clipnorm active on Adam): each
     replica normalises its 4 rows, so the oracle is Keras's fit of the ghost-batch model
-    (tests/helpers.py: each batch of 8 run as two calls of 4). Losses, weights and the moving
-    statistics to 1e-4 (float32 sums in another order)."""
+    (tests/helpers.py: each batch of 8 run as two calls of 4, two replicas whose moving
+    statistics are averaged once per step). Losses, weights and the moving statistics to 1e-4
+    (float32 sums in another order)."""
     rng = np.random.default_rng(3)
     x, y = rng.normal(size=(N, 6, 6, 2)).astype("float32"), rng.normal(size=(N, 3)).astype("float32")
     reference = cnn()
-    trained = ghost_batches(reference, 2)
+    trained = ghost_batches(reference, 2, replicas=2)
     trained.compile(optimizer=keras.optimizers.Adam(0.01, global_clipnorm=0.5), loss="mse")
     ref = trained.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history
     model = cnn()
