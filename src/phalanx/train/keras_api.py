@@ -333,7 +333,7 @@ def fit(model, cfg: Config, mesh: Mesh, x=None, y=None, *, batch_size=None, epoc
     apply_precision(model, cfg)
     if model.optimizer is None:
         model.optimizer = default_optimizer(cfg, (train.steps or 1) * epochs)
-    engine = KerasModelEngine(model, cfg, mesh, train.first(), workers=workers)
+    engine = _fit_engine(model, cfg, mesh, train.first(), workers)
     run_dir = run_directory(cfg)
     loop = dict(epochs=epochs, initial_epoch=initial_epoch, callbacks=callbacks, verbose=verbose,
                 validation_steps=validation_steps, validation_freq=validation_freq)
@@ -343,6 +343,40 @@ def fit(model, cfg: Config, mesh: Mesh, x=None, y=None, *, batch_size=None, epoc
         return _fit_loop(engine, model, cfg, None, train, val, workers=workers, **loop)
     with RunLock(run_dir):
         return _fit_loop(engine, model, cfg, run_dir, train, val, workers=workers, **loop)
+
+
+#: where a Keras model keeps the engine its last :func:`fit` built, ``(key, engine)`` (set past
+#: Keras's attribute tracking, so that the engine's variables do not become the model's)
+_FIT_ENGINE = "_phalanx_fit_engine"
+
+
+def _engine_key(model, cfg: Config, mesh: Mesh, sample_batch) -> tuple:
+    """What a built engine depends on: the model's variables and compiled optimizer, loss and
+    metrics (by identity), the keys the engine reads (``parallel``, ``precision``,
+    ``train.grad_accum``), the mesh and the batch's structure, shapes and dtypes."""
+    compiled = tuple(id(getattr(model, name, None)) for name in ("optimizer", "loss", "_compile_loss",
+                                                                  "_compile_metrics"))
+    leaves = keras.tree.flatten(sample_batch)
+    signature = (keras.tree.map_structure(lambda _: 0, sample_batch) if leaves else None,
+                 tuple((tuple(getattr(t, "shape", ())), str(getattr(t, "dtype", type(t).__name__))) for t in leaves))
+    return (tuple(id(v) for v in model.variables), compiled, cfg.parallel, cfg.precision, cfg.train.grad_accum,
+            tuple(mesh.devices), mesh.dp, mesh.pp, mesh.tp, repr(signature))
+
+
+def _fit_engine(model, cfg: Config, mesh: Mesh, sample_batch, workers) -> KerasModelEngine:
+    """The engine for this fit: the one the model's last fit built when nothing it depends on
+    changed (:func:`_engine_key`), its traced steps reused, else a new one. Across workers
+    every fit builds its own (the workers' group is joined per fit)."""
+    if workers is not None:
+        return KerasModelEngine(model, cfg, mesh, sample_batch, workers=workers)
+    key = _engine_key(model, cfg, mesh, sample_batch)
+    cached = model.__dict__.get(_FIT_ENGINE)
+    if cached is not None and cached[0] == key:
+        cached[1].sync_copies()  # the weights may have been set since (model.set_weights, a restore)
+        return cached[1]
+    engine = KerasModelEngine(model, cfg, mesh, sample_batch)
+    object.__setattr__(model, _FIT_ENGINE, (_engine_key(model, cfg, mesh, sample_batch), engine))
+    return engine
 
 
 def _validation_batches(validation_data, batch_size, cfg: Config, mesh: Mesh):
