@@ -376,17 +376,17 @@ def test_a_checkpoint_of_other_shapes_without_any_config_is_a_clear_error(tmp_pa
 
 
 def test_a_non_finite_state_is_not_saved_and_the_last_good_checkpoint_stays(tmp_path, corpus, monkeypatch):
-    from phalanx.engines.strategy import StrategyEngine
+    from phalanx.engines.keras_gpt import KerasGPTEngine  # phalanx train's engine for this run
 
-    real = StrategyEngine.checkpoint_slots
+    real = KerasGPTEngine.checkpoint_slots
 
-    def poisoned(self):  # the checkpoint reads each variable through its slot's fetch()
+    def poisoned(self):  # the checkpoint reads each variable's part through its slot's fetch()
         sets = real(self)
-        if int(self.step.numpy()) >= 2:
+        if int(self.optimizer.step.numpy()) >= 2:
             for slot in (x for s in sets for x in s.slots if x.name == "block_0/attn/qkv/kernel"):
                 slot.fetch = lambda fetch=slot.fetch: np.asarray(fetch()) * np.nan
         return sets
-    monkeypatch.setattr(StrategyEngine, "checkpoint_slots", poisoned)
+    monkeypatch.setattr(KerasGPTEngine, "checkpoint_slots", poisoned)
     with pytest.raises(CheckpointError, match=r"refusing to save step 2: non-finite values in "
                                               r"block_0/attn/qkv/kernel \(3072 NaN"):
         train(tmp_path, corpus, "nan", train__steps=3, checkpoint__every=1)
