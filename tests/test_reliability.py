@@ -342,11 +342,12 @@ def rows(run_dir: Path) -> list[dict]:
 def test_resume_past_a_corrupted_newest_checkpoint_equals_an_uninterrupted_run(tmp_path, corpus, capsys):
     _, full = train(tmp_path, corpus, "full", train__steps=6, checkpoint__every=2)
     _, run_dir = train(tmp_path, corpus, "hurt", train__steps=4, checkpoint__every=2)
-    _flip_byte(run_dir / "checkpoints" / "step-00000004" / DATA)
+    (shard,) = (run_dir / "checkpoints" / "step-00000004" / "shards").glob("*.bin")  # one device: one shard set
+    _flip_byte(shard)
     capsys.readouterr()
     summary, _ = train(tmp_path, corpus, "hurt", train__steps=6, checkpoint__every=2)
     err = capsys.readouterr().err
-    assert "warning: skipping damaged checkpoint step-00000004" in err and "tensors.bin: checksum mismatch" in err
+    assert "warning: skipping damaged checkpoint step-00000004" in err and f"{shard.name}: checksum mismatch" in err
     assert summary.steps == 6
     got = rows(run_dir)
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]  # steps 3, 4 re-run, their old rows dropped
