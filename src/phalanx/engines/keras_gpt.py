@@ -229,6 +229,12 @@ class _Converter:
         return out
 
 
+def _canonical(device: str) -> str:
+    """A device name in the full form variables report (``/job:localhost/replica:0/task:0/device:CPU:1``)."""
+    spec = tf.DeviceSpec.from_string(device)
+    return spec.replace(job=spec.job or "localhost", replica=spec.replica or 0, task=spec.task or 0).to_string()
+
+
 def _scalar_slot(name: str, var: tf.Variable) -> checkpoint.Slot:
     dtype = var.dtype.as_numpy_dtype
     return checkpoint.Slot(name, (), dtype, (), [((), ())], fetch=var.read_value,
@@ -358,12 +364,18 @@ class KerasGPTEngine:
             shape = tuple(int(n) for n in joined.shape)
             for var, box in joined.parts:
                 slots.append((var.device, _part_slot(name, shape, var, box)))
+        names = {}  # device -> its set's name in mesh order, as the mesh engine names them
+        for d in range(self.mesh.dp):
+            for r in range(self.mesh.pp):
+                for t in range(self.mesh.tp):
+                    names.setdefault(_canonical(self.mesh.device(d, r, t)), f"dp{d}-pp{r}-tp{t}")
         sets: dict[str, checkpoint.ShardSet] = {}
         for device, slot in slots:
-            spec = tf.DeviceSpec.from_string(device)
-            key = f"{spec.job or 'localhost'}-task{spec.task or 0}-{(spec.device_type or 'cpu').lower()}{spec.device_index or 0}"
-            sets.setdefault(key, checkpoint.ShardSet(key)).slots.append(slot)
-        return list(sets.values())
+            key = _canonical(device)
+            name = names.get(key) or "dev-" + "".join(c if c.isalnum() else "-" for c in key).strip("-")
+            sets.setdefault(name, checkpoint.ShardSet(name)).slots.append(slot)
+        order = {name: i for i, name in enumerate(names.values())}
+        return sorted(sets.values(), key=lambda s: (order.get(s.name, len(order)), s.name))
 
     def _moments(self, slots: list[tf.Variable]) -> dict[str, np.ndarray]:
         return self._convert.to_logical([s.numpy() for s in slots])
