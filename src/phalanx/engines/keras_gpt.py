@@ -251,6 +251,15 @@ def _part_slot(name: str, shape: tuple, var: tf.Variable, box) -> checkpoint.Slo
                            assign=lambda x: var.assign(np.reshape(np.asarray(x).astype(dtype), tuple(var.shape))))
 
 
+def _joined_slot(name: str, shape: tuple, parts: list, bound) -> checkpoint.Slot:
+    """One slot for ``parts`` (``[(variable, box)]`` on one device) tiling ``bound`` of ``name``."""
+    joined = JoinedVariable([(var, boxes.relative(box, bound)) for var, box in parts])
+    local = boxes.shape_of(bound)
+    dtype = joined.dtype.as_numpy_dtype
+    return checkpoint.Slot(name, shape, dtype, local, [(boxes.full(local), bound)], fetch=joined.read_value,
+                           assign=lambda x: joined.assign(np.asarray(x).astype(dtype)))
+
+
 class KerasGPTEngine:
     """The built-in GPT (``cfg.model``) with experts sharded over ``parallel.ep`` (and tensor
     shards over ``mesh.tp``, stages over ``mesh.pp``), trained by :class:`KerasModelEngine` on
@@ -362,8 +371,17 @@ class KerasGPTEngine:
         slots += [(first, _scalar_slot(k, v)) for k, v in self.loss_scale.state().items()]
         for name, joined in self._logical_variables().items():
             shape = tuple(int(n) for n in joined.shape)
+            by_device: dict[str, list] = {}
             for var, box in joined.parts:
-                slots.append((var.device, _part_slot(name, shape, var, box)))
+                by_device.setdefault(var.device, []).append((var, box))
+            for device, parts in by_device.items():
+                # a device's parts that tile one box (the q, k, v of a fused kernel on one device) are one slot
+                bound = tuple((min(b[a][0] for _, b in parts), max(b[a][1] for _, b in parts))
+                              for a in range(len(shape)))
+                if len(parts) > 1 and sum(boxes.volume(b) for _, b in parts) == boxes.volume(bound):
+                    slots.append((device, _joined_slot(name, shape, parts, bound)))
+                else:
+                    slots += [(device, _part_slot(name, shape, var, box)) for var, box in parts]
         names = {}  # device -> its set's name in mesh order, as the mesh engine names them
         for d in range(self.mesh.dp):
             for r in range(self.mesh.pp):
