@@ -1,13 +1,18 @@
-"""The tf.distribute engine: gradient accumulation equals one big batch; dp=2 on two
-logical CPUs equals dp=1; mixed precision and float16 loss scaling behave."""
+"""The built-in GPT on the engine ``phalanx train`` routes it to (the Keras-model engine):
+gradient accumulation equals one big batch; dp=2 on two logical CPUs equals dp=1; mixed
+precision and float16 loss scaling behave. The oracle is tf.distribute's one-device run
+(:class:`StrategyEngine`, separate code); its own accumulation is checked on gradients."""
 
 import numpy as np
 import pytest
 
 from phalanx.config import Config
 from phalanx.cluster.strategies import local_strategy
+from phalanx.engines.factory import make_engine
+from phalanx.engines.keras_gpt import KerasGPTEngine
 from phalanx.engines.strategy import StrategyEngine
 from phalanx.engines.task import GPTTask
+from phalanx.mesh import Mesh
 
 TINY = {"layers": 2, "d_model": 32, "heads": 4, "ffn": 64, "vocab": 256, "seq_len": 16}
 
@@ -21,9 +26,18 @@ def batches(n=3, b=8, t=16, seed=0):
     return [rng.integers(0, 256, [b, t + 1]).astype(np.int32) for _ in range(n)]
 
 
-def engine(cfg, devices, policy="float32"):
+def strategy_engine(cfg, devices, policy="float32"):
     cfg = cfg.replace(precision={"policy": policy})
     return StrategyEngine(cfg, GPTTask(cfg.model, policy, cfg.train.seed), local_strategy(devices))
+
+
+def engine(cfg, devices, policy="float32"):
+    """The engine phalanx train builds for the built-in GPT on ``devices`` (data parallel)."""
+    cfg = cfg.replace(precision={"policy": policy}, parallel={"dp": len(devices)})
+    built = make_engine(GPTTask(cfg.model, policy, cfg.train.seed), Mesh.from_devices(list(devices), len(devices), 1, 1),
+                        cfg)
+    assert isinstance(built, KerasGPTEngine)
+    return built
 
 
 def train(e, data):
@@ -53,16 +67,17 @@ ADAM_EPS = 1e-4
 @pytest.fixture(scope="module")
 def reference(devices):
     data = batches()
-    return data, train(engine(tiny_cfg(eps=ADAM_EPS), devices[:1]), data)
+    return data, train(strategy_engine(tiny_cfg(eps=ADAM_EPS), devices[:1]), data)
 
 
 @pytest.mark.parametrize("replicas, accum", [(1, 4), (2, 1), (2, 2)])
 def test_gradients_equal_one_device_big_batch(devices, replicas, accum):
-    """One step's gradients: the same float32 sums in another order, so equal to float32
-    round-off (rtol 1e-5; atol 1e-7 for sums near zero, whose terms are ~1e-2)."""
+    """One step's gradients (tf.distribute's engine: the Keras-model engine exposes no
+    gradients; this bounds the round-off the training comparisons below allow for): the same
+    float32 sums in another order, so equal to float32 round-off (rtol 1e-5; atol 1e-7 for sums near zero, whose terms are ~1e-2)."""
     data = batches(1)[0]
-    big = engine(tiny_cfg(), devices[:1]).gradients(data)
-    other = engine(tiny_cfg(grad_accum=accum), devices[:replicas]).gradients(data)
+    big = strategy_engine(tiny_cfg(), devices[:1]).gradients(data)
+    other = strategy_engine(tiny_cfg(grad_accum=accum), devices[:replicas]).gradients(data)
     for name in big:
         np.testing.assert_allclose(other[name], big[name], rtol=1e-5, atol=1e-7, err_msg=name)
 
@@ -103,7 +118,7 @@ def test_bfloat16_close_to_float32_and_falls(reference, devices):
 
 def test_float16_overflow_step_is_skipped_and_counted(devices):
     cfg = tiny_cfg().replace(precision={"policy": "mixed_float16", "loss_scale_init": 1e10})
-    e = StrategyEngine(cfg, GPTTask(cfg.model, "mixed_float16"), local_strategy(devices[:1]))
+    e = engine(cfg, devices[:1], "mixed_float16")
     before = e.weights()
     out = e.train_step(batches(1)[0])
     assert float(out["skipped"]) == 1.0

@@ -206,6 +206,33 @@ def test_fit_equals_keras_fit(name, opt, layout, tmp_path, references):
                                    rtol=1e-4, atol=1e-5, err_msg=mine.path)
 
 
+def test_a_second_fit_reuses_the_built_step_and_equals_keras(tmp_path):
+    """Two one-epoch ``phalanx.fit`` calls of the same model on the same layout: the second
+    reuses the first's engine and traced step (no new trace), and the two together equal two
+    one-epoch calls of Keras's own ``fit``. A recompile (a new optimizer) builds a new engine."""
+    ref, model = build("mlp", "adam"), build("mlp", "adam")
+    x, y = data("mlp")
+    ref_losses, losses = StepLosses(), StepLosses()
+    ref_logs = [ref.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[ref_losses]).history
+                for _ in range(2)]
+    logs, traces, engines = [], [], []
+    for call in range(2):
+        logs.append(phalanx.fit(model, x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[losses],
+                                overrides=LAYOUTS["dp2pp2"] + [f"run.dir={tmp_path / str(call)}"]).history)
+        engine = model.__dict__["_phalanx_fit_engine"][1]
+        engines.append(engine)
+        traces.append(engine._train_fn.experimental_get_tracing_count())
+    assert engines[0] is engines[1] and traces[0] == traces[1] == 1
+    np.testing.assert_allclose(losses.losses, ref_losses.losses, rtol=1e-4, atol=1e-6)
+    for mine, want in zip(logs, ref_logs):
+        np.testing.assert_allclose(mine["loss"], want["loss"], rtol=1e-4, atol=1e-6)
+    assert_same_weights(model, ref)
+    model.compile(optimizer=optimizer("adam"), **compile_args("mlp"))
+    phalanx.fit(model, x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                overrides=LAYOUTS["dp2pp2"] + [f"run.dir={tmp_path / 'recompiled'}"])
+    assert model.__dict__["_phalanx_fit_engine"][1] is not engines[0]
+
+
 # -- the same object afterwards ------------------------------------------------------------------
 
 

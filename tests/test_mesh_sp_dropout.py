@@ -1,4 +1,5 @@
-"""Sequence parallelism and dropout in the mesh engine (issue 10, items 2 and 4).
+"""Sequence parallelism and dropout of the built-in GPT: sequence parallelism on the engine
+``phalanx train`` builds for it (the Keras-model engine), dropout on the mesh engine.
 
 Oracles: without dropout, the single-device StrategyEngine (as in tests/test_parallel.py).
 With dropout, a plain one-device GPT written here in TensorFlow ops, its masks drawn over
@@ -19,7 +20,8 @@ import pytest
 import tensorflow as tf
 
 from phalanx.config import Config, ConfigError
-from phalanx.engines.factory import build_engine
+from phalanx.engines.factory import build_engine, make_engine
+from phalanx.engines.keras_gpt import KerasGPTEngine
 from phalanx.engines.mesh import MeshEngine
 from phalanx.engines.strategy import StrategyEngine
 from phalanx.engines.task import GPTTask
@@ -113,8 +115,11 @@ SP_LAYOUTS = {  # id: (dp, tp, pp, extra parallel keys)
 @pytest.mark.parametrize("name", list(SP_LAYOUTS))
 def test_sequence_parallel_matches_single_device(name, devices, single_device):
     dp, tp, pp, extra = SP_LAYOUTS[name]
-    engine = mesh_engine(devices, dp=dp, tp=tp, pp=pp, sequence_parallel=True, **extra)
-    assert engine.model.sequence_parallel
+    cfg = make_cfg(dp=dp, tp=tp, pp=pp, sequence_parallel=True, **extra)
+    engine = make_engine(cfg.model, Mesh.from_devices(devices[: dp * tp * pp], dp, pp, tp), cfg)
+    assert isinstance(engine, KerasGPTEngine)
+    blocks = [layer for layer in engine.model.layers if layer.name.startswith("block_")]
+    assert blocks and all(block.sequence_parallel for block in blocks)
     assert_same_run(train(engine), single_device)
 
 

@@ -258,6 +258,8 @@ def assert_same_state(mine: dict, want: dict) -> None:
     ("dp2_ep2_pp2", ["parallel.devices=cpu:4", "parallel.dp=2", "parallel.pp=2", "parallel.ep=2",
                      "parallel.microbatches=2"], 4),
     ("dp2_tp2_ep2", ["parallel.devices=cpu:4", "parallel.dp=2", "parallel.tp=2", "parallel.ep=2"], 2),
+    # the MoE GPT without expert parallelism trains on the same engine (ep=1: whole experts)
+    ("dp2_pp2_ep1", ["parallel.devices=cpu:4", "parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2"], 4),
 ])
 def test_expert_parallelism_composes_with_pp_and_tp_as_one_device(devices, name, layout, accum):
     """What ``phalanx train`` builds for ep x pp and ep x tp (the factory's engine) against the
@@ -275,7 +277,7 @@ def test_expert_parallelism_composes_with_pp_and_tp_as_one_device(devices, name,
     ours = build_engine(cfg, GPTTask(cfg.model, "float32", cfg.train.seed))
     ref = StrategyEngine(one, GPTTask(one.model, "float32", one.train.seed), local_strategy(devices[:1]))
     assert isinstance(ours, KerasGPTEngine) and (ours.dp, ours.tp, ours.pp, ours.ep) == (
-        2, cfg.parallel.tp, cfg.parallel.pp, 2)
+        2, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep)
     norms = []
     for batch in tiny_batches():
         a, b = ours.train_step(batch), ref.train_step(batch)
@@ -286,7 +288,7 @@ def test_expert_parallelism_composes_with_pp_and_tp_as_one_device(devices, name,
     assert_same_state(ours.state_dict(), ref.state_dict())
     blocks = [ours.model.get_layer(f"block_{i}").moe for i in range(2)]
     devices_of = [{v.value.device for v in moe.w_in} for moe in blocks]
-    assert all(len(d) == 2 for d in devices_of)  # two expert shards on two devices
+    assert all(len(d) == cfg.parallel.ep for d in devices_of)  # ep expert shards on ep devices
     if ours.pp == 2:  # the two MoE blocks sit on different pipeline stages
         assert not devices_of[0] & devices_of[1]
     else:  # the attention of replica 0 cut over its two tensor devices

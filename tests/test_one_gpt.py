@@ -1,4 +1,4 @@
-"""The tf.distribute engines train phalanx's one GPT (``phalanx.models.transformer.gpt``) while
+"""The engine ``phalanx train`` builds for one device (the Keras-model engine) trains phalanx's one GPT (``phalanx.models.transformer.gpt``) while
 their state keeps the built-in logical names and shapes (``phalanx.models.gpt.weight_shapes``):
 a checkpoint of that layout (as every earlier version wrote it: one whole tensor per name)
 restores exactly, its fused ``qkv`` kernel lands in the attention's query, key and value by the
@@ -11,8 +11,10 @@ import numpy as np
 
 from phalanx import checkpoint
 from phalanx.config import Config
-from phalanx.engines.strategy import StrategyEngine
+from phalanx.engines.factory import make_engine
+from phalanx.engines.keras_gpt import KerasGPTEngine
 from phalanx.engines.task import GPTTask
+from phalanx.mesh import Mesh
 from phalanx.models import gpt, transformer
 
 MODEL = {"layers": 2, "d_model": 16, "heads": 2, "ffn": 32, "vocab": 256, "seq_len": 8, "tie_embeddings": False}
@@ -26,7 +28,8 @@ def test_a_checkpoint_by_logical_name_round_trips_through_the_engine(tmp_path):
     state.update({f"optimizer/{slot}/{n}": np.abs(rng.standard_normal(s)).astype(np.float32)
                   for slot in "mv" for n, s in shapes.items()})
     state["optimizer/step"] = np.array(7, np.int64)
-    engine = StrategyEngine(cfg, GPTTask(cfg.model))
+    engine = make_engine(GPTTask(cfg.model), Mesh.from_devices(["/device:CPU:0"], 1, 1, 1), cfg)
+    assert isinstance(engine, KerasGPTEngine)
     state.update({k: v for k, v in engine.state_dict().items() if k not in state})  # the loss scale's, as built
     checkpoint.save(tmp_path, 7, checkpoint.whole_tensor_sets(state))
     checkpoint.load_into(engine, checkpoint.restore(checkpoint.latest(tmp_path)))

@@ -1,8 +1,11 @@
-"""The mesh engine against single-device training, on 8 logical CPUs (tests/conftest.py).
+"""The built-in GPT's layouts against single-device training, on 8 logical CPUs (tests/conftest.py).
 
-Every layout runs three float32 AdamW steps on a tiny GPT and must reproduce the
-single-device StrategyEngine's losses and final weights. Engines are traced once and
-shared between tests (tracing dominates the run time).
+Every layout runs three float32 AdamW steps on a tiny GPT on the engine ``phalanx train``
+builds for it (the Keras-model engine) and must reproduce the single-device StrategyEngine's
+losses and final weights (separate code: tf.distribute's step on one device). The mesh engine's
+own pieces (its 1F1B order, ZeRO shards, gradients, recomputation) are checked on the mesh
+engine, and checkpoints move between the two. Engines are traced once and shared between
+tests (tracing dominates the run time).
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import tensorflow as tf
 
 from phalanx.config import Config, ConfigError
 from phalanx.mesh import Mesh
+from phalanx import checkpoint
 from phalanx.engines.factory import make_engine, make_mesh_engine, needs_mesh_engine
+from phalanx.engines.keras_gpt import KerasGPTEngine
 from phalanx.engines.mesh import MeshEngine
 from phalanx.parallel.partition import partition
 from phalanx.parallel.pipeline import check_graph_order
@@ -77,16 +82,14 @@ LAYOUTS = {  # id: (dp, tp, pp, layers, extra parallel keys)
 }
 
 
-@pytest.fixture(scope="module")
-def trained(devices):
-    """Each layout's engine after STEPS steps, with its losses (built lazily, once)."""
+def _trained_fixture(devices, build):
     cache = {}
 
     def get(name):
         if name not in cache:
             dp, tp, pp, layers, extra = LAYOUTS[name]
             cfg = make_cfg(layers, dp=dp, tp=tp, pp=pp, **extra)
-            engine = MeshEngine(cfg, mesh_of(devices, dp, pp, tp), GPTTask(cfg.model))
+            engine = build(cfg, mesh_of(devices, dp, pp, tp))
             losses = [float(engine.train_step(b)["loss"]) for b in batches(STEPS)]
             cache[name] = (engine, losses, layers)
         return cache[name]
@@ -94,9 +97,23 @@ def trained(devices):
     return get
 
 
+@pytest.fixture(scope="module")
+def trained(devices):
+    """Each layout's engine, as phalanx train routes it, after STEPS steps, with its losses
+    (built lazily, once)."""
+    return _trained_fixture(devices, lambda cfg, mesh: make_engine(cfg.model, mesh, cfg))
+
+
+@pytest.fixture(scope="module")
+def mesh_trained(devices):
+    """The same on the mesh engine (for its own pieces)."""
+    return _trained_fixture(devices, lambda cfg, mesh: MeshEngine(cfg, mesh, GPTTask(cfg.model)))
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_device(name, trained, reference):
     engine, losses, layers = trained(name)
+    assert isinstance(engine, KerasGPTEngine)  # phalanx train's engine for every layout here
     ref_losses, ref_weights = reference(layers)
     np.testing.assert_allclose(losses, ref_losses[:STEPS], rtol=1e-4, atol=1e-5)
     weights = engine.weights()
@@ -105,8 +122,8 @@ def test_layout_matches_single_device(name, trained, reference):
         np.testing.assert_allclose(w, ref_weights[n], rtol=W_RTOL, atol=W_ATOL, err_msg=n)
 
 
-def test_gradients_match_single_device(trained):
-    engine, _, layers = trained("tp4")
+def test_gradients_match_single_device(mesh_trained):
+    engine, _, layers = mesh_trained("tp4")
     cfg = make_cfg(layers)
     ref = StrategyEngine(cfg, GPTTask(cfg.model))
     ref.load_state_dict(engine.state_dict())
@@ -117,8 +134,8 @@ def test_gradients_match_single_device(trained):
         np.testing.assert_allclose(g, want[n], rtol=1e-4, atol=1e-7, err_msg=n)
 
 
-def test_1f1b_runs_in_1f1b_order(trained):
-    engine, _, _ = trained("pp4-1f1b")
+def test_1f1b_runs_in_1f1b_order(mesh_trained):
+    engine, _, _ = mesh_trained("pp4-1f1b")
     trace = engine.traces[0]
     expected = [[str(a) for a in rank] for rank in engine.schedule.per_stage]
     assert trace.order == expected
@@ -136,9 +153,9 @@ def test_1f1b_runs_in_1f1b_order(trained):
     assert check_graph_order(graph, trace) > 0
 
 
-def test_1f1b_order_at_run_time_from_the_profiler(trained, tmp_path):
+def test_1f1b_order_at_run_time_from_the_profiler(mesh_trained, tmp_path):
     """The TensorFlow executor's own record (profiler trace) shows the 1F1B order per rank."""
-    engine, _, _ = trained("pp4-1f1b")
+    engine, _, _ = mesh_trained("pp4-1f1b")
     tf.profiler.experimental.start(str(tmp_path))
     try:
         engine.train_step(batches(1)[0])
@@ -150,8 +167,8 @@ def test_1f1b_order_at_run_time_from_the_profiler(trained, tmp_path):
     assert 0.0 <= measured_bubble(actions, engine.pp) < 1.0
 
 
-def test_graph_order_check_detects_a_missing_dependency(trained):
-    engine, _, _ = trained("pp4-1f1b")
+def test_graph_order_check_detects_a_missing_dependency(mesh_trained):
+    engine, _, _ = mesh_trained("pp4-1f1b")
     trace = engine.traces[0]
     graph = engine._train_fn.get_concrete_function(tf.TensorSpec([8, 17], tf.int32)).graph
     broken = type(trace)(order=trace.order, scopes=trace.scopes, markers=trace.markers,
@@ -161,8 +178,8 @@ def test_graph_order_check_detects_a_missing_dependency(trained):
         check_graph_order(graph, broken)
 
 
-def test_zero1_shards_optimizer_state_over_data(trained):
-    engine, _, _ = trained("dp2-pp4-1f1b-zero1")
+def test_zero1_shards_optimizer_state_over_data(mesh_trained):
+    engine, _, _ = mesh_trained("dp2-pp4-1f1b-zero1")
     opt = engine.optimizer
     per_device = opt.state_bytes_per_device()
     assert len(per_device) == 8
@@ -196,6 +213,30 @@ def test_checkpoint_moves_between_layouts(trained, reference, devices):
         assert int(again["optimizer/step"]) == STEPS + MORE
     with pytest.raises(KeyError, match="lacks"):
         target.load_state_dict({k: v for k, v in state.items() if not k.startswith("optimizer/m/")})
+
+
+def test_a_mesh_engine_checkpoint_resumes_on_the_keras_model_engine(mesh_trained, reference, devices, tmp_path):
+    """A checkpoint the mesh engine wrote (its per-device slices by logical name) restores into
+    the engine phalanx train now builds, in another layout, which continues with the
+    single-device losses; and the Keras-model engine's own per-device checkpoint goes back."""
+    engine, _, layers = mesh_trained("tp4")  # (no other test steps it)
+    ref_losses, _ = reference(layers)
+    saved = checkpoint.save(tmp_path / "mesh", STEPS, checkpoint.state_of(engine))
+    more = batches(STEPS + MORE)[STEPS:]
+    cfg = make_cfg(layers, dp=2, tp=2)
+    target = make_engine(cfg.model, mesh_of(devices, dp=2, tp=2), cfg)
+    assert isinstance(target, KerasGPTEngine)
+    checkpoint.load_into(target, checkpoint.restore(saved))
+    assert int(target.state_dict()["optimizer/step"]) == STEPS
+    losses = [float(target.train_step(b)["loss"]) for b in more[:1]]
+    np.testing.assert_allclose(losses, ref_losses[STEPS:STEPS + 1], rtol=1e-4, atol=1e-5)
+    # its own checkpoint: one shard set per device, the tensor-parallel parts by box
+    again = checkpoint.save(tmp_path / "keras", STEPS + 1, checkpoint.state_of(target))
+    checkpoint.verify(again)
+    back = MeshEngine(make_cfg(layers), mesh_of(devices), GPTTask(cfg.model))
+    checkpoint.load_into(back, checkpoint.restore(again))
+    losses.append(float(back.train_step(more[1])["loss"]))
+    np.testing.assert_allclose(losses, ref_losses[STEPS:], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.memory_peak
@@ -235,7 +276,8 @@ def test_errors_name_the_key(devices):
     cfg = make_cfg(tp=1)
     with pytest.raises(ConfigError, match="parallel.tp"):
         MeshEngine(cfg, mesh_of(devices, tp=8), GPTTask(cfg.model))
-    assert needs_mesh_engine(make_cfg(pp=2, microbatches=2)) and not needs_mesh_engine(make_cfg(dp=2))
+    assert needs_mesh_engine(make_cfg(recompute="full")) and not needs_mesh_engine(make_cfg(pp=2, microbatches=2))
+    assert not needs_mesh_engine(make_cfg(dp=2))
     with pytest.raises(TypeError, match="takes a GPTTask"):
         make_mesh_engine(cfg, mesh_of(devices), object())
     engine = make_engine(cfg.model, mesh_of(devices), cfg)
@@ -250,7 +292,8 @@ def test_composes_with_grad_accum_and_bfloat16(devices):
                            train={"global_batch": 8, "grad_accum": 2, "warmup": 1},
                            parallel={"tp": 2, "pp": 2, "microbatches": 2})
     ref = StrategyEngine(cfg, GPTTask(cfg.model, "mixed_bfloat16"))
-    engine = MeshEngine(cfg, mesh_of(devices, pp=2, tp=2), GPTTask(cfg.model))
+    engine = make_engine(cfg.model, mesh_of(devices, pp=2, tp=2), cfg)
+    assert isinstance(engine, KerasGPTEngine)
     for b in batches(2):
         want, got = ref.train_step(b), engine.train_step(b)
         # bfloat16 keeps 8 bits of mantissa: agreement to ~1e-2 is all that rounding allows.
@@ -264,13 +307,14 @@ def test_float16_overflow_skips_the_step_on_every_shard(devices):
     cfg = Config().replace(model={**MODEL, "layers": 1}, train={"global_batch": 8, "warmup": 1},
                            precision={"policy": "mixed_float16", "loss_scale_init": 2.0 ** 40},
                            parallel={"tp": 2, "dp": 2})
-    engine = MeshEngine(cfg, mesh_of(devices, dp=2, tp=2), GPTTask(cfg.model))
+    engine = make_engine(cfg.model, mesh_of(devices, dp=2, tp=2), cfg)
+    assert isinstance(engine, KerasGPTEngine)
     before = engine.state_dict()
     out = engine.train_step(batches(1)[0])
     assert float(out["skipped"]) == 1.0 and float(out["loss_scale"]) == 2.0 ** 40
     after = engine.state_dict()
     assert float(after["loss_scale/scale"]) == 2.0 ** 39 and int(after["loss_scale/skipped"]) == 1
     assert int(after["optimizer/step"]) == 0
-    for name in engine.params.names:
+    for name in engine.weights():
         np.testing.assert_array_equal(after[name], before[name], err_msg=name)
         np.testing.assert_array_equal(after[f"optimizer/m/{name}"], 0.0)

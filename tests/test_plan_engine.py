@@ -297,9 +297,11 @@ def test_ep_layouts_of_the_builtin_gpt_run_as_dp_x_ep_within_a_node(monkeypatch)
     for knobs in ({"zero": 2}, {"recompute": "full"}):  # the ep engine refuses them
         assert any("parallel.ep=2 with ZeRO-" in r
                    for r in plan_only_reasons(m, Layout(dp=2, ep=2, **knobs))), knobs
-    assert any("mesh engine" in r for r in plan_only_reasons(m, Layout(dp=2, pp=2)))  # ep=1: the mesh engine
+    # ep=1 with pp runs on the same engine; ZeRO-2 or recompute would need the mesh engine, which refuses experts
+    assert plan_only_reasons(m, Layout(dp=2, pp=2)) == []
+    assert any("mesh engine" in r for r in plan_only_reasons(m, Layout(dp=2, pp=2, recompute="full")))
     res = search(m, hw, devices=8, global_batch=32, top=50)
-    assert res.candidates and all(c.layout.ep > 1 or c.layout.tp == c.layout.pp == 1 for c in res.candidates)
+    assert res.candidates and all(c.layout.zero < 2 and c.layout.recompute == "none" for c in res.candidates)
     assert any(c.layout.ep > 1 for c in res.candidates)
     dp_only = {"dp": 8, "tp": 1, "pp": 1}
     res = search(m, hw, devices=8, global_batch=32, top=50, fixed=dp_only)

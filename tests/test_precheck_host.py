@@ -60,8 +60,17 @@ def test_shards_that_do_not_fit_the_host_are_refused_with_the_figures():
     precheck.check_fits(cfg, device_memory_bytes=ROOMY_GPU, host_memory_bytes=3 * GiB)  # 2.34 GiB fits 3
 
 
-def test_the_tf_distribute_engine_moves_one_variable_at_a_time():
+def test_the_keras_model_engine_moves_one_part_at_a_time():
+    """One device: the Keras-model engine's one shard set, written by one thread, one
+    variable's part (here the whole embedding) at a time."""
     cfg = big("parallel.devices=gpu:1")
+    peak, what = precheck.host_peak(cfg, dp=1, pp=1, tp=1, devices=1)
+    assert peak == precheck.COPIES_PER_WRITER * 4.0 * 51200 * 4096 and "per shard" in what
+
+
+def test_the_tf_distribute_engine_moves_one_variable_at_a_time():
+    # dropout trains on the tf.distribute engine (engine_rules.OLD_ENGINE_ROWS)
+    cfg = big("parallel.devices=gpu:1", "model.dropout=0.1")
     whole = 4.0 * param_count(ModelSpec.from_config(cfg.model))
     peak, what = precheck.host_peak(cfg, dp=1, pp=1, tp=1, devices=1)
     embedding = 4.0 * 51200 * 4096  # the largest variable, whole
@@ -76,7 +85,7 @@ def test_the_tf_distribute_engine_moves_one_variable_at_a_time():
     assert "8 thread(s)" in text, text
     # pruning masks are variables of the state, saved one at a time like the weights: no
     # whole-mask term; the same 8 threads, each holding the largest variable
-    pruned = big("parallel.devices=gpu:1", "train.prune.target=0.5")
+    pruned = big("parallel.devices=gpu:1", "model.dropout=0.1", "train.prune.target=0.5")
     assert precheck.host_peak(pruned, dp=1, pp=1, tp=1, devices=1)[0] == peak
     precheck.check_fits(pruned, device_memory_bytes=ROOMY_GPU, host_memory_bytes=host)
 
@@ -109,12 +118,17 @@ def test_the_planner_counts_the_weights_the_pruner_masks(overrides):
 
 @pytest.mark.parametrize("overrides", [[], ["parallel.dp=2"], ["parallel.tp=2"], ["parallel.pp=2"],
                                        ["parallel.dp=2", "parallel.zero=1"], ["parallel.recompute=full"],
-                                       ["parallel.strategy=mesh"], ["parallel.strategy=mirrored", "parallel.dp=2"]])
-def test_the_planner_picks_the_engine_the_factory_builds(overrides):
-    from phalanx.engines.factory import needs_mesh_engine
+                                       ["parallel.strategy=mesh"], ["parallel.strategy=mirrored", "parallel.dp=2"],
+                                       ["model.dropout=0.1"], ["parallel.dp=2", "train.prune.target=0.5"]])
+def test_the_planner_picks_the_engine_the_factory_builds(overrides, devices):
+    from phalanx.engines.factory import build_engine
+    from phalanx.engines.strategy import StrategyEngine
+    from phalanx.engines.task import GPTTask
 
-    cfg = load_config(None, overrides)
-    assert precheck.runs_on_mesh(cfg, cfg.parallel.tp, cfg.parallel.pp) == needs_mesh_engine(cfg)
+    cfg = load_config(None, ["model.layers=2", "model.d_model=16", "model.heads=2", "model.ffn=32", "model.vocab=256",
+                             "model.seq_len=8", "train.global_batch=4", *overrides])
+    engine = build_engine(cfg, GPTTask(cfg.model))
+    assert precheck.runs_on_mesh(cfg, cfg.parallel.tp, cfg.parallel.pp) == (not isinstance(engine, StrategyEngine))
 
 
 @pytest.mark.memory_peak

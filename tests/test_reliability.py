@@ -342,11 +342,12 @@ def rows(run_dir: Path) -> list[dict]:
 def test_resume_past_a_corrupted_newest_checkpoint_equals_an_uninterrupted_run(tmp_path, corpus, capsys):
     _, full = train(tmp_path, corpus, "full", train__steps=6, checkpoint__every=2)
     _, run_dir = train(tmp_path, corpus, "hurt", train__steps=4, checkpoint__every=2)
-    _flip_byte(run_dir / "checkpoints" / "step-00000004" / DATA)
+    (shard,) = (run_dir / "checkpoints" / "step-00000004" / "shards").glob("*.bin")  # one device: one shard set
+    _flip_byte(shard)
     capsys.readouterr()
     summary, _ = train(tmp_path, corpus, "hurt", train__steps=6, checkpoint__every=2)
     err = capsys.readouterr().err
-    assert "warning: skipping damaged checkpoint step-00000004" in err and "tensors.bin: checksum mismatch" in err
+    assert "warning: skipping damaged checkpoint step-00000004" in err and f"{shard.name}: checksum mismatch" in err
     assert summary.steps == 6
     got = rows(run_dir)
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]  # steps 3, 4 re-run, their old rows dropped
@@ -376,17 +377,17 @@ def test_a_checkpoint_of_other_shapes_without_any_config_is_a_clear_error(tmp_pa
 
 
 def test_a_non_finite_state_is_not_saved_and_the_last_good_checkpoint_stays(tmp_path, corpus, monkeypatch):
-    from phalanx.engines.strategy import StrategyEngine
+    from phalanx.engines.keras_gpt import KerasGPTEngine  # phalanx train's engine for this run
 
-    real = StrategyEngine.checkpoint_slots
+    real = KerasGPTEngine.checkpoint_slots
 
-    def poisoned(self):  # the checkpoint reads each variable through its slot's fetch()
+    def poisoned(self):  # the checkpoint reads each variable's part through its slot's fetch()
         sets = real(self)
-        if int(self.step.numpy()) >= 2:
+        if int(self.optimizer.step.numpy()) >= 2:
             for slot in (x for s in sets for x in s.slots if x.name == "block_0/attn/qkv/kernel"):
                 slot.fetch = lambda fetch=slot.fetch: np.asarray(fetch()) * np.nan
         return sets
-    monkeypatch.setattr(StrategyEngine, "checkpoint_slots", poisoned)
+    monkeypatch.setattr(KerasGPTEngine, "checkpoint_slots", poisoned)
     with pytest.raises(CheckpointError, match=r"refusing to save step 2: non-finite values in "
                                               r"block_0/attn/qkv/kernel \(3072 NaN"):
         train(tmp_path, corpus, "nan", train__steps=3, checkpoint__every=1)

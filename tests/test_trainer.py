@@ -48,6 +48,9 @@ def test_run_writes_all_outputs_and_loss_falls(tmp_path, corpus):
     kept = [p.name for p in checkpoint.all_checkpoints(run_dir / "checkpoints")]
     assert kept == ["step-00000020", "step-00000030"]
     assert summary.steps == 30 and summary.eval_loss is not None and summary.tokens_per_s > 0
+    # the built-in GPT trains on the Keras-model engine
+    meta = json.loads((run_dir / "checkpoints" / "step-00000030" / "meta.json").read_text())
+    assert meta["layout"]["engine"] == "KerasGPTEngine"
 
 
 def test_resume_gives_the_uninterrupted_losses(tmp_path, corpus):

@@ -4,19 +4,20 @@ The model code is written for one device; this step decides how it runs on the m
 (torchtitan's principle):
 
 * :func:`build_engine` is what ``phalanx train`` builds from a config (and a cluster
-  set up by :func:`phalanx.cluster.strategies.setup_cluster`): tf.distribute's
-  :class:`~phalanx.engines.strategy.StrategyEngine` for data parallelism (one device,
-  MirroredStrategy, MultiWorkerMirroredStrategy), the parameter-server engine, the
-  mesh engine when tensor/pipeline parallelism, ZeRO or recomputation is asked for, or
-  :class:`~phalanx.engines.keras_gpt.KerasGPTEngine` for expert parallelism
-  (``parallel.ep > 1``: in one process, or on each worker's own devices with the workers
-  data parallel under ``multi_worker``, :func:`_keras_gpt_across_workers`);
+  set up by :func:`phalanx.cluster.strategies.setup_cluster`). The built-in GPT trains on
+  :class:`~phalanx.engines.keras_gpt.KerasGPTEngine` (the Keras-model engine: one device, dp,
+  tp, pp with any schedule, sequence parallelism, ep, grad accumulation, mixed precision,
+  ZeRO-1; across workers for ``parallel.ep > 1``, :func:`_keras_gpt_across_workers`). Only
+  what that engine does not run yet goes to an older engine, decided in one place:
+  :meth:`phalanx.plan.engine_rules.GPTRun.engine` with its table
+  :data:`~phalanx.plan.engine_rules.OLD_ENGINE_ROWS` (the mesh engine for ZeRO-2 and
+  recomputation, tf.distribute's :class:`~phalanx.engines.strategy.StrategyEngine` or the mesh
+  engine for pruning and dropout, the parameter-server engine, MultiWorkerMirroredStrategy).
+  A Keras task of the Trainer trains on tf.distribute (data parallel);
 * :func:`make_engine` applies a given mesh to a model from outside:
 
   - the built-in GPT (a :class:`~phalanx.engines.task.GPTTask` or a ``ModelConfig``) ->
-    :class:`~phalanx.engines.mesh.MeshEngine`: tensor
-    parallelism over ``tensor``, pipeline over ``pipe``, replicas over ``data``, ZeRO
-    and recomputation from ``cfg.parallel``;
+    :func:`gpt_engine`, the same choice on that mesh;
   - a user's compiled ``keras.Model`` (with ``sample_batch``) ->
     :class:`~phalanx.engines.keras_model.KerasModelEngine` (the model's own optimizer,
     loss and metrics). :func:`phalanx.fit` does this for you.
@@ -29,7 +30,7 @@ Example:
     ...                        train={"global_batch": 2})
     >>> engine = make_engine(GPTTask(cfg.model), Mesh.from_devices(["/device:CPU:0"], 1, 1, 1), cfg)
     >>> type(engine).__name__, engine.dp
-    ('MeshEngine', 1)
+    ('KerasGPTEngine', 1)
 """
 
 from __future__ import annotations
@@ -41,18 +42,29 @@ from phalanx.cluster.strategies import MULTI_WORKER, local_strategy, refuse_unho
 from phalanx.config import Config, ConfigError, ModelConfig, given
 from phalanx.engines import keras_cluster
 from phalanx.engines.keras_model import KerasModelEngine
-from phalanx.engines.keras_gpt import KerasGPTEngine, wants_keras_gpt
+from phalanx.engines.keras_gpt import KerasGPTEngine
 from phalanx.engines.keras_gpt import refuse_unhonoured as keras_gpt_refusals
 from phalanx.engines.strategy import StrategyEngine
 from phalanx.engines.task import GPTTask, KerasTask
 from phalanx.mesh import Mesh, build_mesh
 from phalanx.engines.mesh import MeshEngine
+from phalanx.plan.engine_rules import GPTRun
+
+
+def gpt_run(cfg: Config, cluster=None, mesh: Mesh | None = None) -> GPTRun:
+    """What decides the engine of ``cfg`` (:class:`~phalanx.plan.engine_rules.GPTRun`): its keys,
+    the resolved degrees of ``mesh`` and the strategy ``cluster`` was set up for."""
+    name = None
+    if cluster is not None:
+        name = "mesh" if getattr(cluster, "devices", None) else \
+            "parameter_server" if getattr(cluster, "coordinator", None) is not None else getattr(cluster, "name", None)
+    tp, pp = (mesh.tp, mesh.pp) if mesh is not None else (None, None)
+    return GPTRun.of(cfg, tp, pp, cluster=name)
 
 
 def needs_mesh_engine(cfg: Config) -> bool:
-    """Whether ``cfg`` asks for anything only the mesh engine does."""
-    p = cfg.parallel
-    return p.tp > 1 or p.pp > 1 or p.zero > 0 or p.recompute != "none" or p.strategy == "mesh"
+    """Whether ``phalanx train`` runs ``cfg`` (in one process) on the mesh engine."""
+    return gpt_run(cfg).engine() == "mesh"
 
 
 def refuse_before_build(cfg: Config, task, cluster=None) -> None:
@@ -63,18 +75,21 @@ def refuse_before_build(cfg: Config, task, cluster=None) -> None:
         if given(cfg, key) and cfg.precision.policy != "mixed_float16":  # (auto: never float16 for the GPT)
             raise ConfigError(key, f"is ignored under precision.policy={cfg.precision.policy}: loss scaling applies "
                                    f"to precision.policy=mixed_float16 only; set that, or remove {key}")
-    if p.sequence_parallel and (wants_keras_gpt(cfg) or cfg.model.experts):
+    if p.sequence_parallel and (p.ep > 1 or cfg.model.experts):
         raise ConfigError("parallel.sequence_parallel", "true: the mesh engine runs sequence parallelism for the "
                                                         "dense GPT; the mixture-of-experts GPT (model.experts, "
                                                         "parallel.ep) does not run it yet")
-    if wants_keras_gpt(cfg):  # expert parallelism: the GPT of parallel Keras layers on the Keras-model engine
+    if p.ep > 1 or (isinstance(task, GPTTask) and cluster is None and wants_keras_gpt(cfg)):
+        # the GPT of parallel Keras layers on the Keras-model engine (expert parallelism included)
         if not isinstance(task, GPTTask):
             raise ConfigError("parallel.ep", f"{p.ep}: phalanx train runs expert parallelism for the "
                                              f"built-in GPT (in one process, or across workers with parallel."
                                              f"strategy=multi_worker); for another task use parallel.ep=1 (a Keras "
                                              f"model: phalanx.layers.MoE(ep=N) through phalanx.fit)")
         keras_gpt_refusals(cfg)
-    elif getattr(cluster, "devices", None):  # a mesh across the workers' devices: the mesh engine's own checks
+        if p.ep > 1:
+            return
+    if getattr(cluster, "devices", None):  # a mesh across the workers' devices: the mesh engine's own checks
         return
     elif cluster is not None:
         refuse_unhonoured(cfg, cluster.name)
@@ -91,14 +106,18 @@ def _refuse_microbatches(n: int) -> None:
 
 
 def build_engine(cfg: Config, task, cluster=None):
-    """The engine ``phalanx train`` runs for ``cfg``: tf.distribute (dp only), parameter
-    servers, or the mesh engine. ``cluster``: what ``setup_cluster`` returned (None on one
-    process)."""
+    """The engine ``phalanx train`` runs for ``cfg``: for the built-in GPT the Keras-model
+    engine (:class:`KerasGPTEngine`) unless a row of
+    :data:`~phalanx.plan.engine_rules.OLD_ENGINE_ROWS` applies (then the mesh engine,
+    tf.distribute's or the parameter-server engine, :meth:`GPTRun.engine`); tf.distribute for a
+    Keras task. ``cluster``: what ``setup_cluster`` returned (None on one process)."""
     refuse_before_build(cfg, task, cluster)
-    if wants_keras_gpt(cfg):  # expert parallelism: the GPT of parallel Keras layers on the Keras-model engine
+    if cfg.parallel.ep > 1:  # expert parallelism: the GPT of parallel Keras layers on the Keras-model engine
         if cluster is None:
             return KerasGPTEngine(cfg, task, build_mesh(cfg))
         return _keras_gpt_across_workers(cfg, task, cluster)
+    if isinstance(task, GPTTask) and cluster is None and gpt_run(cfg).engine() == "keras":
+        return gpt_engine(cfg, build_mesh(cfg), task)
     if cfg.parallel.zero == 3:
         raise ConfigError("parallel.zero", "3: phalanx train runs the built-in GPT with ZeRO 0, 1 or 2 (sharded "
                                            "optimizer state and gradients); ZeRO-3 (sliced weights) runs for Keras "
@@ -117,6 +136,28 @@ def build_engine(cfg: Config, task, cluster=None):
         return make_mesh_engine(cfg, mesh, task)
     if cfg.parallel.microbatches != 1:  # (parallel.pp=-1 filled with 1)
         _refuse_microbatches(cfg.parallel.microbatches)
+    return StrategyEngine(cfg, task, local_strategy(mesh.devices))
+
+
+def gpt_engine(cfg: Config, mesh: Mesh, task: GPTTask):
+    """The engine that trains the built-in GPT ``task`` on ``mesh`` (in one process):
+    :class:`KerasGPTEngine`, or the mesh engine / tf.distribute's for what only they run
+    (:meth:`~phalanx.plan.engine_rules.GPTRun.engine` on the mesh's resolved degrees)."""
+    if task.cfg != cfg.model:
+        raise ConfigError("model", "the GPTTask's ModelConfig differs from cfg.model; build the task from cfg.model")
+    which = gpt_run(cfg, mesh=mesh).engine()
+    if which == "keras":
+        if cfg.parallel.sequence_parallel and mesh.tp < 2:
+            raise ConfigError("parallel.sequence_parallel", f"true needs tensor parallelism: parallel.tp > 1 (the "
+                                                            f"layout has tp={mesh.tp})")
+        if cfg.parallel.microbatches != 1 and mesh.pp == 1:
+            raise ConfigError("parallel.microbatches", f"{cfg.parallel.microbatches} splits a pipeline's batch, "
+                                                       f"but parallel.pp=1 trains without a pipeline; use train."
+                                                       f"grad_accum={cfg.parallel.microbatches} to split each "
+                                                       f"step's batch")
+        return KerasGPTEngine(cfg, task, mesh)
+    if which == "mesh":
+        return MeshEngine(cfg, mesh, task)
     return StrategyEngine(cfg, task, local_strategy(mesh.devices))
 
 
@@ -172,4 +213,6 @@ def make_engine(model_or_task, mesh: Mesh, cfg: Config, sample_batch=None):
             raise ValueError("sample_batch: a Keras model needs one (x, y, sample_weight) batch to build its "
                              "compiled loss, metrics and optimizer; or train it with phalanx.fit")
         return KerasModelEngine(model_or_task, cfg, mesh, sample_batch)
+    if isinstance(task, GPTTask):
+        return gpt_engine(cfg, mesh, task)
     return make_mesh_engine(cfg, mesh, task)

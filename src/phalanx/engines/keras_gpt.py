@@ -49,32 +49,34 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from phalanx import prune
+from phalanx import checkpoint, prune
 from phalanx.checkpoint import boxes
 from phalanx.config import Config, ConfigError
 from phalanx.core import optim
 from phalanx.core.loss_scale import LossScale
 from phalanx.engines.keras_model import KerasModelEngine, check_zero
 from phalanx.engines.strategy import JoinedVariable
-from phalanx.engines.task import GPTTask, for_config
+from phalanx.engines.task import GPTTask, _tf_variable, for_config
 from phalanx.mesh import Mesh
 from phalanx.models import gpt as builtin
 from phalanx.models import transformer
+from phalanx.plan.engine_rules import GPTRun
 
 
 def wants_keras_gpt(cfg: Config) -> bool:
-    """Whether ``phalanx train`` runs ``cfg`` on :class:`KerasGPTEngine`: expert parallelism."""
-    return cfg.parallel.ep > 1
+    """Whether ``phalanx train`` runs ``cfg`` in one process on :class:`KerasGPTEngine`
+    (:meth:`phalanx.plan.engine_rules.GPTRun.engine`)."""
+    return GPTRun.of(cfg).engine() == "keras"
 
 
 def refuse_unhonoured(cfg: Config, mesh: Mesh | None = None) -> None:
     """Raise :class:`ConfigError` naming the first key of ``cfg`` this engine would not honour,
     or a layout that cannot exist, before anything is built."""
     p, m = cfg.parallel, cfg.model
-    if not m.experts:
+    if p.ep > 1 and not m.experts:
         raise ConfigError("parallel.ep", f"{p.ep}: expert parallelism shards the experts of a mixture-of-experts "
                                          f"model, and model.experts=0 (dense); set model.experts or parallel.ep=1")
-    if m.experts % p.ep:
+    if m.experts and m.experts % p.ep:
         divisors = [d for d in range(1, m.experts + 1) if m.experts % d == 0]
         raise ConfigError("parallel.ep", f"{p.ep} does not divide model.experts={m.experts}: each of the ep shards "
                                          f"holds experts/ep experts; pick ep from {divisors}")
@@ -85,26 +87,34 @@ def refuse_unhonoured(cfg: Config, mesh: Mesh | None = None) -> None:
                           (" (under parallel.strategy=multi_worker, parallel.dp is each worker's own replicas: the "
                            "experts are sharded within a worker, never across workers)"
                            if p.strategy == "multi_worker" else ""))
-    why = "the expert-parallel GPT (parallel.ep > 1) trains through the Keras-model engine"
+    why = ("the expert-parallel GPT (parallel.ep > 1) trains through the Keras-model engine" if p.ep > 1 else
+           "the built-in GPT trains here through the Keras-model engine")
+    tp = mesh.tp if mesh is not None else p.tp
+    if p.sequence_parallel and (m.experts or tp < 2 or m.seq_len % tp):
+        raise ConfigError("parallel.sequence_parallel", f"true: sequence parallelism cuts the dense GPT's sequence "
+                                                        f"into the tensor ranks' chunks: it needs parallel.tp > 1 "
+                                                        f"dividing model.seq_len={m.seq_len} (tp={tp}) and "
+                                                        f"model.experts=0 ({m.experts})")
     check_zero(p.zero, ep=p.ep)
     if p.zero > 1:
-        raise ConfigError("parallel.zero", f"{p.zero}: {why}, which runs the expert-parallel GPT with "
-                                           f"parallel.zero=0 or 1 (the planner's layouts); use parallel.zero=1")
+        raise ConfigError("parallel.zero", f"{p.zero}: {why}, which runs the built-in GPT with parallel.zero=0 or 1 "
+                                           f"(the planner's layouts); use parallel.zero=1")
     if p.recompute != "none":
         raise ConfigError("parallel.recompute", f"{p.recompute!r}: {why}, which does not recompute activations; "
-                                                f"use parallel.recompute=none with parallel.ep={p.ep}")
-    if p.strategy not in ("auto", "mesh", "multi_worker"):
+                                                f"use parallel.recompute=none")
+    if p.strategy not in ("auto", "mesh", "mirrored", "multi_worker"):
         raise ConfigError("parallel.strategy", f"{p.strategy!r}: {why}, which places the model on the devices "
                                                f"itself: in one process (auto), or on each worker's own devices with "
                                                f"the workers data parallel (multi_worker under phalanx launch); use "
-                                               f"parallel.strategy=auto or multi_worker")
+                                               f"parallel.strategy=auto, mirrored or multi_worker")
     pp = mesh.pp if mesh is not None else p.pp
     if p.microbatches != 1 and pp == 1:
         raise ConfigError("parallel.microbatches", f"{p.microbatches} splits a pipeline's batch, but parallel.pp=1; "
                                                    f"use train.grad_accum={p.microbatches} to split each step's batch")
     if prune.enabled(cfg):
         raise ConfigError("train.prune.target", f"{cfg.train.prune.target}: {why}, which has no pruning masks; "
-                                                f"prune with parallel.ep=1")
+                                                f"train.prune.target=0 (or run it on the tf.distribute or mesh "
+                                                f"engine: phalanx train chooses them for pruning)")
 
 
 class PhalanxAdamW(keras.optimizers.Optimizer):
@@ -215,6 +225,12 @@ class _Converter:
             raise ValueError(f"keras_gpt: every trainable variable must hold one part of one built-in weight; "
                              f"{unheld[:3] or 'some hold several'}")
 
+    def joined(self, variables: list) -> dict[str, JoinedVariable]:
+        """Logical name -> a :class:`JoinedVariable` of ``variables`` (laid out as the model's
+        trainable variables: the weights themselves, or a moment slot beside each)."""
+        return {name: JoinedVariable([(variables[i], box) for i, (_, box) in zip(indices, joined.parts)])
+                for name, (indices, joined) in self.parts.items()}
+
     def to_logical(self, arrays: list[np.ndarray]) -> dict[str, np.ndarray]:
         return {name: joined.join([arrays[i] for i in indices]) for name, (indices, joined) in self.parts.items()}
 
@@ -227,6 +243,37 @@ class _Converter:
             for i, (_, box) in zip(indices, joined.parts):
                 out[i] = np.reshape(value[boxes.index(box)], self.shapes[i])
         return out
+
+
+def _canonical(device: str) -> str:
+    """A device name in the full form variables report (``/job:localhost/replica:0/task:0/device:CPU:1``)."""
+    spec = tf.DeviceSpec.from_string(device)
+    return spec.replace(job=spec.job or "localhost", replica=spec.replica or 0, task=spec.task or 0).to_string()
+
+
+def _scalar_slot(name: str, var: tf.Variable) -> checkpoint.Slot:
+    dtype = var.dtype.as_numpy_dtype
+    return checkpoint.Slot(name, (), dtype, (), [((), ())], fetch=var.read_value,
+                           assign=lambda x: var.assign(np.asarray(x).astype(dtype)))
+
+
+def _part_slot(name: str, shape: tuple, var: tf.Variable, box) -> checkpoint.Slot:
+    """The slot of ``var``, which holds ``box`` of logical tensor ``name`` (of ``shape``) in its
+    own shape of that size."""
+    local = boxes.shape_of(box)
+    dtype = var.dtype.as_numpy_dtype
+    return checkpoint.Slot(name, shape, dtype, local, [(boxes.full(local), box)],
+                           fetch=lambda: tf.reshape(var.read_value(), local),
+                           assign=lambda x: var.assign(np.reshape(np.asarray(x).astype(dtype), tuple(var.shape))))
+
+
+def _joined_slot(name: str, shape: tuple, parts: list, bound) -> checkpoint.Slot:
+    """One slot for ``parts`` (``[(variable, box)]`` on one device) tiling ``bound`` of ``name``."""
+    joined = JoinedVariable([(var, boxes.relative(box, bound)) for var, box in parts])
+    local = boxes.shape_of(bound)
+    dtype = joined.dtype.as_numpy_dtype
+    return checkpoint.Slot(name, shape, dtype, local, [(boxes.full(local), bound)], fetch=joined.read_value,
+                           assign=lambda x: joined.assign(np.asarray(x).astype(dtype)))
 
 
 class KerasGPTEngine:
@@ -259,16 +306,20 @@ class KerasGPTEngine:
         self.names = list(builtin.weight_shapes(cfg.model))
         # Cut for the mesh's tensor ranks; the Keras engine cuts it into pipeline stages itself
         # (split_keras_model, as for phalanx.fit) and places each tensor shard on its rank.
-        self.model = transformer.gpt(cfg.model, tp=self.tp, ep=self.ep, seed=task.seed,
-                                     dtype_policy=task.dtype_policy)
+        self.model = transformer.gpt(cfg.model, tp=self.tp, ep=self.ep, seed=None,
+                                     dtype_policy=task.dtype_policy,
+                                     sequence_parallel=cfg.parallel.sequence_parallel)
         self._convert = _Converter(self.model)
-        flags = self._convert.from_logical({n: np.full(s, float(builtin.decays(n)), np.float32)
-                                            for n, s in builtin.weight_shapes(cfg.model).items()})
-        decays = {}
-        for var, flag in zip(self.model.trainable_variables, flags):
-            if flag.size and flag.min() != flag.max():
-                raise ValueError(f"keras_gpt: {var.path} holds parts of weights with and without decay")
-            decays[id(var)] = bool(flag.size and flag.flat[0] > 0)
+        # the built-in initial weights (gpt.initial_weights' values, drawn in seeded tiles), each
+        # variable's part made alone: the host never holds the whole initial model
+        init = builtin.initializer(cfg.model, task.seed)
+        for name, joined in self._convert.joined([_tf_variable(v) for v in self.model.trainable_variables]).items():
+            for var, box in joined.parts:
+                var.assign(np.reshape(init(name, box), tuple(var.shape)))
+        # each variable holds a part of one logical weight (_Converter checks it): its decay flag
+        variables = self.model.trainable_variables
+        decays = {id(variables[i]): builtin.decays(name) for name, (indices, _) in self._convert.parts.items()
+                  for i in indices}
         self.optimizer = PhalanxAdamW(cfg, decays, mesh.device(0, 0, 0))
         self.loss_scale = self.optimizer.loss_scale
         self.model.compile(optimizer=self.optimizer,
@@ -278,6 +329,7 @@ class KerasGPTEngine:
         self.model.optimizer = self.optimizer
         tokens = np.zeros([cfg.train.global_batch, cfg.model.seq_len], np.int32)
         self.engine = KerasModelEngine(self.model, cfg, mesh, (tokens, tokens, None), workers=workers)
+        self._stale = False  # the replicas' weight copies are behind the weights (a restore)
         if workers is not None:  # every worker holds the same model and starts from the chief's weights
             workers.start(self.model, None, {})
             self.engine.sync_copies()
@@ -289,17 +341,75 @@ class KerasGPTEngine:
         batch = tf.convert_to_tensor(batch)
         return batch[:, :-1], batch[:, 1:], None
 
+    def _sync(self) -> None:
+        """Refresh the replicas' weight copies if the weights were assigned outside a step."""
+        if self._stale:
+            self.engine.sync_copies()
+            self._stale = False
+
     def train_step(self, batch) -> dict[str, tf.Tensor]:
         """One step on a global batch ``[b, seq_len + 1]`` of token ids."""
+        self._sync()
         loss = self.engine.train_step(self._xy(batch))["loss"]
         out = {key: tf.identity(var) for key, var in self.optimizer.last.items()}
         out["loss"] = loss
         return out
 
     def eval_step(self, batch) -> tf.Tensor:
+        self._sync()
         return self.engine.test_step(self._xy(batch))["loss"]
 
     # -- state ------------------------------------------------------------------------------
+
+    def _logical_variables(self) -> dict:
+        """The state by logical name: weights and ``optimizer/m|v/*``, each a
+        :class:`JoinedVariable` of the parts its variables hold (a moment lies beside its
+        weight's variable, laid out alike)."""
+        weights = self._convert.joined([_tf_variable(v) for v in self.model.trainable_variables])
+        state = {name: weights[name] for name in self.names}
+        for slot, slots in (("m", self.optimizer.m), ("v", self.optimizer.v)):
+            if len(slots) != len(self.model.trainable_variables):
+                raise RuntimeError("keras_gpt: the optimizer's moments are not built yet")
+            moments = self._convert.joined(slots)
+            state.update({f"optimizer/{slot}/{name}": moments[name] for name in self.names})
+        return state
+
+    def checkpoint_slots(self) -> list[checkpoint.ShardSet]:
+        """The state as one shard set per device holding it: each variable's part of a logical
+        tensor (weights, ``optimizer/m|v/*``) a slot by logical name and box, and
+        ``optimizer/step`` and the loss scale on the first device (the mesh engine's format,
+        docs/checkpoint_format.md). A save reads, and a restore assigns, one part at a time per
+        writer thread, so the host never holds a whole tensor of a sharded weight; any layout's
+        checkpoint (the mesh engine's included) restores into it box by box."""
+        self._stale = True  # a restore assigns the weights outside a step
+        first = self.mesh.device(0, 0, 0)
+        slots = [(first, _scalar_slot("optimizer/step", self.optimizer.step))]
+        slots += [(first, _scalar_slot(k, v)) for k, v in self.loss_scale.state().items()]
+        for name, joined in self._logical_variables().items():
+            shape = tuple(int(n) for n in joined.shape)
+            by_device: dict[str, list] = {}
+            for var, box in joined.parts:
+                by_device.setdefault(var.device, []).append((var, box))
+            for device, parts in by_device.items():
+                # a device's parts that tile one box (the q, k, v of a fused kernel on one device) are one slot
+                bound = tuple((min(b[a][0] for _, b in parts), max(b[a][1] for _, b in parts))
+                              for a in range(len(shape)))
+                if len(parts) > 1 and sum(boxes.volume(b) for _, b in parts) == boxes.volume(bound):
+                    slots.append((device, _joined_slot(name, shape, parts, bound)))
+                else:
+                    slots += [(device, _part_slot(name, shape, var, box)) for var, box in parts]
+        names = {}  # device -> its set's name in mesh order, as the mesh engine names them
+        for d in range(self.mesh.dp):
+            for r in range(self.mesh.pp):
+                for t in range(self.mesh.tp):
+                    names.setdefault(_canonical(self.mesh.device(d, r, t)), f"dp{d}-pp{r}-tp{t}")
+        sets: dict[str, checkpoint.ShardSet] = {}
+        for device, slot in slots:
+            key = _canonical(device)
+            name = names.get(key) or "dev-" + "".join(c if c.isalnum() else "-" for c in key).strip("-")
+            sets.setdefault(name, checkpoint.ShardSet(name)).slots.append(slot)
+        order = {name: i for i, name in enumerate(names.values())}
+        return sorted(sets.values(), key=lambda s: (order.get(s.name, len(order)), s.name))
 
     def _moments(self, slots: list[tf.Variable]) -> dict[str, np.ndarray]:
         return self._convert.to_logical([s.numpy() for s in slots])

@@ -40,7 +40,9 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 from phalanx.config import ConfigError, SCHEDULES, from_dict
 from phalanx.core.costs import layer_costs
@@ -63,6 +65,81 @@ GPT_EP_WITH_RECOMPUTE = False
 # False while the mesh engine (tp, pp, ZeRO, recompute) refuses model.experts
 # (engines/mesh.py MeshEngine): the MoE GPT trains on tf.distribute (one device, dp, multi_worker) or dp x ep.
 GPT_MOE_ON_MESH = False
+
+
+# -- which engine trains the built-in GPT -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GPTRun:
+    """What decides the engine of a built-in GPT run: its keys and the cluster it runs in.
+
+    ``cluster``: the strategy a cluster was set up for (``multi_worker``, ``parameter_server``,
+    ``mesh`` for a mesh whose devices span the workers), None in one process.
+
+    >>> GPTRun(zero=2).old_engine_reasons()
+    ['parallel.zero=2: ZeRO-2/3 (sharded gradients) runs on the mesh engine']
+    >>> GPTRun(dp=2, tp=2).engine(), GPTRun(recompute="full").engine(), GPTRun(prune=True).engine()
+    ('keras', 'mesh', 'strategy')
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    recompute: str = "none"
+    prune: bool = False
+    dropout: float = 0.0
+    ep: int = 1
+    strategy: str = "auto"
+    cluster: str | None = None
+
+    @classmethod
+    def of(cls, cfg: Any, tp: int | None = None, pp: int | None = None, cluster: str | None = None) -> "GPTRun":
+        """From a :class:`~phalanx.config.Config` (``tp``/``pp``: the resolved degrees, default
+        the config's)."""
+        p = cfg.parallel
+        return cls(dp=p.dp, tp=p.tp if tp is None else tp, pp=p.pp if pp is None else pp, zero=p.zero,
+                   recompute=p.recompute, prune=cfg.train.prune.target > 0, dropout=cfg.model.dropout, ep=p.ep,
+                   strategy=p.strategy, cluster=cluster)
+
+    def old_engine_reasons(self) -> list[str]:
+        """Why this run needs an older engine (the rows of :data:`OLD_ENGINE_ROWS` that apply)."""
+        return [f"{key}={getattr(self, attr)}: {why}" for key, attr, applies, why in OLD_ENGINE_ROWS
+                if applies(self)]
+
+    def engine(self) -> str:
+        """``keras`` (:class:`~phalanx.engines.keras_gpt.KerasGPTEngine`), else the older engine
+        the run needs: ``mesh`` (tp, pp, ZeRO, recompute or ``parallel.strategy=mesh``),
+        ``parameter_server``, or ``strategy`` (tf.distribute's data parallelism)."""
+        if self.ep > 1 or not self.old_engine_reasons():
+            return "keras"  # (expert parallelism refuses there what it cannot run)
+        if self.cluster == "parameter_server":
+            return "parameter_server"
+        if self.cluster == "mesh" or self.tp > 1 or self.pp > 1 or self.zero > 0 or self.recompute != "none" \
+                or self.strategy == "mesh":
+            return "mesh"
+        return "strategy"
+
+
+#: What the Keras-model engine (``engines/keras_gpt.py``) does not run yet for the built-in GPT:
+#: ``(key, GPTRun field, applies, why)``. ``phalanx train`` builds an older engine for a run
+#: only when a row applies (:meth:`GPTRun.engine`); every other run (one device, dp, tp, pp
+#: with any schedule, grad accumulation, mixed precision, ZeRO-1, the MoE GPT) trains on the
+#: Keras-model engine. Removing a row moves its runs over; with no rows left the older
+#: engines are dead code.
+OLD_ENGINE_ROWS: tuple = (
+    ("parallel.zero", "zero", lambda r: r.zero >= 2, "ZeRO-2/3 (sharded gradients) runs on the mesh engine"),
+    ("parallel.recompute", "recompute", lambda r: r.recompute != "none",
+     "activation recomputation runs on the mesh engine"),
+    ("train.prune.target", "prune", lambda r: r.prune, "pruning masks run on the mesh and tf.distribute engines"),
+    ("model.dropout", "dropout", lambda r: r.dropout > 0,
+     "layout-independent dropout masks run on the mesh engine"),
+    ("parallel.strategy", "cluster", lambda r: r.cluster in ("parameter_server", "mesh"),
+     "parameter servers, and a mesh spanning the workers, run on their own engines"),
+    ("parallel.strategy", "cluster", lambda r: r.cluster == "multi_worker",
+     "data parallelism across workers runs on tf.distribute's MultiWorkerMirroredStrategy"),
+)
 
 
 @lru_cache(maxsize=None)
@@ -98,8 +175,8 @@ def plan_only_reasons(m, lay, hw=None) -> list[str]:
     if lay.pp > 1 and lay.schedule not in engine_schedules():
         reasons.append(f"the {lay.schedule} schedule (the executor runs {', '.join(engine_schedules())})")
     if lay.sequence_parallel and (lay.tp < 2 or m.seq_len % lay.tp or m.experts):
-        reasons.append("sequence parallelism without tp > 1 dividing the sequence, or with experts (the mesh "
-                       "engine runs it for the dense GPT)")
+        reasons.append("sequence parallelism without tp > 1 dividing the sequence, or with experts (the engine "
+                       "runs it for the dense GPT)")
     mesh_engine = lay.tp > 1 or lay.pp > 1 or lay.zero > 0 or lay.recompute != "none"
     if m.experts and lay.ep > 1:
         if not GPT_EXPERT_PARALLEL:
@@ -126,12 +203,15 @@ def plan_only_reasons(m, lay, hw=None) -> list[str]:
             elif lay.zero:
                 reasons.append(f"ZeRO-{lay.zero} with expert parallelism across nodes (the Keras-model engine "
                                f"partitions the optimizer state within one process only)")
-    # ep > 1 with tp/pp runs on the expert-parallel engine, not the mesh engine
+    # ep > 1 with tp/pp runs on the expert-parallel engine, not the mesh engine; so does the MoE
+    # GPT at ep=1 wherever phalanx train routes it to the Keras-model engine (GPTRun.engine)
     on_ep_engine = lay.ep > 1 and GPT_EXPERT_PARALLEL and GPT_EP_WITH_TP_PP and \
         lay.zero <= (1 if GPT_EP_WITH_ZERO else 0) and (lay.recompute == "none" or GPT_EP_WITH_RECOMPUTE)
-    if m.experts and mesh_engine and not on_ep_engine and not GPT_MOE_ON_MESH:
-        reasons.append("mixture of experts with tp/pp/ZeRO/recompute (the mesh engine refuses model.experts; "
-                       "the MoE GPT trains dp, or ep > 1 with dp, tp and pp)")
+    on_keras_engine = lay.ep == 1 and GPTRun(dp=lay.dp, tp=lay.tp, pp=lay.pp, zero=lay.zero,
+                                             recompute=lay.recompute).engine() == "keras"
+    if m.experts and mesh_engine and not on_ep_engine and not on_keras_engine and not GPT_MOE_ON_MESH:
+        reasons.append("mixture of experts with ZeRO-2/recompute (the mesh engine refuses model.experts; "
+                       "the MoE GPT trains on the Keras-model engine with dp, tp, pp, ep and ZeRO-1)")
     return reasons
 
 

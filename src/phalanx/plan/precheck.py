@@ -19,14 +19,15 @@ Budgets:
 The host's transient peak (:func:`host_peak`) is what the engine that will run puts in
 host NumPy memory besides the devices' own state, at its largest moment:
 
-* the mesh engine (tp, pp, ZeRO, recomputation) moves weights one shard at a time:
+* the Keras-model engine (the built-in GPT's, :meth:`~phalanx.plan.engine_rules.GPTRun.engine`)
+  and the mesh engine (ZeRO-2, recomputation) move weights one shard at a time:
   initial weights are made per shard (``models/init.py`` tiles), checkpoints are written
   by one thread per device holding one slot at a time and restored box by box into each
   slot (``checkpoint/sharded.py``), pruning masks are computed shard by shard
   (``phalanx.prune``). Its peak is a few copies of the largest shard (one device's part
   of the largest weight) per writer thread, never the model;
-* the tf.distribute engines (one device, dp, multi_worker, parameter_server) hold whole
-  variables, but move them one at a time: initial weights are assigned one tensor at a
+* the tf.distribute engines (pruning or dropout without tp/pp, multi_worker,
+  parameter_server) hold whole variables, but move them one at a time: initial weights are assigned one tensor at a
   time (``engines/task.py``), checkpoints are written and restored by up to
   ``MAX_THREADS`` threads each holding one variable (``checkpoint.variable_sets``; pruning
   masks are such variables too, ``prune/mask/*``, and masks are computed one weight at a
@@ -52,6 +53,7 @@ import os
 from phalanx.checkpoint.sharded import MAX_THREADS, set_count
 from phalanx.config import Config, ConfigError, parse_devices, resolve_degrees
 from phalanx.core.costs import ModelSpec, param_count
+from phalanx.plan.engine_rules import GPTRun
 from phalanx.plan.layout import Layout
 from phalanx.plan.memory import memory_per_device
 
@@ -107,23 +109,23 @@ COPIES_PER_SHARD = 3
 
 
 def runs_on_mesh(cfg: Config, tp: int, pp: int) -> bool:
-    """Whether ``phalanx train`` runs ``cfg`` on the mesh engine (at the resolved ``tp``,
-    ``pp``): the rule of ``phalanx.engines.factory.needs_mesh_engine`` (the planner may not
-    import the engines; tests/test_precheck_host.py checks that the two agree)."""
-    p = cfg.parallel
-    return tp > 1 or pp > 1 or p.tp > 1 or p.pp > 1 or p.zero > 0 or p.recompute != "none" or p.strategy == "mesh"
+    """Whether ``phalanx train`` runs ``cfg`` on an engine that moves its state one device's
+    part at a time (at the resolved ``tp``, ``pp``): the Keras-model engine or the mesh engine
+    (:meth:`phalanx.plan.engine_rules.GPTRun.engine`, the rule the engine factory builds by);
+    otherwise tf.distribute's, which moves whole variables."""
+    return GPTRun.of(cfg, tp, pp).engine() in ("keras", "mesh")
 
 
-def largest_shard_elements(spec, tp: int, mesh: bool) -> int:
+def largest_shard_elements(spec, tp: int, mesh: bool, ep: int = 1) -> int:
     """Elements of the largest part of one logical GPT weight that one device holds: each
-    weight's tensor-parallel shard on the mesh engine (vocab rows / columns, q|k|v heads,
-    MLP columns / rows split by ``tp``; position embeddings replicated), the whole tensor on
-    the tf.distribute engines (experts' ``[E, d, f]`` included)."""
+    weight's tensor-parallel shard on the Keras-model and mesh engines (vocab rows / columns,
+    q|k|v heads, MLP columns / rows split by ``tp``; position embeddings replicated; the experts'
+    ``[E, d, f]`` split by ``ep`` and ``tp``), the whole tensor on the tf.distribute engines."""
     d, f, v, t = spec.d_model, spec.ffn_dim, spec.vocab, spec.seq_len
     split = tp if mesh else 1
     sizes = [v * d // split, t * d, 3 * d * d // split, d * d // split, d * f // split]
     if spec.experts:
-        sizes.append(spec.experts * d * f)
+        sizes.append(spec.experts * d * f // (ep * split if mesh else 1))
     return max(sizes)
 
 
@@ -148,15 +150,15 @@ def host_peak(cfg: Config, dp: int, pp: int, tp: int, devices: int) -> tuple[flo
 
     spec = ModelSpec.from_config(cfg.model)
     mesh = runs_on_mesh(cfg, tp, pp)
-    shard = 4.0 * largest_shard_elements(spec, tp, mesh)  # float32 bytes
+    shard = 4.0 * largest_shard_elements(spec, tp, mesh, cfg.parallel.ep)  # float32 bytes
     if mesh:
         writers = max(1, min(MAX_THREADS, devices))
         io = writers * COPIES_PER_WRITER * shard
         work = COPIES_PER_SHARD * shard
-        return max(io, work), (f"mesh engine, per shard: largest shard {shard / GiB:,.2f} GiB; checkpoint "
+        return max(io, work), (f"Keras-model or mesh engine, per shard: largest shard {shard / GiB:,.2f} GiB; checkpoint "
                                f"save/restore {writers} thread(s) x {COPIES_PER_WRITER} copies = {io / GiB:,.2f} "
                                f"GiB; initialisation and pruning {COPIES_PER_SHARD} copies = {work / GiB:,.2f} GiB")
-    # tf.distribute engines: whole variables, one at a time. Initial weights are assigned one
+    # Keras-model and tf.distribute engines: whole logical tensors, one at a time. Initial weights are assigned one
     # tensor at a time (GPTTask.build); a checkpoint is written and restored by up to
     # MAX_THREADS threads (one per ~64 MiB of state, checkpoint.variable_sets), each holding one
     # variable. Pruning masks (train.prune) are variables of the state too (prune/mask/*, one per
@@ -167,7 +169,7 @@ def host_peak(cfg: Config, dp: int, pp: int, tp: int, devices: int) -> tuple[flo
     io = writers * COPIES_PER_WRITER * shard
     work = COPIES_PER_SHARD * shard
     state = "weights, moments and pruning masks" if masks else "weights and moments"
-    what = (f"tf.distribute engine, per variable: largest variable {shard / GiB:,.2f} GiB; checkpoint "
+    what = (f"Keras-model or tf.distribute engine, per variable: largest variable {shard / GiB:,.2f} GiB; checkpoint "
             f"save/restore ({state}) {writers} thread(s) x {COPIES_PER_WRITER} copies = {io / GiB:,.2f} GiB; "
             f"initialisation and pruning {COPIES_PER_SHARD} copies = {work / GiB:,.2f} GiB")
     return max(io, work), what

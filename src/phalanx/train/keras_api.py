@@ -324,7 +324,10 @@ def _engine(model, cfg: Config, mesh: Mesh, sample_batch, method: str, workers=N
         methods = ["train_step", "test_step"] if method == "train_step" else [method]
         return custom_step.CustomStepEngine(model, cfg, mesh, sample_batch, inference_only=inference_only,
                                             workers=workers, methods=methods)
-    engine = KerasModelEngine(model, cfg, mesh, sample_batch, inference_only=inference_only, workers=workers)
+    if method == "train_step" and not inference_only:
+        engine = _fit_engine(model, cfg, mesh, sample_batch, workers)  # the model's last fit's, when still valid
+    else:
+        engine = KerasModelEngine(model, cfg, mesh, sample_batch, inference_only=inference_only, workers=workers)
     if method == "train_step" and validating and custom_step.overridden(model, "test_step"):
         engine.evaluator = custom_step.CustomStepEngine(model, cfg, mesh, sample_batch, methods=["test_step"])
     return engine
@@ -461,6 +464,40 @@ def _check_labels(model, first, *batches) -> None:
     for each in batches:
         if each is not None and rules:
             each.check_labels(rules, list(getattr(model, "output_names", None) or []) or None)
+
+
+#: where a Keras model keeps the engine its last :func:`fit` built, ``(key, engine)`` (set past
+#: Keras's attribute tracking, so that the engine's variables do not become the model's)
+_FIT_ENGINE = "_phalanx_fit_engine"
+
+
+def _engine_key(model, cfg: Config, mesh: Mesh, sample_batch) -> tuple:
+    """What a built engine depends on: the model's variables and compiled optimizer, loss and
+    metrics (by identity), the keys the engine reads (``parallel``, ``precision``,
+    ``train.grad_accum``), the mesh and the batch's structure, shapes and dtypes."""
+    compiled = tuple(id(getattr(model, name, None)) for name in ("optimizer", "loss", "_compile_loss",
+                                                                  "_compile_metrics"))
+    leaves = keras.tree.flatten(sample_batch)
+    signature = (keras.tree.map_structure(lambda _: 0, sample_batch) if leaves else None,
+                 tuple((tuple(getattr(t, "shape", ())), str(getattr(t, "dtype", type(t).__name__))) for t in leaves))
+    return (tuple(id(v) for v in model.variables), compiled, cfg.parallel, cfg.precision, cfg.train.grad_accum,
+            tuple(mesh.devices), mesh.dp, mesh.pp, mesh.tp, repr(signature))
+
+
+def _fit_engine(model, cfg: Config, mesh: Mesh, sample_batch, workers) -> KerasModelEngine:
+    """The engine for this fit: the one the model's last fit built when nothing it depends on
+    changed (:func:`_engine_key`), its traced steps reused, else a new one. Across workers
+    every fit builds its own (the workers' group is joined per fit)."""
+    if workers is not None:
+        return KerasModelEngine(model, cfg, mesh, sample_batch, workers=workers)
+    key = _engine_key(model, cfg, mesh, sample_batch)
+    cached = model.__dict__.get(_FIT_ENGINE)
+    if cached is not None and cached[0] == key:
+        cached[1].sync_copies()  # the weights may have been set since (model.set_weights, a restore)
+        return cached[1]
+    engine = KerasModelEngine(model, cfg, mesh, sample_batch)
+    object.__setattr__(model, _FIT_ENGINE, (_engine_key(model, cfg, mesh, sample_batch), engine))
+    return engine
 
 
 def _validation_batches(validation_data, batch_size, cfg: Config, mesh: Mesh):
