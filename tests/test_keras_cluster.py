@@ -16,6 +16,9 @@ rtol 1e-4). Each launch is bounded by the launcher's --timeout and a subprocess 
   BatchNorm model against Keras's fit of a 4-chunk "ghost batch" wrapper whose 4 replicas'
   moving statistics are averaged per step (equal on both workers);
 * 2 workers x 1 device: the same model equals dp2 in this process, statistics included;
+* 2 workers x 2 local devices: 53 rows in batches of 16, a last batch of 5 rows shared
+  unevenly (3 rows, 2 rows; then 2 and 1 replica rows) equals Keras's fit of every batch;
+  a batch with fewer rows than workers is refused, naming batch_size;
 * workers fed different data stop with an error that says so;
 * in one process: parameter_server asks for a model-building function; a cluster joined too late.
 """
@@ -135,17 +138,18 @@ def launch(tmp_path: Path, name: str, kind: str, epochs: int, overrides=(), run_
     return proc, results
 
 
-def keras_reference(kind: str, epochs: int, chunks: int = 1, val: bool = False, replicas: int = 1):
+def keras_reference(kind: str, epochs: int, chunks: int = 1, val: bool = False, replicas: int = 1, n: int = N,
+                    batch: int = BATCH):
     """(per-step losses, history, model, optimizer) of Keras's own fit on one device (of the
     ghost-batch wrapper over ``chunks`` pieces in ``replicas`` groups, tests/helpers.py)."""
     ns = namespace()
     model = ns["build"](kind, 3)
     trained = ghost_batches(model, chunks, replicas=replicas) if chunks > 1 else model
     ns["compile_model"](trained)
-    x, y = ns["data"](kind, N)
+    x, y = ns["data"](kind, n)
     losses: list[float] = []
     record = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: losses.append(float(logs["loss"])))
-    history = trained.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=[record],
+    history = trained.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0, callbacks=[record],
                           validation_data=ns["data"](kind, 8, seed=11) if val else None)
     return losses, history.history, model, trained.optimizer
 
@@ -260,6 +264,41 @@ def test_batchnorm_statistics_of_two_workers_equal_dp2_in_one_process(tmp_path):
     reference = keras_reference("embed", 2, chunks=2, replicas=2)
     for result in results:  # ... both equal Keras's fit of 2 replicas' pieces, averaged per step
         assert_equal_to_keras(result, reference)
+
+
+@pytest.mark.slow
+def test_two_workers_train_an_uneven_last_batch_as_keras(tmp_path):
+    # 53 rows in batches of 16: a last batch of 5 rows, 3 on worker 0 (its replicas 2 and 1) and 2
+    # on worker 1 (1 and 1). Each piece's mean loss is weighted by its share of the 5 rows, so the
+    # summed gradient is that of the batch's mean loss: Keras's, up to float32 summation order.
+    proc, results = launch(tmp_path, "uneven", "mlp", epochs=2, n=53, batch=16,
+                           overrides=["parallel.devices=cpu:2", "parallel.dp=2"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "on 2 workers x dp=2 pp=1" in proc.stderr
+    assert "skipped" not in proc.stderr
+    reference = keras_reference("mlp", 2, n=53, batch=16)
+    assert len(results) == 2
+    for result in results:
+        assert len(result["losses"]) == 2 * 4  # every batch trained, the short one included
+        assert_equal_to_keras(result, reference)
+
+
+def test_a_batch_with_fewer_rows_than_workers_is_refused_before_training():
+    import tensorflow as tf
+
+    from phalanx.data.keras_inputs import Batches
+
+    x, y = np.zeros([17, 3], "float32"), np.zeros([17], "float32")
+    Batches(x, y, batch_size=8, divisor=1)  # in one process any batch trains
+    Batches(x[:16], y[:16], batch_size=8, divisor=2)  # no short last batch
+    with pytest.raises(ValueError, match=r"batch_size: 8 over 17 samples gives the last batch of 1 samples, fewer "
+                                         r"than the 2 workers"):
+        Batches(x, y, batch_size=8, divisor=2)
+    with pytest.raises(ValueError, match=r"batch_size: 1 over 17 samples gives a batch of 1 samples"):
+        Batches(x, y, batch_size=1, divisor=2)
+    batches = Batches(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), divisor=2)
+    with pytest.raises(ValueError, match=r"x: the dataset yielded a batch of 1 samples, fewer than the 2 workers"):
+        list(batches.epoch())
 
 
 @pytest.mark.slow

@@ -11,9 +11,10 @@ that epoch with a warning.
 Arrays are cut into batches of ``batch_size`` (default 32) rows, shuffled every pass by
 a permutation that depends on ``(seed, pass)`` only when ``shuffle`` is on, so that a
 resumed fit (:meth:`Batches.seek`) reads the data in the order of an uninterrupted one. Any
-batch size trains (the engine cuts a batch unevenly when it must); only a batch the workers
-of a cluster cannot share evenly (``divisor`` = the number of workers; only a last, partial
-batch can be one) is skipped, with a warning that says how many samples it held.
+batch size trains (the engine cuts a batch unevenly when it must, over replicas and over the
+workers of a cluster). A batch with fewer samples than there are workers (``divisor``) would
+leave a worker without a row: it is refused before the first step when the arrays show it
+(``batch_size``, or the last batch of ``samples % batch_size``), and when a dataset yields it.
 
 Data that would train wrong is refused with an error that names the argument, the index and
 the sample or batch (:mod:`phalanx.data.checks`): NaN or inf in ``x``, ``y`` or
@@ -87,7 +88,6 @@ class Batches:
         self._pass = 0
         self._label_rules: list[ClassLabels] = []
         self._output_names: list[str] | None = None
-        self.dropped_warned = False
         if isinstance(x, tf.data.Dataset):
             self._init_dataset(x, y, sample_weight, batch_size)
         elif hasattr(x, "__next__") or type(x).__name__ in ("PyDataset", "Sequence", "generator"):
@@ -148,6 +148,13 @@ class Batches:
         self.arrays, self.dataset, self.infinite = (x, y, sample_weight), None, False
         self.batch_size = int(batch_size)
         self.num_batches = math.ceil(self.samples / self.batch_size)
+        last = self.samples - (self.num_batches - 1) * self.batch_size
+        for rows, what in ((min(self.batch_size, self.samples), "a batch"), (last, "the last batch")):
+            if rows < self.divisor:
+                raise ValueError(f"batch_size: {batch_size} over {self.samples} samples gives {what} of {rows} "
+                                 f"samples, fewer than the {self.divisor} workers of the fit, so a worker would have "
+                                 f"no row to train on; choose a batch_size of at least {self.divisor} whose last "
+                                 f"batch (samples % batch_size, when not 0) has at least {self.divisor} samples")
         for arg, value in (("x", x), ("y", y), ("sample_weight", sample_weight)):
             for label, leaf in named_leaves(value, arg):
                 check_finite(leaf, label, self._where)
@@ -208,14 +215,11 @@ class Batches:
 
     def _usable(self, batch) -> bool:
         rows = int(_leaves(batch[0])[0].shape[0])
-        if rows % self.divisor == 0:
-            return True
-        if not self.dropped_warned:
-            warnings.warn(f"a batch of {rows} samples cannot be split evenly over the {self.divisor} workers "
-                          f"of the fit; it is skipped (Keras would train on it). Choose a batch_size and a "
-                          f"sample count that are multiples of {self.divisor} to use every sample", stacklevel=3)
-            self.dropped_warned = True
-        return False
+        if rows < self.divisor:  # arrays were checked up front: a dataset's batch
+            raise ValueError(f"x: the dataset yielded a batch of {rows} samples, fewer than the {self.divisor} "
+                             f"workers of the fit, so a worker would have no row to train on; batch it with at "
+                             f"least {self.divisor} samples per batch (drop_remainder=True drops a short last one)")
+        return True
 
     def epoch(self) -> Iterator:
         """The batches of the next epoch (Keras's rules, see the module docstring)."""

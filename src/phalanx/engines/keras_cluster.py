@@ -29,16 +29,19 @@ global batch:
   process may thus build its model with its own random initialisation.
 * **Data.** Every worker reads the same global batches (``batch_size`` stays the global
   batch; arrays and seeded shuffles are identical everywhere; a ``tf.data.Dataset`` must
-  yield the same batches on every worker) and worker ``w`` of ``W`` trains on rows
-  ``[w*B/W, (w+1)*B/W)``. A fingerprint of each global batch (shape, first and last row)
-  is compared across workers every step: different data is an error, not silent drift.
-* **Step.** Each worker weights its micro-batch losses by ``1 / (W x local micro-batches)``
-  and sums its gradients locally; the dense gradients are then summed across workers in
-  one packed all-reduce per dtype, and ``IndexedSlices`` (an embedding's gradient) are
-  all-gathered, rows in worker order — the rows one tape over the global batch gives, so
-  Keras's optimizers treat them as on one device — except a lookup whose indices are the
-  same in every micro-batch (a position table), whose values are summed in the all-reduce
-  (:mod:`phalanx.parallel.gradients`). Every worker then applies the model's
+  yield the same batches on every worker) and each worker trains on its own consecutive rows:
+  ``B // W`` each, the first ``B % W`` workers one more (a last batch of any size, as in
+  Keras; a batch with fewer rows than workers is refused, see :mod:`phalanx.data.keras_inputs`).
+  A fingerprint of each global batch (shape, first and last row) is compared across
+  workers every step: different data is an error, not silent drift.
+* **Step.** Each worker weights each micro-batch's mean loss by its share of the global
+  batch's rows (``1 / (W x local micro-batches)`` when they divide evenly), so the sum over
+  workers is the gradient of the global batch's mean loss, and sums its gradients locally;
+  the dense gradients are then summed across workers in one packed all-reduce per dtype,
+  and ``IndexedSlices`` (an embedding's gradient) are all-gathered, rows in worker order —
+  the rows one tape over the global batch gives, so Keras's optimizers treat them as on
+  one device — except a lookup whose indices are the same in every micro-batch (a
+  position table), whose values are summed in the all-reduce (:mod:`phalanx.parallel.gradients`). Every worker then applies the model's
   own optimizer to the same gradients (identical updates, no broadcast needed).
 * **Metrics.** The loss tracker and the compiled metrics accumulate additive states
   (totals and counts): each worker's change of every metric variable during the step
@@ -84,6 +87,7 @@ import tensorflow as tf
 from phalanx.cluster.strategies import multi_worker_strategy
 from phalanx.cluster.tf_config import ClusterInfo, cluster_info_from_env
 from phalanx.config import Config, ConfigError, parse_devices
+from phalanx.engines.keras_model import row_plan
 from phalanx.parallel.gradients import SparseGradient
 
 #: Group key of the one collective every fit starts with (agreeing on a fresh group key).
@@ -321,11 +325,12 @@ class WorkerGroup:
     # -- a fit ----------------------------------------------------------------------------------
 
     def local_rows(self, batch, rows: int):
-        """This worker's rows ``[rank*rows/size, (rank+1)*rows/size)`` of a global batch,
+        """This worker's consecutive rows of a global batch of ``rows`` rows (``rows // size``,
+        the first ``rows % size`` workers one more: the replicas' rule, :func:`row_plan`),
         after remembering its fingerprint (checked in :meth:`check_batch`)."""
         self._fingerprint.assign(_fingerprint(batch))
-        share = rows // self.size
-        return _rows(batch, self.rank * share, share)
+        counts = [sum(map(sum, steps)) for steps in row_plan(rows, self.size, 1, 1)]
+        return _rows(batch, sum(counts[:self.rank]), counts[self.rank])
 
     def check_batch(self) -> None:
         """Raise if the last step's global batch differed between workers."""

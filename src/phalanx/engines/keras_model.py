@@ -892,13 +892,18 @@ class KerasModelEngine:
         or under ZeRO-3 its first slice's."""
         return v.value.device if self.zero < 3 else self._slice_devices(v)[0]
 
-    def _train_step(self, x, y, sw):
+    def _train_step(self, x, y, sw, global_rows=None):
         batch = (x, y, sw)
         rows = _rows(x)
         total = self.dp * self.accum * self.microbatches
         plan = row_plan(rows, self.dp, self.accum, self.microbatches)
-        # A micro-batch's loss is its mean: weighted by its share of the rows (1 when they divide evenly).
-        share = [[[n * total / rows for n in sizes] for sizes in steps] for steps in plan]
+        # A micro-batch's loss is its mean: weighted by its share of the rows (1 when they divide
+        # evenly). Across workers, of the global batch's ``global_rows`` (this worker's share may
+        # differ from the others'); with rows * world == global_rows the same number as in one process.
+        if global_rows is None or global_rows == rows * self.world:
+            share = [[[n * total / rows for n in sizes] for sizes in steps] for steps in plan]
+        else:
+            share = [[[n * total * self.world / global_rows for n in sizes] for sizes in steps] for steps in plan]
         scale = tf.cast(self.optimizer.scale_loss(tf.constant(1.0)), tf.float32)
         metrics_before = None if self.workers is None else self.workers.read_metrics(self.model)
         self._reg_value, reg_grads = self._regularization() if self.regularized else (None, {})
@@ -1052,8 +1057,10 @@ class KerasModelEngine:
         every worker passes the same global batch and trains on its own rows of it."""
         if self.workers is None:
             return self._train_fn(*_as_tensors(batch))
-        batch = self.workers.local_rows(batch, _rows(batch[0]))
-        result = self._train_fn(*_as_tensors(batch))
+        rows = _rows(batch[0])
+        batch = self.workers.local_rows(batch, rows)
+        # The global row count is a Python value: one trace per (local, global) batch shape.
+        result = self._train_fn(*_as_tensors(batch), rows)
         self.workers.check_batch()
         return result
 
