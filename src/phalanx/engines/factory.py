@@ -42,7 +42,7 @@ from phalanx.cluster.strategies import MULTI_WORKER, local_strategy, refuse_unho
 from phalanx.config import Config, ConfigError, ModelConfig, given
 from phalanx.engines import keras_cluster
 from phalanx.engines.keras_model import KerasModelEngine
-from phalanx.engines.keras_gpt import KerasGPTEngine
+from phalanx.engines.keras_gpt import KerasGPTEngine, wants_keras_gpt
 from phalanx.engines.keras_gpt import refuse_unhonoured as keras_gpt_refusals
 from phalanx.engines.strategy import StrategyEngine
 from phalanx.engines.task import GPTTask, KerasTask

@@ -389,6 +389,8 @@ class KerasGPTEngine:
             shape = tuple(int(n) for n in joined.shape)
             by_device: dict[str, list] = {}
             for var, box in joined.parts:
+                if isinstance(var, keras.Variable):  # a weight or an optimizer slot: its tf.Variable
+                    var = var.value
                 by_device.setdefault(var.device, []).append((var, box))
             for device, parts in by_device.items():
                 # a device's parts that tile one box (the q, k, v of a fused kernel on one device) are one slot
