@@ -64,9 +64,9 @@ def test_planned_states_are_the_bytes_the_engine_places_on_each_device(devices, 
 
 def test_what_the_keras_memory_model_was_not_measured_for_is_refused(capsys):
     base = ["model.layers=2", "parallel.devices=cpu:2"]
-    for extra, key in ((["parallel.dp=2"], "parallel.dp"), (["parallel.tp=2", "train.grad_accum=2"], "train.grad_accum"),
+    for extra, key in ((["parallel.tp=2", "train.grad_accum=2"], "train.grad_accum"),
                        (["parallel.tp=2", "model.dropout=0.1"], "model.dropout"),
-                       (["parallel.tp=2", "parallel.zero=1"], "parallel.zero"),
+                       (["parallel.tp=2", "parallel.sequence_parallel=true"], "parallel.sequence_parallel"),
                        (["parallel.tp=2", "precision.policy=mixed_float16"], "precision.policy"),
                        (["parallel.tp=2", "parallel.pp=2", "parallel.schedule=interleaved",
                          "parallel.devices=cpu:4", "parallel.microbatches=2"], "parallel.schedule")):
@@ -92,7 +92,7 @@ def test_plan_keras_prints_every_device(capsys):
     assert len(mem) == 4 and all(m["total"] > m["weights"] + m["optimizer"] for m in mem)
     assert cli.main(["model.layers=4", "model.d_model=64", "model.heads=4", "parallel.tp=2",
                      "parallel.devices=cpu:2", "--keras"]) == 0
-    assert "device 1 (pipe 0, tensor 1)" in capsys.readouterr().out
+    assert "device 1 (replica 0, pipe 0, tensor 1)" in capsys.readouterr().out
 
 
 CALIBRATE_LAYOUTS = {
