@@ -144,6 +144,49 @@ def test_keras_calibrate_within_10_percent_on_every_device(tmp_path, layout, pol
     assert all(-UNDER_TOLERANCE <= d["error"] <= OVER_TOLERANCE for d in cal["devices"]), cal["devices"]
 
 
+ZERO3_LAYOUTS = {
+    "dp2": ["parallel.devices=cpu:2", "parallel.dp=2", "parallel.zero=3"],
+    "dp2xpp2": ["parallel.devices=cpu:4", "parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2",
+                "parallel.zero=3"],
+}
+
+
+@pytest.mark.memory_peak
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+@pytest.mark.parametrize("layout", sorted(ZERO3_LAYOUTS))
+def test_zero3_calibrate_on_every_device(tmp_path, layout, policy):
+    """`phalanx plan --keras --calibrate` at ZeRO-3 (phalanx.fit's Keras-model engine, weights,
+    gradients and Adam's state cut into slices over the data replicas): every device's predicted
+    peak (phalanx.plan.keras_memory: its slices, the stage's gathered weights, every replica's
+    gradient sums on the slices' devices, and on device 0 the host copy, which on logical CPUs is
+    device 0) within UNDER_TOLERANCE below and OVER_TOLERANCE above the allocator's record
+    (median of 3 profiled steps after a warm-up), the bracket of the tests above.
+
+    Measured on 2026-11-27 (load 4-10 on 2 cores, other sessions' tests running; spread 0.0%
+    between profiled steps), error per device: float32 dp2 +2.4/+3.6%, dp2 x pp2
+    -3.9/+5.4/+0.2/+6.3%; mixed_bfloat16 (the gathered float32 weights counted until the rank's
+    last forward, which the first mixed runs showed: read off dp2, +16.4/+29.4% before)
+    dp2 +2.5/+4.3%, dp2 x pp2 -3.6/+2.8/+2.7/-0.4%. Not fitted: every term is a byte count of
+    the engine's placement (the backward's working set and the head are the calibrated terms of
+    the tests above). Also measured, not tested here: dp2 zero1 and zero2 float32 +1.2/+1.6% each,
+    dp2 zero3 with recompute=full -0.3/+5.5%."""
+    argv = [sys.executable, "-m", "phalanx.commands.plan", "model.layers=4", "model.d_model=256", "model.heads=4",
+            "model.seq_len=128", "train.global_batch=8", f"precision.policy={policy}", *ZERO3_LAYOUTS[layout],
+            "--hardware", "this-cpu", "--keras", "--calibrate", "--calibrate-steps", "3", "--json"]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", HOME=str(tmp_path))
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout)
+    cal, planned = doc["calibration"], doc["keras_memory_per_device_bytes"]
+    n = 4 if layout == "dp2xpp2" else 2
+    assert [d["device"] for d in cal["devices"]] == [f"CPU:{i}" for i in range(n)]
+    assert [d["predicted_bytes"] for d in cal["devices"]] == [m["total"] for m in planned]
+    assert cal["unplaced_bytes"] <= 1024
+    print(f"calibrate keras zero3 {layout} {policy}: error per device", [round(d["error"], 4) for d in cal["devices"]])
+    assert all(-UNDER_TOLERANCE <= d["error"] <= OVER_TOLERANCE for d in cal["devices"]), cal["devices"]
+
+
 EP_LAYOUTS = {
     "dp2xep2": ["parallel.devices=cpu:2", "parallel.dp=2", "parallel.ep=2"],
     "dp2xep2xpp2": ["parallel.devices=cpu:4", "parallel.dp=2", "parallel.ep=2", "parallel.pp=2",

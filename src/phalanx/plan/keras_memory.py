@@ -488,7 +488,21 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
                         head += e * tokens * d + (e + 4) * tokens * V
                     head *= last_peak
                 step = step_peak(r, set_bytes, grad, backward) + head + cast * MOE_EXPERT_CASTS * experts
-                step += gathered
+                if gathered and cast:
+                    # under a mixed policy the gathered float32 weights are read by the stage's forwards
+                    # only (each casts them; the backward reads the casts): whole until the rank's last
+                    # forward starts, beside the sets then in flight (one fewer than its peak) and the
+                    # gradient sums if a backward ran before it; that forward frees them layer by layer
+                    before = grad if microbatches > peaks[r] else 0.0
+                    forward_end = gathered + max(peaks[r] - 1, 0) * set_bytes + before + \
+                        cast * MOE_EXPERT_CASTS * experts
+                    if forward_end > step:
+                        step, working = forward_end, 0.0
+                    else:
+                        gathered, working = 0.0, backward
+                else:
+                    step += gathered
+                    working = backward
                 # the optimizer phase: the gradients summed on each weight's own device
                 summed = 4.0 * ((own + mirror if rep == 0 else 0.0) + (experts if rep < ep else 0.0))
                 if sliced:
@@ -516,7 +530,7 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
                 device_host = host if (rep, r, tr) == (0, 0, 0) else 0.0
                 if step >= opt:
                     mem = DeviceMemory(weights + gathered + device_host, optimizer_b, 0.0,
-                                       step - backward - gathered, backward, held, experts)
+                                       step - working - gathered, working, held, experts)
                 else:
                     mem = DeviceMemory(weights + device_host, optimizer_b, summed, 0.0, opt - summed, held, experts)
                 out[(rep * pp + r) * tp + tr] = mem
