@@ -91,10 +91,46 @@ concurrent order by up to 28% below. With top-2 of 4 at random initialisation th
 loads are not balanced and move from step to step (up to 7% between profiled steps; measured
 before this refit).
 
-What was not measured is refused (:func:`check_calibrated`): for ``phalanx.fit`` (Keras's
-AdamW) ``dp > 1`` (replica weight copies and the gradient sum) and experts; for both
-``train.grad_accum > 1``, ``mixed_float16``, dropout, sequence parallelism and the interleaved
-schedule.
+**ZeRO by slices** (``parallel.zero``, :mod:`phalanx.parallel.keras_zero`; byte counts of the
+engine's placement, no fitted constant): every trainable variable is cut into ``dp`` slices of
+``ceil(rows / dp)`` rows (:func:`slice_elements`, over the GPT's own variable shapes,
+:func:`gpt_device_shapes`; an expert shard over the ``dp / ep`` groups that hold it), slice
+``k`` on replica ``k``'s device for the variable's stage and tensor rank:
+
+* **zero=1**: each device keeps the whole weights it computes with (replica 0 the variables,
+  the others copies), the slices of them and of Adam's ``m`` and ``v`` (float32); the step
+  holds the replica's whole gradient sum, as without ZeRO; at the update the all-reduced sum
+  of each weight is formed whole on every slice's device and the slice is cut from it (a view,
+  so the whole sum stays until the update), beside the replica's own sum: two whole gradients;
+* **zero=2**: the same state and step; at the update the replica's own sum (until its pieces
+  are summed on their devices) and the summed slices ``1/dp``: no whole summed gradient;
+* **zero=3**: between steps only the slices (weights, ``m``, ``v``); in the step the stage's
+  weights gathered whole on each replica's devices (float32, kept for every micro-batch and
+  the backward; under a mixed policy the backward reads the compute-dtype casts, so the
+  gathered weights are held until the rank's last forward) and each replica's running
+  gradient sum of every slice on the slice's device: ``dp`` sums of ``1/dp`` (a tied
+  embedding's slices get the last stage's sums too); at the update their sum;
+* the **host copy** (the CPU of the process: ``model.optimizer``'s whole slots,
+  :data:`HOST_SLOTS`, and at zero=3 the model's weights) is not on an accelerator; on logical
+  CPUs (``parallel.devices=cpu:N``) the host is device 0, which holds it.
+
+**Recomputation** (``parallel.recompute``, :mod:`phalanx.parallel.recompute`): ``full`` runs a
+stage as ``ceil(sqrt(ops))`` recomputed pieces (:func:`full_recompute_ops`): a micro-batch
+keeps the pieces' inputs (the residual stream on tensor rank 0) and no weight casts, and the
+backward re-runs one piece (its blocks' activations and casts); ``selective`` keeps no
+attention core and the backward re-runs one block's core.
+
+Checked (2026-11-27, ``--keras --calibrate``, tests/test_calibrate_keras.py, 4 layers, d_model
+256, seq 128, batch 8): zero=3 dp2 float32 +2.4/+3.6%, mixed_bfloat16 +2.5/+4.3%; dp2 x pp2
+float32 -3.9/+5.4/+0.2/+6.3%, mixed_bfloat16 -3.6/+2.8/+2.7/-0.4% (the mixed policy's
+gathered-weights rule was read off dp2: counted through the step it gave +16.4/+29.4%); dp2
+zero=1 and 2 float32 +1.2/+1.6% (the step phase was the peak: the update's terms were not the
+peak of a measured layout); dp2 zero=3 with ``full`` -0.3/+5.5%, ``selective`` +3.4/+5.3%.
+
+What was not measured is refused (:func:`check_calibrated`): experts for ``phalanx.fit``
+(Keras's AdamW); ZeRO-2/3 and recomputation for ``phalanx train``'s expert-parallel engine
+(it refuses them), ZeRO-3 with experts; for both ``train.grad_accum > 1``, ``mixed_float16``,
+dropout, sequence parallelism and the interleaved schedule.
 
 Example:
     >>> from phalanx.config import load_config
