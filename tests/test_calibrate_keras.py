@@ -127,20 +127,25 @@ def test_keras_calibrate_within_10_percent_on_every_device(tmp_path, layout, pol
     -0.2/+1.6/+2.4/+4.9%. The constants of
     phalanx.plan.keras_memory were read off this shape; its docstring has a shape they were
     not read from."""
+    _calibrate_within_bracket(tmp_path, policy, CALIBRATE_LAYOUTS[layout], f"{layout} {policy}", unplaced=0)
+
+
+def _calibrate_within_bracket(tmp_path, policy: str, layout: list[str], label: str, unplaced: int) -> None:
+    """`phalanx plan --keras --calibrate --json` of the 4-layer d_model 256 GPT on ``layout``: the
+    planner's figure of every device is the one calibrated, and each lies within the bracket."""
     argv = [sys.executable, "-m", "phalanx.commands.plan", "model.layers=4", "model.d_model=256", "model.heads=4",
-            "model.seq_len=128", "train.global_batch=8", f"precision.policy={policy}",
-            *CALIBRATE_LAYOUTS[layout], "--hardware", "this-cpu", "--keras", "--calibrate", "--calibrate-steps", "3",
-            "--json"]
+            "model.seq_len=128", "train.global_batch=8", f"precision.policy={policy}", *layout,
+            "--hardware", "this-cpu", "--keras", "--calibrate", "--calibrate-steps", "3", "--json"]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", HOME=str(tmp_path))
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(proc.stdout)
     cal, planned = doc["calibration"], doc["keras_memory_per_device_bytes"]
-    n = 4 if layout == "tp2xpp2" else 2
+    n = int(next(a for a in layout if a.startswith("parallel.devices=")).rsplit(":", 1)[1])
     assert [d["device"] for d in cal["devices"]] == [f"CPU:{i}" for i in range(n)]
     assert [d["predicted_bytes"] for d in cal["devices"]] == [m["total"] for m in planned]
-    assert cal["unplaced_bytes"] == 0
-    print(f"calibrate keras {layout} {policy}: error per device", [round(d["error"], 4) for d in cal["devices"]])
+    assert cal["unplaced_bytes"] <= unplaced
+    print(f"calibrate keras {label}: error per device", [round(d["error"], 4) for d in cal["devices"]])
     assert all(-UNDER_TOLERANCE <= d["error"] <= OVER_TOLERANCE for d in cal["devices"]), cal["devices"]
 
 
@@ -171,20 +176,7 @@ def test_zero3_calibrate_on_every_device(tmp_path, layout, policy):
     the engine's placement (the backward's working set and the head are the calibrated terms of
     the tests above). Also measured, not tested here: dp2 zero1 and zero2 float32 +1.2/+1.6% each,
     dp2 zero3 with recompute=full -0.3/+5.5%."""
-    argv = [sys.executable, "-m", "phalanx.commands.plan", "model.layers=4", "model.d_model=256", "model.heads=4",
-            "model.seq_len=128", "train.global_batch=8", f"precision.policy={policy}", *ZERO3_LAYOUTS[layout],
-            "--hardware", "this-cpu", "--keras", "--calibrate", "--calibrate-steps", "3", "--json"]
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", HOME=str(tmp_path))
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    doc = json.loads(proc.stdout)
-    cal, planned = doc["calibration"], doc["keras_memory_per_device_bytes"]
-    n = 4 if layout == "dp2xpp2" else 2
-    assert [d["device"] for d in cal["devices"]] == [f"CPU:{i}" for i in range(n)]
-    assert [d["predicted_bytes"] for d in cal["devices"]] == [m["total"] for m in planned]
-    assert cal["unplaced_bytes"] <= 1024
-    print(f"calibrate keras zero3 {layout} {policy}: error per device", [round(d["error"], 4) for d in cal["devices"]])
-    assert all(-UNDER_TOLERANCE <= d["error"] <= OVER_TOLERANCE for d in cal["devices"]), cal["devices"]
+    _calibrate_within_bracket(tmp_path, policy, ZERO3_LAYOUTS[layout], f"zero3 {layout} {policy}", unplaced=1024)
 
 
 EP_LAYOUTS = {

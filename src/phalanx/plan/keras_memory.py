@@ -99,11 +99,13 @@ engine's placement, no fitted constant): every trainable variable is cut into ``
 
 * **zero=1**: each device keeps the whole weights it computes with (replica 0 the variables,
   the others copies), the slices of them and of Adam's ``m`` and ``v`` (float32); the step
-  holds the replica's whole gradient sum, as without ZeRO; at the update the all-reduced sum
-  of each weight is formed whole on every slice's device and the slice is cut from it (a view,
-  so the whole sum stays until the update), beside the replica's own sum: two whole gradients;
-* **zero=2**: the same state and step; at the update the replica's own sum (until its pieces
-  are summed on their devices) and the summed slices ``1/dp``: no whole summed gradient;
+  holds the replica's whole gradient sum, as without ZeRO; the update goes weight by weight:
+  the all-reduced sum of each is formed whole on every slice's device and the slice cut from it
+  (a view, so the whole sum stays until the optimizer has applied), and a replica's own sum of
+  it is freed once every device has read it: the update starts with the sums and one weight's
+  reduction beside them, and ends with every weight's whole reduced sum;
+* **zero=2**: the same state and step; the update sums slices only: it ends with the summed
+  slices (``1/dp``), so ZeRO-2 saves over ZeRO-1 where the update's end is a device's peak;
 * **zero=3**: between steps only the slices (weights, ``m``, ``v``); in the step the stage's
   weights gathered whole on each replica's devices (float32, kept for every micro-batch and
   the backward; under a mixed policy the backward reads the compute-dtype casts, so the
@@ -124,8 +126,10 @@ Checked (2026-11-27, ``--keras --calibrate``, tests/test_calibrate_keras.py, 4 l
 256, seq 128, batch 8): zero=3 dp2 float32 +2.4/+3.6%, mixed_bfloat16 +2.5/+4.3%; dp2 x pp2
 float32 -3.9/+5.4/+0.2/+6.3%, mixed_bfloat16 -3.6/+2.8/+2.7/-0.4% (the mixed policy's
 gathered-weights rule was read off dp2: counted through the step it gave +16.4/+29.4%); dp2
-zero=1 and 2 float32 +1.2/+1.6% (the step phase was the peak: the update's terms were not the
-peak of a measured layout); dp2 zero=3 with ``full`` -0.3/+5.5%, ``selective`` +3.4/+5.3%.
+zero=1 and 2 float32 +1.2/+1.6% (the step phase the peak); with activations so small that
+the update is the peak (seq 16, batch 2) dp2 zero=1 +2.5/+2.4%, zero=2 +7.1/+1.2% (the first
+formula, every weight's whole reduced sum beside the replicas' sums, gave +26.6% on device 1;
+the weight decay's products counted on replica 0's first device only); dp2 zero=3 with ``full`` -0.3/+5.5%, ``selective`` +3.4/+5.3%.
 
 What was not measured is refused (:func:`check_calibrated`): experts for ``phalanx.fit``
 (Keras's AdamW); ZeRO-2/3 and recomputation for ``phalanx train``'s expert-parallel engine
@@ -542,24 +546,29 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
                 # the optimizer phase: the gradients summed on each weight's own device
                 summed = 4.0 * ((own + mirror if rep == 0 else 0.0) + (experts if rep < ep else 0.0))
                 if sliced:
-                    # zero 1: this replica's sum (until every replica's all-reduce has read it), the
-                    # all-reduced whole sum of each weight homed here (its slice is cut from it, a view);
-                    # zero 2: this replica's sum (until its pieces are summed) and the summed slices;
-                    # zero 3: the replicas' partial sums of this device's slices and their sum
-                    if zero == 1:
-                        summed = grad + 4.0 * (own + experts)
-                    elif zero == 2:
-                        summed = grad + 4.0 * pieces
-                    else:
+                    # The update, variable by variable: zero 1 forms each weight's all-reduced sum whole
+                    # on every slice's device and cuts its slice from it (a view: the whole sum stays
+                    # until the optimizer has applied), zero 2 sums each slice only; a replica's own
+                    # sum of a weight is freed once every device has read it. So the update starts
+                    # with the step's gradient sums and one weight's reduction beside them, and ends
+                    # with the reduced sums (zero 1 whole, zero 2 slices), Adam's temporaries on a
+                    # slice and one weight joined from its slices onto each copy (the all-gather).
+                    # zero 3: the replicas' partial sums of this device's slices, then their sum.
+                    if zero == 3:
                         summed = (dp + 1) * 4.0 * pieces
-                    opt = summed + OPT_TEMPORARIES * 4.0 * largest_piece
-                    if zero < 3:  # the all-gather: one weight's slices joined onto each copy
-                        opt += 4.0 * largest
-                    if optimizer == "keras" and pp == 1 and tr == 0 and weight_decay > 0:
+                        opt = summed + OPT_TEMPORARIES * 4.0 * largest_piece
+                    else:
+                        reduced = 4.0 * (own + experts) if zero == 1 else 4.0 * pieces
+                        start = grad + (4.0 * largest if zero == 1 else 4.0 * largest_piece)
+                        end = reduced + OPT_TEMPORARIES * 4.0 * largest_piece
+                        summed = grad if start >= end else reduced
+                        opt = max(start, end)
+                    if optimizer == "keras" and pp == 1 and (rep, tr) == (0, 0) and weight_decay > 0:
+                        # the slices' decay products, all on the first device (none measured elsewhere)
                         opt += DECAY_PRODUCTS * 4.0 * sum(params(0, j)[0] for j in range(tp))
                 elif optimizer == "keras":
                     opt = summed + OPT_TEMPORARIES * 4.0 * largest
-                    if pp == 1 and tr == 0 and weight_decay > 0:
+                    if pp == 1 and (rep, tr) == (0, 0) and weight_decay > 0:  # replica 0 holds the weights
                         opt += DECAY_PRODUCTS * 4.0 * sum(params(0, j)[0] for j in range(tp))
                 else:
                     opt = summed + (PHALANX_OPT_TEMPORARIES * 4.0 * largest if summed else 0.0)
