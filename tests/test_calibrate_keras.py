@@ -64,9 +64,9 @@ def test_planned_states_are_the_bytes_the_engine_places_on_each_device(devices, 
 
 def test_what_the_keras_memory_model_was_not_measured_for_is_refused(capsys):
     base = ["model.layers=2", "parallel.devices=cpu:2"]
-    for extra, key in ((["parallel.dp=2"], "parallel.dp"), (["parallel.tp=2", "train.grad_accum=2"], "train.grad_accum"),
+    for extra, key in ((["parallel.tp=2", "train.grad_accum=2"], "train.grad_accum"),
                        (["parallel.tp=2", "model.dropout=0.1"], "model.dropout"),
-                       (["parallel.tp=2", "parallel.zero=1"], "parallel.zero"),
+                       (["parallel.tp=2", "parallel.sequence_parallel=true"], "parallel.sequence_parallel"),
                        (["parallel.tp=2", "precision.policy=mixed_float16"], "precision.policy"),
                        (["parallel.tp=2", "parallel.pp=2", "parallel.schedule=interleaved",
                          "parallel.devices=cpu:4", "parallel.microbatches=2"], "parallel.schedule")):
@@ -92,7 +92,7 @@ def test_plan_keras_prints_every_device(capsys):
     assert len(mem) == 4 and all(m["total"] > m["weights"] + m["optimizer"] for m in mem)
     assert cli.main(["model.layers=4", "model.d_model=64", "model.heads=4", "parallel.tp=2",
                      "parallel.devices=cpu:2", "--keras"]) == 0
-    assert "device 1 (pipe 0, tensor 1)" in capsys.readouterr().out
+    assert "device 1 (replica 0, pipe 0, tensor 1)" in capsys.readouterr().out
 
 
 CALIBRATE_LAYOUTS = {
@@ -127,21 +127,56 @@ def test_keras_calibrate_within_10_percent_on_every_device(tmp_path, layout, pol
     -0.2/+1.6/+2.4/+4.9%. The constants of
     phalanx.plan.keras_memory were read off this shape; its docstring has a shape they were
     not read from."""
+    _calibrate_within_bracket(tmp_path, policy, CALIBRATE_LAYOUTS[layout], f"{layout} {policy}", unplaced=0)
+
+
+def _calibrate_within_bracket(tmp_path, policy: str, layout: list[str], label: str, unplaced: int) -> None:
+    """`phalanx plan --keras --calibrate --json` of the 4-layer d_model 256 GPT on ``layout``: the
+    planner's figure of every device is the one calibrated, and each lies within the bracket."""
     argv = [sys.executable, "-m", "phalanx.commands.plan", "model.layers=4", "model.d_model=256", "model.heads=4",
-            "model.seq_len=128", "train.global_batch=8", f"precision.policy={policy}",
-            *CALIBRATE_LAYOUTS[layout], "--hardware", "this-cpu", "--keras", "--calibrate", "--calibrate-steps", "3",
-            "--json"]
+            "model.seq_len=128", "train.global_batch=8", f"precision.policy={policy}", *layout,
+            "--hardware", "this-cpu", "--keras", "--calibrate", "--calibrate-steps", "3", "--json"]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", HOME=str(tmp_path))
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(proc.stdout)
     cal, planned = doc["calibration"], doc["keras_memory_per_device_bytes"]
-    n = 4 if layout == "tp2xpp2" else 2
+    n = int(next(a for a in layout if a.startswith("parallel.devices=")).rsplit(":", 1)[1])
     assert [d["device"] for d in cal["devices"]] == [f"CPU:{i}" for i in range(n)]
     assert [d["predicted_bytes"] for d in cal["devices"]] == [m["total"] for m in planned]
-    assert cal["unplaced_bytes"] == 0
-    print(f"calibrate keras {layout} {policy}: error per device", [round(d["error"], 4) for d in cal["devices"]])
+    assert cal["unplaced_bytes"] <= unplaced
+    print(f"calibrate keras {label}: error per device", [round(d["error"], 4) for d in cal["devices"]])
     assert all(-UNDER_TOLERANCE <= d["error"] <= OVER_TOLERANCE for d in cal["devices"]), cal["devices"]
+
+
+ZERO3_LAYOUTS = {
+    "dp2": ["parallel.devices=cpu:2", "parallel.dp=2", "parallel.zero=3"],
+    "dp2xpp2": ["parallel.devices=cpu:4", "parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2",
+                "parallel.zero=3"],
+}
+
+
+@pytest.mark.memory_peak
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+@pytest.mark.parametrize("layout", sorted(ZERO3_LAYOUTS))
+def test_zero3_calibrate_on_every_device(tmp_path, layout, policy):
+    """`phalanx plan --keras --calibrate` at ZeRO-3 (phalanx.fit's Keras-model engine, weights,
+    gradients and Adam's state cut into slices over the data replicas): every device's predicted
+    peak (phalanx.plan.keras_memory: its slices, the stage's gathered weights, every replica's
+    gradient sums on the slices' devices, and on device 0 the host copy, which on logical CPUs is
+    device 0) within UNDER_TOLERANCE below and OVER_TOLERANCE above the allocator's record
+    (median of 3 profiled steps after a warm-up), the bracket of the tests above.
+
+    Measured on 2026-11-27 (load 4-10 on 2 cores, other sessions' tests running; spread 0.0%
+    between profiled steps), error per device: float32 dp2 +2.4/+3.6%, dp2 x pp2
+    -3.9/+5.4/+0.2/+6.3%; mixed_bfloat16 (the gathered float32 weights counted until the rank's
+    last forward, which the first mixed runs showed: read off dp2, +16.4/+29.4% before)
+    dp2 +2.5/+4.3%, dp2 x pp2 -3.6/+2.8/+2.7/-0.4%. Not fitted: every term is a byte count of
+    the engine's placement (the backward's working set and the head are the calibrated terms of
+    the tests above). Also measured, not tested here: dp2 zero1 and zero2 float32 +1.2/+1.6% each,
+    dp2 zero3 with recompute=full -0.3/+5.5%."""
+    _calibrate_within_bracket(tmp_path, policy, ZERO3_LAYOUTS[layout], f"zero3 {layout} {policy}", unplaced=1024)
 
 
 EP_LAYOUTS = {

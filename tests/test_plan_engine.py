@@ -34,10 +34,11 @@ def test_search_proposes_only_layouts_the_engine_runs(capsys):
     res = search(m, get_hardware("a100-40gb"), devices=8, global_batch=16, top=20)
     assert res.candidates and res.plan_only
     for c in res.candidates:
-        assert c.layout.zero in (0, 1, 2) and c.layout.schedule in ("gpipe", "1f1b", "interleaved")
+        assert c.layout.schedule in ("gpipe", "1f1b", "interleaved")
+        assert c.layout.zero < 3 or (c.layout.schedule != "interleaved" and c.layout.devices <= 8)
         assert not plan_only_reasons(m, c.layout)
-    for c in res.plan_only:                    # ZeRO-3 / zb: modelled, listed apart, labelled
-        assert c.layout.zero == 3 or c.layout.schedule == "zb"
+    for c in res.plan_only:                    # zb: modelled, listed apart, labelled
+        assert c.layout.schedule == "zb" or (c.layout.zero == 3 and c.layout.schedule == "interleaved")
         assert res.plan_only_reasons(c)
     # even when a plan-only layout is faster, the best candidate is one the engine runs
     assert res.plan_only[0].tokens_per_s > res.candidates[0].tokens_per_s
@@ -92,7 +93,14 @@ def test_plan_cli_strategy_picks_reduction_and_plan_only_values(capsys):
     assert json.loads(capsys.readouterr().out)["layout"]["reduction"] == "one"
     assert cli.main(["parallel.dp=4", "parallel.zero=3", "--hardware", "a100-40gb", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["layout"]["zero"] == 3 and not doc["runs_on_engine"] and "ZeRO-3" in doc["plan_only_reasons"][0]
+    assert doc["layout"]["zero"] == 3 and doc["runs_on_engine"]       # the Keras-model engine, one node
+    assert cli.main(["parallel.dp=16", "parallel.zero=3", "--hardware", "a100-40gb", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)                          # two nodes of 8: one process no more
+    assert not doc["runs_on_engine"] and "ZeRO-3 across nodes" in doc["plan_only_reasons"][0]
+    assert cli.main(["parallel.dp=4", "parallel.schedule=zb", "parallel.pp=2", "parallel.dp=2",
+                     "parallel.microbatches=2", "--hardware", "a100-40gb", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert not doc["runs_on_engine"] and "zb" in doc["plan_only_reasons"][0]
 
 
 def test_plan_overrides_anywhere_and_one_name_per_knob(capsys):
@@ -237,12 +245,14 @@ def test_ep_divides_the_expert_states_per_device():
     share = experts_total / 2 - experts_total / 4       # the expert params a device no longer holds at ep 4
     assert mem[2][0].weights - mem[4][0].weights == pytest.approx(4 * share)
     assert mem[2][0].optimizer - mem[4][0].optimizer == pytest.approx(8 * share)
-    # ZeRO with ep is plan only (the engine refuses it): planned with the mesh engine's terms, the
-    # expert moments split over the dp replicas (dp/ep copies x ep shards)
-    z1 = {ep: memory_per_device(m, Layout(dp=4, ep=ep, zero=1), overhead_fraction=0) for ep in (1, 2, 4)}
-    for ep in (1, 2):
-        assert z1[ep].optimizer == pytest.approx(z1[2 * ep].optimizer)
-        assert z1[ep].weights - z1[2 * ep].weights == pytest.approx(4 * (experts_total / ep - experts_total / (2 * ep)))
+    # ZeRO-1 with ep runs on the Keras-model engine: m and v of every variable cut into slices, an
+    # expert shard's over the dp/ep groups that hold it, so each device's moments are 1/dp of the
+    # experts whatever ep (every dimension divides here: no padding); the whole weights (and so their
+    # difference) follow ep, and beside them the slices of the weights
+    z1 = {ep: memory_per_device(m, Layout(dp=4, ep=ep, zero=1), overhead_fraction=0) for ep in (2, 4)}
+    assert z1[2].optimizer == pytest.approx(z1[4].optimizer)
+    assert z1[2].optimizer == pytest.approx(8 * (param_count(m) - experts_total + experts_total) / 4)
+    assert z1[2].weights - z1[4].weights == pytest.approx(4 * (experts_total / 2 - experts_total / 4))
 
 
 def test_all_to_all_bytes_and_time_hand_computed():
@@ -293,11 +303,12 @@ def test_ep_layouts_of_the_builtin_gpt_run_as_dp_x_ep_within_a_node(monkeypatch)
     assert plan_only_reasons(m, Layout(dp=4)) == [] == plan_only_reasons(m, Layout(dp=4, ep=2))  # dp, dp x ep
     for knobs in ({"pp": 2}, {"tp": 2}, {"tp": 2, "pp": 2}):  # the ep engine runs them
         assert plan_only_reasons(m, Layout(dp=2, ep=2, **knobs)) == [], knobs
-    assert plan_only_reasons(m, Layout(dp=2, ep=2, zero=1)) == []  # ZeRO-1 by whole variables
-    for knobs in ({"zero": 2}, {"recompute": "full"}):  # the ep engine refuses them
-        assert any("parallel.ep=2 with ZeRO-" in r
-                   for r in plan_only_reasons(m, Layout(dp=2, ep=2, **knobs))), knobs
-    # ep=1 with pp runs on the same engine; ZeRO-2 or recompute would need the mesh engine, which refuses experts
+    assert plan_only_reasons(m, Layout(dp=2, ep=2, zero=1)) == []  # ZeRO-1 on the ep engine
+    assert plan_only_reasons(m, Layout(dp=2, ep=2, zero=2)) == []  # ZeRO-2: phalanx.fit's Keras-model engine
+    assert any("ZeRO-3 with expert parallelism" in r for r in plan_only_reasons(m, Layout(dp=2, ep=2, zero=3)))
+    assert any("parallel.ep=2 with ZeRO-0/recompute full" in r  # the ep engine refuses it
+               for r in plan_only_reasons(m, Layout(dp=2, ep=2, recompute="full")))
+    # ep=1 with pp runs on the same engine; recompute would need the mesh engine, which refuses experts
     assert plan_only_reasons(m, Layout(dp=2, pp=2)) == []
     assert any("mesh engine" in r for r in plan_only_reasons(m, Layout(dp=2, pp=2, recompute="full")))
     res = search(m, hw, devices=8, global_batch=32, top=50)

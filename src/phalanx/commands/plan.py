@@ -5,10 +5,11 @@ overrides, anywhere among the flags). Every knob of the training config has one 
 its key (``parallel.zero=1``, ``parallel.schedule=gpipe``, ``train.global_batch=64``);
 flags are only for what the config does not have (device count and kind, hardware
 overrides, sequence parallelism, output). A mixture of experts comes from ``model.experts``,
-``model.top_k`` and ``model.moe_every``, expert parallelism from ``parallel.ep``. Two values
-the engine does not run are accepted here to plan them, labelled *plan only*:
-``parallel.zero=3`` and ``parallel.schedule=zb``; layouts it cannot run for the built-in GPT
-(e.g. ``parallel.ep=2`` with ``parallel.pp=2``) are planned and labelled the same way. With ``--search``, the
+``model.top_k`` and ``model.moe_every``, expert parallelism from ``parallel.ep``. A value no
+engine runs is accepted here to plan it, labelled *plan only*: ``parallel.schedule=zb``;
+layouts the engines cannot run for the built-in GPT (e.g. ZeRO-3 across nodes) are planned and
+labelled the same way. ZeRO-3 runs on the Keras-model engine (``phalanx.fit`` of the GPT as a
+Keras model) and is planned with that engine's memory model. With ``--search``, the
 parallel keys you set (dp, tp, pp, microbatches, zero, schedule, recompute,
 virtual_stages, ep) fix that dimension; for a mixture of experts, ep is searched over the
 divisors of dp and of ``model.experts``.
@@ -38,7 +39,7 @@ from pathlib import Path
 
 from phalanx.config import ConfigError, load_config, parse_devices, parse_override, resolve_degrees, split_config_args
 from phalanx.core.costs import ModelSpec, active_param_count, flops_per_token, param_count
-from phalanx.plan.engine_rules import engine_schedules, engine_zero_stages
+from phalanx.plan.engine_rules import engine_schedules, engine_zero_stages, runs_on_keras_engine
 from phalanx.plan.estimate import estimate
 from phalanx.plan.hardware import HARDWARE_NAMES, get_hardware
 from phalanx.plan.keras_memory import keras_memory_per_device
@@ -50,7 +51,7 @@ from phalanx.train.calibrate import calibrate, calibrate_keras, prepare_devices
 
 GiB = 2**30
 # Values of config keys that the planner models but the engine does not run (plan only).
-PLAN_ONLY_VALUES = {"parallel.zero": (3,), "parallel.schedule": ("zb",)}
+PLAN_ONLY_VALUES = {"parallel.schedule": ("zb",)}
 SEARCH_KEYS = ("dp", "tp", "pp", "microbatches", "zero", "schedule", "recompute", "virtual_stages", "ep")
 
 
@@ -219,7 +220,7 @@ def _run(args: argparse.Namespace) -> int:
             # (whether ep divides dp is checked for each dp the search tries)
             raise ConfigError("parallel.ep", expert_parallel_error(model.experts, fixed["ep"], fixed["ep"]))
         schedules = (schedule,) if "parallel.schedule" in explicit else engine_schedules() + ("zb",)
-        zeros = (zero,) if "parallel.zero" in explicit else engine_zero_stages() + (3,)
+        zeros = (zero,) if "parallel.zero" in explicit else engine_zero_stages()
         recomputes = (p.recompute,) if "parallel.recompute" in explicit else ("none", "selective", "full")
         vs = (p.virtual_stages,) if "parallel.virtual_stages" in explicit else (2,)
         res = search(model, hw, devices, global_batch, policy=policy, top=args.top, tokens=args.tokens,
@@ -255,6 +256,9 @@ def _run(args: argparse.Namespace) -> int:
         if plan.plan_only:
             raise ConfigError("--calibrate", f"the engine cannot run this layout ({'; '.join(plan.plan_only)})")
 
+        if not args.keras and runs_on_keras_engine(layout) and layout.ep == 1:
+            raise ConfigError("--calibrate", f"ZeRO-{layout.zero} runs on the Keras-model engine (phalanx.fit of the "
+                                             f"GPT as a Keras model): add --keras")
         if args.keras:
             calibration = calibrate_keras(cfg, steps=args.calibrate_steps, plan=plan)
         else:
@@ -274,7 +278,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"note: {n}")
         print(_plan_text(plan))
         if keras_mem is not None:
-            print(_keras_text(keras_mem, tp))
+            print(_keras_text(keras_mem, tp, pp))
         if calibration is not None:
             print(_calibration_text(calibration))
     return 0
@@ -315,7 +319,9 @@ def _plan_text(plan) -> str:
     rows = [("weights", mem.weights), ("gradients", mem.gradients), ("optimizer", mem.optimizer),
             ("activations", mem.activations), ("temporaries", mem.temporaries), ("overhead", mem.overhead)]
     lines = [f"layout: {lay.describe()}  (global batch {lay.global_batch} x {plan.model.seq_len} tokens)"
-             + (f"\nPLAN ONLY: the engine cannot run {'; '.join(plan.plan_only)}" if plan.plan_only else ""),
+             + (f"\nPLAN ONLY: the engine cannot run {'; '.join(plan.plan_only)}" if plan.plan_only else "")
+             + ("\nengine: the Keras-model engine (phalanx.fit of phalanx.models.transformer.gpt), its memory "
+                "model (phalanx.plan.keras_memory)" if runs_on_keras_engine(lay) and lay.ep == 1 else ""),
              f"memory per device (pipeline rank {mem.rank}, {_human(mem.params)} params"
              + (f" of which {_human(mem.expert_params)} in experts ({plan.model.experts // lay.ep} of "
                 f"{plan.model.experts} per MoE block{f', ep={lay.ep}' if lay.ep > 1 else ''})"
@@ -373,13 +379,14 @@ def _search_table(res, hw) -> str:
     return "\n".join(lines)
 
 
-def _keras_text(mem: dict, tp: int) -> str:
+def _keras_text(mem: dict, tp: int, pp: int = 1) -> str:
     MiB = 2**20
     lines = ["memory per device on the Keras-model engine (phalanx.fit of phalanx.models.transformer.gpt, "
              "Keras AdamW; phalanx.plan.keras_memory):"]
     for i in sorted(mem):
         m = mem[i]
-        lines.append(f"  device {i} (pipe {i // tp}, tensor {i % tp}): {m.total / MiB:9.1f} MiB = weights "
+        lines.append(f"  device {i} (replica {i // (tp * pp)}, pipe {i // tp % pp}, tensor {i % tp}): "
+                     f"{m.total / MiB:9.1f} MiB = weights "
                      f"{m.weights / MiB:.1f} + optimizer {m.optimizer / MiB:.1f} + gradients {m.gradients / MiB:.1f}"
                      f" + activations {m.activations / MiB:.1f} + temporaries {m.temporaries / MiB:.1f}")
     return "\n".join(lines)

@@ -1,13 +1,20 @@
 """What phalanx's engines run, as the planner needs to know it.
 
-The planner can model more than the engines run (ZeRO-3, the ``zb`` schedule,
-sequence parallelism for the mixture-of-experts GPT or without ``tp > 1`` dividing the
-sequence, and for the mixture-of-experts GPT tp/pp/ZeRO/recompute, and expert
-parallelism with them or across nodes). Such a layout is *plan only*: shown in its own
-labelled list, never proposed as the best. What is runnable is read from the engine's own rules where they can be probed:
+The planner can model more than the engines run (the ``zb`` schedule, sequence parallelism for
+the mixture-of-experts GPT or without ``tp > 1`` dividing the sequence, ZeRO-3 with expert
+parallelism or across nodes, and for the mixture-of-experts GPT tp/pp/ZeRO/recompute on the
+mesh engine, and expert parallelism across nodes). Such a layout is *plan only*: shown in its
+own labelled list, never proposed as the best. What is runnable is read from the engines' own
+rules where they can be probed:
 
 * ZeRO stages and schedules: the values :func:`phalanx.config.validate` accepts for
-  ``parallel.zero`` and ``parallel.schedule`` (the same checks the engine relies on);
+  ``parallel.zero`` and ``parallel.schedule`` (the same checks the engines rely on). ZeRO-3
+  (weights sliced too) runs on the Keras-model engine
+  (:class:`~phalanx.engines.keras_model.KerasModelEngine`, :mod:`phalanx.parallel.keras_zero`):
+  ``phalanx.fit`` of the built-in GPT as a Keras model (:func:`phalanx.models.transformer.gpt`),
+  the engine ``phalanx train`` is moving to; in one process (:data:`KERAS_ZERO_ACROSS_NODES`),
+  without expert parallelism, and planned (:mod:`phalanx.plan.keras_memory`) for the 1f1b and
+  gpipe schedules without sequence parallelism (:func:`keras_engine_layout`);
 * the stage split: the engine's cost-balanced :func:`phalanx.parallel.partition.partition`
   over :func:`phalanx.core.costs.layer_costs` (FLOPs per token of each block,
   the embedding and the head), not equal layer counts;
@@ -23,19 +30,20 @@ labelled list, never proposed as the best. What is runnable is read from the eng
 
 Example:
     >>> from phalanx.core.costs import ModelSpec
+    >>> from phalanx.plan.hardware import get_hardware
     >>> from phalanx.plan.layout import Layout
     >>> m = ModelSpec(layers=4, d_model=64, heads=4, vocab=256, seq_len=32)
-    >>> plan_only_reasons(m, Layout(dp=2, zero=3))
-    ['ZeRO-3 (the engine runs parallel.zero 0, 1, 2)']
-    >>> plan_only_reasons(m, Layout(dp=2, zero=2))
-    []
+    >>> plan_only_reasons(m, Layout(dp=2, zero=3)), plan_only_reasons(m, Layout(dp=2, zero=2))
+    ([], [])
+    >>> plan_only_reasons(m, Layout(dp=16, zero=3), get_hardware("a100-80gb"))   # 2 nodes of 8  # doctest: +ELLIPSIS
+    ['ZeRO-3 across nodes (...)']
     >>> moe = ModelSpec(layers=4, d_model=64, heads=4, vocab=256, seq_len=32, experts=4)
     >>> plan_only_reasons(moe, Layout(dp=4)), plan_only_reasons(moe, Layout(dp=4, ep=2))
     ([], [])
-    >>> len(plan_only_reasons(moe, Layout(dp=2, ep=2, zero=2)))  # the ep engine and the mesh engine refuse it
-    2
+    >>> plan_only_reasons(moe, Layout(dp=2, ep=2, zero=3))  # doctest: +ELLIPSIS
+    ['ZeRO-3 with expert parallelism (...)']
     >>> engine_zero_stages(), engine_schedules()
-    ((0, 1, 2), ('gpipe', '1f1b', 'interleaved'))
+    ((0, 1, 2, 3), ('gpipe', '1f1b', 'interleaved'))
 """
 
 from __future__ import annotations
@@ -62,6 +70,14 @@ GPT_EP_WITH_TP_PP = True
 GPT_EP_WITH_ZERO = True
 # False while that engine refuses ep with recompute (keras_gpt.refuse_unhonoured).
 GPT_EP_WITH_RECOMPUTE = False
+# ZeRO with ep beyond that engine's stage: the Keras-model engine runs ep with parallel.zero=2
+# (engines/keras_model.py check_zero refuses 3 with ep only), through phalanx.fit of the GPT.
+KERAS_EP_ZERO = 2
+# False while the Keras-model engine slices (ZeRO 1-3) over the data replicas of one process only:
+# phalanx.fit across workers refuses parallel.zero >= 1 (keras_model.check_zero), and no command drives
+# it over a mesh spanning nodes (parallel.strategy=mesh). Flip it when one does: ZeRO-3 layouts across
+# nodes then leave the plan-only list.
+KERAS_ZERO_ACROSS_NODES = False
 # False while the mesh engine (tp, pp, ZeRO, recompute) refuses model.experts
 # (engines/mesh.py MeshEngine): the MoE GPT trains on tf.distribute (one device, dp, multi_worker) or dp x ep.
 GPT_MOE_ON_MESH = False
@@ -154,10 +170,35 @@ def _config_accepts(key: str, value) -> bool:
 
 @lru_cache(maxsize=None)
 def engine_zero_stages() -> tuple[int, ...]:
-    """ZeRO stages ``parallel.zero`` accepts (probed from the config's own validation) that
-    ``phalanx train`` runs for the built-in GPT: ZeRO-3 runs for Keras models only
-    (engines/factory.py refuses it for the GPT)."""
-    return tuple(z for z in range(3) if _config_accepts("parallel.zero", z))
+    """ZeRO stages ``parallel.zero`` accepts (probed from the config's own validation): 0-2 on
+    the mesh engine (``phalanx train``), 0-3 on the Keras-model engine (:func:`plan_only_reasons`
+    says where ZeRO-3 runs)."""
+    return tuple(z for z in range(4) if _config_accepts("parallel.zero", z))
+
+
+def keras_engine_layout(lay) -> bool:
+    """Whether :mod:`phalanx.plan.keras_memory` plans ``lay`` on the Keras-model engine: one
+    virtual stage, the 1f1b or gpipe schedule (or no pipeline), no sequence parallelism."""
+    return (not lay.sequence_parallel and lay.virtual_stages == 1
+            and (lay.pp == 1 or lay.schedule in ("1f1b", "gpipe")))
+
+
+def runs_on_keras_engine(lay) -> bool:
+    """Whether the planner's memory for ``lay`` is the Keras-model engine's
+    (:func:`phalanx.plan.keras_memory.keras_devices`): expert parallelism (``phalanx train`` runs
+    it there, and ``phalanx.fit`` with ZeRO-2) and ZeRO-3 (``phalanx.fit``); other layouts run on
+    the mesh engine or tf.distribute and keep their memory models. Recomputation with ep stays
+    plan only (:data:`GPT_EP_WITH_RECOMPUTE`) and so on the mesh engine's terms.
+
+    >>> from phalanx.plan.layout import Layout
+    >>> runs_on_keras_engine(Layout(dp=4, zero=3)), runs_on_keras_engine(Layout(dp=4, zero=2))
+    (True, False)
+    """
+    if not keras_engine_layout(lay):
+        return False
+    if lay.ep > 1:
+        return lay.zero <= KERAS_EP_ZERO and lay.recompute == "none"
+    return lay.zero == 3
 
 
 def engine_schedules() -> tuple[str, ...]:
@@ -171,7 +212,17 @@ def plan_only_reasons(m, lay, hw=None) -> list[str]:
     reach into another (experts sharded across nodes, ZeRO with ep across nodes)."""
     reasons = []
     if lay.zero not in engine_zero_stages():
-        reasons.append(f"ZeRO-{lay.zero} (the engine runs parallel.zero {', '.join(map(str, engine_zero_stages()))})")
+        reasons.append(f"ZeRO-{lay.zero} (the engines run parallel.zero {', '.join(map(str, engine_zero_stages()))})")
+    elif lay.zero == 3:
+        if lay.ep > 1:
+            reasons.append(f"ZeRO-3 with expert parallelism (the Keras-model engine does not gather expert shards "
+                           f"from slices; ep runs with parallel.zero <= {KERAS_EP_ZERO})")
+        elif not keras_engine_layout(lay):
+            reasons.append("ZeRO-3 with the interleaved or zb schedule or sequence parallelism (the Keras-model "
+                           "engine's ZeRO-3 is planned for 1f1b and gpipe without sequence parallelism)")
+        elif hw is not None and lay.devices > hw.devices_per_node and not KERAS_ZERO_ACROSS_NODES:
+            reasons.append(f"ZeRO-3 across nodes ({lay.devices} devices, {hw.devices_per_node} per node: the "
+                           f"Keras-model engine slices over the data replicas of one process)")
     if lay.pp > 1 and lay.schedule not in engine_schedules():
         reasons.append(f"the {lay.schedule} schedule (the executor runs {', '.join(engine_schedules())})")
     if lay.sequence_parallel and (lay.tp < 2 or m.seq_len % lay.tp or m.experts):
@@ -186,11 +237,13 @@ def plan_only_reasons(m, lay, hw=None) -> list[str]:
         elif (lay.tp > 1 or lay.pp > 1) and not GPT_EP_WITH_TP_PP:
             reasons.append(f"expert parallelism parallel.ep={lay.ep} with tp/pp (phalanx train runs ep as dp x ep "
                            f"only)")
-        elif (lay.zero > (1 if GPT_EP_WITH_ZERO else 0)
+        elif lay.zero == 3:
+            pass  # (said above)
+        elif (lay.zero > (KERAS_EP_ZERO if GPT_EP_WITH_ZERO else 0)
               or (lay.recompute != "none" and not GPT_EP_WITH_RECOMPUTE)):
             reasons.append(f"expert parallelism parallel.ep={lay.ep} with ZeRO-{lay.zero}/recompute "
-                           f"{lay.recompute} (phalanx train runs ep with dp, tp, pp"
-                           f"{' and ZeRO-1' if GPT_EP_WITH_ZERO else ''} only)")
+                           f"{lay.recompute} (the engines run ep with dp, tp, pp"
+                           f"{f' and ZeRO-1/2 (2: phalanx.fit)' if GPT_EP_WITH_ZERO else ''} only)")
         elif hw is not None and lay.dp * lay.tp * lay.pp > hw.devices_per_node:
             # Across nodes (phalanx launch, multi_worker): parallel.* is each node's own layout, the
             # experts sharded over the node's own data replicas, the nodes data parallel.
@@ -206,9 +259,12 @@ def plan_only_reasons(m, lay, hw=None) -> list[str]:
     # ep > 1 with tp/pp runs on the expert-parallel engine, not the mesh engine; so does the MoE
     # GPT at ep=1 wherever phalanx train routes it to the Keras-model engine (GPTRun.engine)
     on_ep_engine = lay.ep > 1 and GPT_EXPERT_PARALLEL and GPT_EP_WITH_TP_PP and \
-        lay.zero <= (1 if GPT_EP_WITH_ZERO else 0) and (lay.recompute == "none" or GPT_EP_WITH_RECOMPUTE)
-    on_keras_engine = lay.ep == 1 and GPTRun(dp=lay.dp, tp=lay.tp, pp=lay.pp, zero=lay.zero,
-                                             recompute=lay.recompute).engine() == "keras"
+        lay.zero <= (KERAS_EP_ZERO if GPT_EP_WITH_ZERO else 0) and (lay.recompute == "none" or GPT_EP_WITH_RECOMPUTE)
+    # the MoE GPT at ep=1 where phalanx train routes it to the Keras-model engine (GPTRun.engine), or
+    # at ZeRO-3 through phalanx.fit's Keras-model engine (MoE blocks unsharded, any tp/pp)
+    on_keras_engine = lay.ep == 1 and (GPTRun(dp=lay.dp, tp=lay.tp, pp=lay.pp, zero=lay.zero,
+                                              recompute=lay.recompute).engine() == "keras"
+                                       or (lay.zero == 3 and keras_engine_layout(lay)))
     if m.experts and mesh_engine and not on_ep_engine and not on_keras_engine and not GPT_MOE_ON_MESH:
         reasons.append("mixture of experts with ZeRO-2/recompute (the mesh engine refuses model.experts; "
                        "the MoE GPT trains on the Keras-model engine with dp, tp, pp, ep and ZeRO-1)")

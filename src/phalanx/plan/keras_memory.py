@@ -91,10 +91,50 @@ concurrent order by up to 28% below. With top-2 of 4 at random initialisation th
 loads are not balanced and move from step to step (up to 7% between profiled steps; measured
 before this refit).
 
-What was not measured is refused (:func:`check_calibrated`): for ``phalanx.fit`` (Keras's
-AdamW) ``dp > 1`` (replica weight copies and the gradient sum) and experts; for both
-``train.grad_accum > 1``, ``mixed_float16``, dropout, sequence parallelism and the interleaved
-schedule.
+**ZeRO by slices** (``parallel.zero``, :mod:`phalanx.parallel.keras_zero`; byte counts of the
+engine's placement, no fitted constant): every trainable variable is cut into ``dp`` slices of
+``ceil(rows / dp)`` rows (:func:`slice_elements`, over the GPT's own variable shapes,
+:func:`gpt_device_shapes`; an expert shard over the ``dp / ep`` groups that hold it), slice
+``k`` on replica ``k``'s device for the variable's stage and tensor rank:
+
+* **zero=1**: each device keeps the whole weights it computes with (replica 0 the variables,
+  the others copies), the slices of them and of Adam's ``m`` and ``v`` (float32); the step
+  holds the replica's whole gradient sum, as without ZeRO; the update goes weight by weight:
+  the all-reduced sum of each is formed whole on every slice's device and the slice cut from it
+  (a view, so the whole sum stays until the optimizer has applied), and a replica's own sum of
+  it is freed once every device has read it: the update starts with the sums and one weight's
+  reduction beside them, and ends with every weight's whole reduced sum;
+* **zero=2**: the same state and step; the update sums slices only: it ends with the summed
+  slices (``1/dp``), so ZeRO-2 saves over ZeRO-1 where the update's end is a device's peak;
+* **zero=3**: between steps only the slices (weights, ``m``, ``v``); in the step the stage's
+  weights gathered whole on each replica's devices (float32, kept for every micro-batch and
+  the backward; under a mixed policy the backward reads the compute-dtype casts, so the
+  gathered weights are held until the rank's last forward) and each replica's running
+  gradient sum of every slice on the slice's device: ``dp`` sums of ``1/dp`` (a tied
+  embedding's slices get the last stage's sums too); at the update their sum;
+* the **host copy** (the CPU of the process: ``model.optimizer``'s whole slots,
+  :data:`HOST_SLOTS`, and at zero=3 the model's weights) is not on an accelerator; on logical
+  CPUs (``parallel.devices=cpu:N``) the host is device 0, which holds it.
+
+**Recomputation** (``parallel.recompute``, :mod:`phalanx.parallel.recompute`): ``full`` runs a
+stage as ``ceil(sqrt(ops))`` recomputed pieces (:func:`full_recompute_ops`): a micro-batch
+keeps the pieces' inputs (the residual stream on tensor rank 0) and no weight casts, and the
+backward re-runs one piece (its blocks' activations and casts); ``selective`` keeps no
+attention core and the backward re-runs one block's core.
+
+Checked (2026-11-27, ``--keras --calibrate``, tests/test_calibrate_keras.py, 4 layers, d_model
+256, seq 128, batch 8): zero=3 dp2 float32 +2.4/+3.6%, mixed_bfloat16 +2.5/+4.3%; dp2 x pp2
+float32 -3.9/+5.4/+0.2/+6.3%, mixed_bfloat16 -3.6/+2.8/+2.7/-0.4% (the mixed policy's
+gathered-weights rule was read off dp2: counted through the step it gave +16.4/+29.4%); dp2
+zero=1 and 2 float32 +1.2/+1.6% (the step phase the peak); with activations so small that
+the update is the peak (seq 16, batch 2) dp2 zero=1 +2.5/+2.4%, zero=2 +7.1/+1.2% (the first
+formula, every weight's whole reduced sum beside the replicas' sums, gave +26.6% on device 1;
+the weight decay's products counted on replica 0's first device only); dp2 zero=3 with ``full`` -0.3/+5.5%, ``selective`` +3.4/+5.3%.
+
+What was not measured is refused (:func:`check_calibrated`): experts for ``phalanx.fit``
+(Keras's AdamW); ZeRO-2/3 and recomputation for ``phalanx train``'s expert-parallel engine
+(it refuses them), ZeRO-3 with experts; for both ``train.grad_accum > 1``, ``mixed_float16``,
+dropout, sequence parallelism and the interleaved schedule.
 
 Example:
     >>> from phalanx.config import load_config
@@ -109,8 +149,10 @@ Example:
 
 from __future__ import annotations
 
+import math
+
 from phalanx.config import Config, ConfigError, parse_devices, resolve_degrees
-from phalanx.core.costs import ModelSpec
+from phalanx.core.costs import RECOMPUTE_MODES, ModelSpec
 from phalanx.parallel.schedules import build_schedule
 from phalanx.plan.engine_memory import DeviceMemory, _block_params, rank_peak, step_peak_estimate
 from phalanx.plan.engine_rules import stage_bounds
@@ -165,9 +207,91 @@ MOE_HIDDEN_FREED = 4.0
 # allocator's record of dp2 x ep2 mixed_bfloat16).
 MOE_EXPERT_CASTS = 1.0
 
+# Float32 bytes per parameter of the whole model that ZeRO keeps on the host (the CPU of the
+# process that owns the mesh): ``model.optimizer``'s whole-shaped Adam slots ``m`` and ``v``,
+# written at each epoch's end for checkpoints (zero >= 1); under zero=3 the model's own weights
+# too (4 more). On logical CPUs the host is device 0.
+HOST_SLOTS = 8.0
+
 SCHEDULES = ("1f1b", "gpipe")
 POLICIES = ("float32", "mixed_bfloat16")
 OPTIMIZERS = ("keras", "phalanx")
+
+
+def _elements(shape) -> int:
+    return math.prod(int(x) for x in shape)
+
+
+def slice_elements(shape, n: int) -> int:
+    """Elements of one of the ``n`` ZeRO slices of a variable of ``shape``, padding included, as
+    :class:`phalanx.parallel.keras_zero.SliceLayout` cuts it: ``ceil(rows / n)`` rows of the
+    first dimension when it has at least ``n`` rows, else ``ceil(size / n)`` of the flat value.
+
+    >>> slice_elements((5, 2), 2), slice_elements((3,), 4), slice_elements((), 2)
+    (6, 1, 1)
+    """
+    shape = tuple(int(x) for x in shape)
+    if n <= 1:
+        return _elements(shape)
+    if shape and shape[0] >= n:
+        return -(-shape[0] // n) * _elements(shape[1:])
+    return -(-_elements(shape) // n)
+
+
+def gpt_device_shapes(m: ModelSpec, first: int, blocks: int, pp: int, r: int, tp: int, tr: int,
+                      ep: int = 1) -> tuple[list[tuple], list[tuple]]:
+    """``(dense, experts)``: the shapes of the trainable variables of
+    :func:`phalanx.models.transformer.gpt` that pipeline stage ``r`` (blocks ``first`` to
+    ``first + blocks - 1``) holds on tensor rank ``tr`` (the variables homed there: a tied
+    embedding's home is the first stage). Tensor shards sit on their rank; whole variables
+    (LayerNorms, row-parallel biases, positions, the router) on rank 0; an MoE block's expert
+    shard (``experts / ep`` experts) whole on rank 0.
+
+    >>> m = ModelSpec(layers=1, d_model=8, heads=2, ffn=16, vocab=32, seq_len=4)
+    >>> dense, _ = gpt_device_shapes(m, 0, 1, 1, 0, 2, 1)      # tensor rank 1 of tp=2
+    >>> dense
+    [(16, 8), (8, 1, 4), (1, 4), (8, 1, 4), (1, 4), (8, 1, 4), (1, 4), (1, 4, 8), (8, 8), (8,), (8, 8)]
+    """
+    d, f, h, V, s = m.d_model, m.ffn_dim, m.heads, m.vocab, m.seq_len
+    hd, hh = d // h, h // tp
+    dense: list[tuple] = []
+    experts: list[tuple] = []
+    if r == 0:
+        dense.append((V // tp, d))
+        if tr == 0:
+            dense.append((s, d))
+    for i in range(first, first + blocks):
+        moe = bool(m.experts) and (i + 1) % m.moe_every == 0
+        if tr == 0:
+            dense += [(d,), (d,)]                              # ln1
+        for _ in range(3):                                     # query, key, value and their biases
+            dense += [(d, hh, hd), (hh, hd)]
+        dense.append((hh, hd, d))                              # attention output
+        if tr == 0:
+            dense += [(d,), (d,), (d,)]                        # output bias, ln2
+        if moe:
+            if tr == 0:
+                e = m.experts // ep
+                dense.append((d, m.experts))                   # router
+                experts += [(e, d, f), (e, f), (e, f, d), (e, d)]
+        else:
+            dense += [(d, f // tp), (f // tp,), (f // tp, d)]  # MLP up, its bias, down
+            if tr == 0:
+                dense.append((d,))                             # down bias
+    if r == pp - 1:
+        if tr == 0:
+            dense += [(d,), (d,)]                              # final LayerNorm
+        if not m.tie_embeddings:
+            dense.append((d, V // tp))                         # the head
+    return dense, experts
+
+
+def full_recompute_ops(blocks: int, r: int, pp: int) -> int:
+    """Keras ops that hold weights in pipeline stage ``r`` of the GPT (the embedding and positions
+    on the first, the final LayerNorm and the head, or the tied embedding's reverse call, on the
+    last; a transformer block is one op): ``parallel.recompute=full`` cuts the stage into
+    ``ceil(sqrt(ops))`` recomputed blocks (:func:`phalanx.parallel.recompute.cut_stage`)."""
+    return blocks + (2 if r == 0 else 0) + (2 if r == pp - 1 else 0)
 
 
 def check_calibrated(cfg: Config, dp: int, optimizer: str = "keras") -> None:
@@ -178,10 +302,6 @@ def check_calibrated(cfg: Config, dp: int, optimizer: str = "keras") -> None:
     why = "the Keras-engine memory model (phalanx.plan.keras_memory) was measured"
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r}: one of {OPTIMIZERS}")
-    if optimizer == "keras" and dp != 1:
-        raise ConfigError("parallel.dp", f"{dp}: {why} for phalanx.fit (Keras's AdamW) at dp=1 only; plan tp x pp "
-                                         f"with parallel.dp=1 (phalanx train's expert-parallel engine is measured "
-                                         f"with dp: plan it without --keras)")
     if t.grad_accum != 1:
         raise ConfigError("train.grad_accum", f"{t.grad_accum}: {why} with train.grad_accum=1 only")
     if cfg.precision.policy not in POLICIES:
@@ -194,12 +314,15 @@ def check_calibrated(cfg: Config, dp: int, optimizer: str = "keras") -> None:
                                            f"of experts as phalanx train runs it (parallel.ep > 1, without --keras)")
     if p.sequence_parallel:
         raise ConfigError("parallel.sequence_parallel", f"true: {why} without sequence parallelism")
-    if p.zero:
-        raise ConfigError("parallel.zero", f"{p.zero}: a Keras model's optimizer state stays next to each weight "
-                                           f"(KerasModelEngine refuses ZeRO); use parallel.zero=0")
-    if p.recompute != "none":
-        raise ConfigError("parallel.recompute", f"{p.recompute!r}: KerasModelEngine does not recompute; use "
-                                                f"parallel.recompute=none")
+    if p.zero == 3 and p.ep > 1:
+        raise ConfigError("parallel.zero", f"3 with parallel.ep={p.ep}: the Keras-model engine does not gather "
+                                           f"expert shards from slices; use parallel.zero=2 (or 1, 0) with expert "
+                                           f"parallelism, or parallel.ep=1")
+    if optimizer == "phalanx" and (p.zero > 1 or p.recompute != "none"):
+        raise ConfigError("parallel.zero" if p.zero > 1 else "parallel.recompute",
+                          f"{p.zero if p.zero > 1 else repr(p.recompute)}: phalanx train's expert-parallel engine "
+                          f"runs parallel.zero 0 or 1 without recomputation; plan the layout as phalanx.fit runs "
+                          f"it (--keras)")
     if p.pp > 1 and p.schedule not in SCHEDULES:
         raise ConfigError("parallel.schedule", f"{p.schedule!r}: {why} for {' and '.join(SCHEDULES)} only")
 
@@ -224,21 +347,23 @@ def keras_memory_per_device(cfg: Config, blocks_per_stage: list[int] | None = No
     head and loss weigh much (3 blocks of d_model 32: 1 + 2 here, 2 + 1 there).
     """
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    _, n = parse_devices(p.devices)
+    kind, n = parse_devices(p.devices)
     dp, pp, tp = resolve_degrees(cfg, n or max(p.dp, 1) * max(p.pp, 1) * max(p.tp, 1))
     optimizer = optimizer or ("phalanx" if p.ep > 1 else "keras")
     check_calibrated(cfg, dp, optimizer)
     return keras_devices(ModelSpec.from_config(m), dp=dp, pp=pp, tp=tp, ep=p.ep, microbatches=p.microbatches,
                          micro_batch=t.global_batch // (dp * p.microbatches), schedule=p.schedule,
                          policy=cfg.precision.policy, weight_decay=t.weight_decay, optimizer=optimizer,
-                         capacity_factor=m.capacity_factor, blocks_per_stage=blocks_per_stage)
+                         capacity_factor=m.capacity_factor, blocks_per_stage=blocks_per_stage, zero=p.zero,
+                         recompute=p.recompute, host_on_device0=kind == "cpu")
 
 
 def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep: int = 1, microbatches: int = 1,
                   micro_batch: int = 1, schedule: str = "1f1b", policy: str = "float32", weight_decay: float = 0.0,
                   optimizer: str = "keras", capacity_factor: float = 0.0,
                   blocks_per_stage: list[int] | None = None, exact: bool = True,
-                  distinct: bool = False, group_calls: int | None = None) -> dict[int, DeviceMemory]:
+                  distinct: bool = False, group_calls: int | None = None, zero: int = 0, recompute: str = "none",
+                  host_on_device0: bool = False) -> dict[int, DeviceMemory]:
     """:func:`keras_memory_per_device` from the model's shape and the layout's degrees (what
     the planner's :func:`phalanx.plan.memory.memory_per_device` has), unchecked: device index
     -> predicted peak bytes. ``micro_batch``: sequences per micro-batch of one replica.
@@ -292,8 +417,11 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
     e = ACTIVATION_BYTES[policy]
     cast = e if e < 4 else 0  # a compute-dtype copy of each weight per activation set held
     d, f, s, V, E, k = m.d_model, m.ffn_dim, m.seq_len, m.vocab, m.experts, m.top_k
-    whole = layer_activation_bytes(spec, micro, 1, "none", False, e, False, fused=True)
-    split_part = layer_activation_bytes(spec, micro, tp, "none", False, e, False, fused=True)
+    # selective recomputation: the attention cores' activations are not kept (their term is
+    # in the tensor-split part); full: handled per stage below, from the blocks' activations
+    kept_mode = "selective" if recompute == "selective" else "none"
+    whole = layer_activation_bytes(spec, micro, 1, kept_mode, False, e, False, fused=True)
+    split_part = layer_activation_bytes(spec, micro, tp, kept_mode, False, e, False, fused=True)
     unsplit = (whole - split_part * tp) / (1 - tp) if tp > 1 else whole
     tokens = s * micro                     # one micro-batch of one replica
     # MoE block (module docstring): the attention's share as a dense block's; the experts run on
@@ -325,6 +453,22 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
             largest = max(largest, V * d / tp)
         return own, mirror, experts, largest
 
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero={zero}: one of 0, 1, 2, 3")
+    if zero == 3 and ep > 1:
+        raise ValueError(f"zero=3 with ep={ep}: the Keras-model engine does not gather expert shards from slices")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute={recompute!r}: one of {RECOMPUTE_MODES}")
+    sliced = zero and dp > 1
+    groups = max(dp // max(ep, 1), 1)      # the replicas that slice an expert shard: one per ep group
+    host = 0.0
+    if sliced and host_on_device0:         # the host copy (module docstring), whole, on device 0 here
+        total = sum(sum(map(_elements, dense)) + sum(map(_elements, experts))
+                    for r in range(pp) for j in range(tp)
+                    for dense, experts in [gpt_device_shapes(m, first[r], blocks_per_stage[r], pp, r, tp, j, 1)])
+        host = (HOST_SLOTS + (4.0 if zero == 3 else 0.0)) * total
+    core_one = e * m.heads / tp * s * s * micro     # one block's attention core, recomputed (selective)
+
     out: dict[int, DeviceMemory] = {}
     replicas = sorted({0, min(1, dp - 1), min(ep, dp - 1)}) if distinct else range(dp)
     for rep in replicas:
@@ -338,14 +482,45 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
                 slotted = (own if rep == 0 else 0.0) + (experts if rep < ep else 0.0)
                 optimizer_b = 8.0 * slotted
                 grad = 4.0 * held
+                pieces = 0.0        # ZeRO: this device's slice of every variable homed on it (padded)
+                largest_piece = 0.0
+                if sliced:
+                    dense_shapes, expert_shapes = gpt_device_shapes(m, first[r], blocks_per_stage[r], pp, r, tp, tr,
+                                                                    ep)
+                    cuts = [slice_elements(x, dp) for x in dense_shapes] + \
+                           [slice_elements(x, groups) for x in expert_shapes]
+                    pieces = float(sum(cuts))
+                    largest_piece = float(max(cuts, default=0))
+                    optimizer_b = 8.0 * pieces                          # every replica: its slices' m and v
+                    weights = 4.0 * (held + pieces) if zero < 3 else 4.0 * pieces
+                gathered = 4.0 * held if sliced and zero == 3 else 0.0  # the stage's weights, gathered for the step
+                if sliced and zero == 3:
+                    # each replica's running sum of every slice lives on the slice's device until the
+                    # step joins them: dp partial sums of this device's slices (and, on the first stage,
+                    # those of the tied embedding's slices from the last stage's use of it)
+                    mirror_pieces = slice_elements((V // tp, d), dp) if r == 0 and m.tie_embeddings and pp > 1 \
+                        else 0
+                    grad = 4.0 * dp * (pieces + mirror_pieces)
                 per_set = n_dense[r] * (split_part if tr == 0 else split_part - unsplit)
                 attention = split_part - 2 * e * tokens * f / tp          # a block without its MLP share
                 per_set += n_moe[r] * ((attention + moe_acts) if tr == 0 else attention - unsplit)
-                set_bytes = per_set + cast * (own + mirror)
+                cast_set = cast * (own + mirror)   # the forward's compute-dtype weights, kept for the backward
                 backward = BACKWARD_MLP_SETS * 4.0 * tokens * f / tp if n_dense[r] else 0.0
                 if n_moe[r] and tr == 0:
                     backward = max(backward, MOE_BACKWARD_SHARDS * 4.0 * expert_block
                                    - MOE_HIDDEN_FREED * e * kept * tokens * f)
+                if recompute == "full" and blocks_per_stage[r]:
+                    # the stage runs as ceil(sqrt(ops)) recomputed blocks: a set keeps their inputs (the
+                    # residual stream, on tensor rank 0), the backward re-runs one block at a time
+                    pieces_n = math.ceil(math.sqrt(full_recompute_ops(blocks_per_stage[r], r, pp)))
+                    per_block = per_set / blocks_per_stage[r]
+                    backward += math.ceil(blocks_per_stage[r] / pieces_n) * (per_block + cast * (own + mirror)
+                                                                             / blocks_per_stage[r])
+                    per_set = pieces_n * e * tokens * d if tr == 0 else 0.0
+                    cast_set = 0.0
+                elif recompute == "selective" and blocks_per_stage[r]:
+                    backward += core_one
+                set_bytes = per_set + cast_set
                 head = 0.0
                 if r == pp - 1:  # this rank's logits; on rank 0 the final LayerNorm, the gathered logits, Keras's loss
                     head = e * tokens * V / tp
@@ -353,17 +528,55 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
                         head += e * tokens * d + (e + 4) * tokens * V
                     head *= last_peak
                 step = step_peak(r, set_bytes, grad, backward) + head + cast * MOE_EXPERT_CASTS * experts
+                if gathered and cast:
+                    # under a mixed policy the gathered float32 weights are read by the stage's forwards
+                    # only (each casts them; the backward reads the casts): whole until the rank's last
+                    # forward starts, beside the sets then in flight (one fewer than its peak) and the
+                    # gradient sums if a backward ran before it; that forward frees them layer by layer
+                    before = grad if microbatches > peaks[r] else 0.0
+                    forward_end = gathered + max(peaks[r] - 1, 0) * set_bytes + before + \
+                        cast * MOE_EXPERT_CASTS * experts
+                    if forward_end > step:
+                        step, working = forward_end, 0.0
+                    else:
+                        gathered, working = 0.0, backward
+                else:
+                    step += gathered
+                    working = backward
                 # the optimizer phase: the gradients summed on each weight's own device
                 summed = 4.0 * ((own + mirror if rep == 0 else 0.0) + (experts if rep < ep else 0.0))
-                if optimizer == "keras":
+                if sliced:
+                    # The update, variable by variable: zero 1 forms each weight's all-reduced sum whole
+                    # on every slice's device and cuts its slice from it (a view: the whole sum stays
+                    # until the optimizer has applied), zero 2 sums each slice only; a replica's own
+                    # sum of a weight is freed once every device has read it. So the update starts
+                    # with the step's gradient sums and one weight's reduction beside them, and ends
+                    # with the reduced sums (zero 1 whole, zero 2 slices), Adam's temporaries on a
+                    # slice and one weight joined from its slices onto each copy (the all-gather).
+                    # zero 3: the replicas' partial sums of this device's slices, then their sum.
+                    if zero == 3:
+                        summed = (dp + 1) * 4.0 * pieces
+                        opt = summed + OPT_TEMPORARIES * 4.0 * largest_piece
+                    else:
+                        reduced = 4.0 * (own + experts) if zero == 1 else 4.0 * pieces
+                        start = grad + (4.0 * largest if zero == 1 else 4.0 * largest_piece)
+                        end = reduced + OPT_TEMPORARIES * 4.0 * largest_piece
+                        summed = grad if start >= end else reduced
+                        opt = max(start, end)
+                    if optimizer == "keras" and pp == 1 and (rep, tr) == (0, 0) and weight_decay > 0:
+                        # the slices' decay products, all on the first device (none measured elsewhere)
+                        opt += DECAY_PRODUCTS * 4.0 * sum(params(0, j)[0] for j in range(tp))
+                elif optimizer == "keras":
                     opt = summed + OPT_TEMPORARIES * 4.0 * largest
-                    if pp == 1 and tr == 0 and weight_decay > 0:
+                    if pp == 1 and (rep, tr) == (0, 0) and weight_decay > 0:  # replica 0 holds the weights
                         opt += DECAY_PRODUCTS * 4.0 * sum(params(0, j)[0] for j in range(tp))
                 else:
                     opt = summed + (PHALANX_OPT_TEMPORARIES * 4.0 * largest if summed else 0.0)
+                device_host = host if (rep, r, tr) == (0, 0, 0) else 0.0
                 if step >= opt:
-                    mem = DeviceMemory(weights, optimizer_b, 0.0, step - backward, backward, held, experts)
+                    mem = DeviceMemory(weights + gathered + device_host, optimizer_b, 0.0,
+                                       step - working - gathered, working, held, experts)
                 else:
-                    mem = DeviceMemory(weights, optimizer_b, summed, 0.0, opt - summed, held, experts)
+                    mem = DeviceMemory(weights + device_host, optimizer_b, summed, 0.0, opt - summed, held, experts)
                 out[(rep * pp + r) * tp + tr] = mem
     return out

@@ -21,7 +21,12 @@ ZeRO over the ``dp`` replicas, as the engine does it:
 * stage 2 reduce-scatters the gradient *sum*, but each replica still builds its whole
   local float32 gradient (the running sums, cut straight into the pieces), so its
   gradient memory is not divided by ``dp``: as stage 1;
-* stage 3 (weights sharded too) is plan only: the paper's ``16/dp`` bytes per parameter.
+* stage 3 (weights sliced too) runs on the Keras-model engine, and is planned with its memory
+  model (:func:`phalanx.plan.engine_rules.runs_on_keras_engine`,
+  :func:`phalanx.plan.keras_memory.keras_devices`: slices of ``1/dp`` between steps, a stage's
+  gathered weights through the step, every replica's gradient sums on the slices' devices);
+  the layouts it does not plan there (interleaved, zb, sequence parallelism, with ep: plan
+  only) keep the paper's ``16/dp`` bytes per parameter below.
 
 With ``pp > 1`` and tied embeddings the last stage holds a second copy of the token
 embedding (weights and gradient; its AdamW states live with the first copy).
@@ -56,7 +61,7 @@ from phalanx.plan.activations import ACTIVATION_BYTES, in_flight_estimate, layer
 from phalanx.plan.engine_memory import (BACKWARD_SETS, OPT_BUFFERS, ZERO_GRAD_SETS, ZERO_PIECE_SETS,
                                        rank_peak_parts, step_peak_estimate)
 from phalanx.plan.keras_memory import keras_devices
-from phalanx.plan.engine_rules import stage_bounds
+from phalanx.plan.engine_rules import runs_on_keras_engine, stage_bounds
 from phalanx.plan.layout import Layout, check_expert_parallel
 
 # bytes per parameter the engine keeps, for every policy: (weights, gradients, optimizer states)
@@ -130,26 +135,16 @@ def runs_on_mesh_engine(lay: Layout) -> bool:
     return lay.tp > 1 or lay.pp > 1 or lay.zero > 0 or lay.recompute != "none"
 
 
-def runs_on_keras_engine(lay: Layout) -> bool:
-    """Whether ``phalanx train`` runs ``lay`` on the Keras-model engine
-    (:class:`~phalanx.engines.keras_gpt.KerasGPTEngine`: expert parallelism, with dp, tp and
-    pp), whose memory is :func:`phalanx.plan.keras_memory.keras_devices`'s: AdamW's moments
-    beside each weight, every data replica's own weight copies, experts whole on their tensor
-    rank 0. Recomputation, sequence parallelism and the interleaved and zb schedules with ep are
-    plan only (:func:`phalanx.plan.engine_rules.plan_only_reasons`) and keep the mesh engine's
-    terms; so does ZeRO-1 with ep, which the engine runs (moments partitioned by whole variables)
-    but this model does not follow yet."""
-    return (lay.ep > 1 and lay.zero == 0 and lay.recompute == "none" and not lay.sequence_parallel
-            and lay.virtual_stages == 1 and (lay.pp == 1 or lay.schedule in ("1f1b", "gpipe")))
-
-
 def _keras_engine_memory(m: ModelSpec, lay: Layout, overhead_bytes: float, overhead_fraction: float,
                          exact: bool) -> Memory:
     """The fullest device of :func:`~phalanx.plan.keras_memory.keras_devices` (phalanx's AdamW,
-    the engine's own step; ``train.grad_accum`` is not modelled: one schedule's gradients)."""
+    the engine's own step, its ZeRO slices; ``train.grad_accum`` adds nothing: the running sums
+    carry over the accumulation steps). Slices padded as the engine pads them; ZeRO's host copy
+    (the user's optimizer's whole slots, and under ZeRO-3 the weights) is host memory, not the
+    device's."""
     devices = keras_devices(m, dp=lay.dp, pp=lay.pp, tp=lay.tp, ep=lay.ep, microbatches=lay.microbatches,
                             micro_batch=lay.micro_batch, schedule=lay.schedule, policy=lay.policy,
-                            optimizer="phalanx", exact=exact, distinct=True)
+                            optimizer="phalanx", exact=exact, distinct=True, zero=lay.zero, recompute=lay.recompute)
     index, dev = max(devices.items(), key=lambda kv: kv[1].total)
     rank = index // lay.tp % lay.pp
     peaks = (schedule_in_flight if exact else in_flight_estimate)(lay.schedule if lay.pp > 1 else "1f1b", lay.pp,

@@ -255,11 +255,15 @@ def engine_blocks_per_stage(engine) -> list[int]:
 def keras_engine_variables(engine) -> list:
     """Every ``tf.Variable`` a Keras-model engine keeps between steps: the model's weights and
     state, the optimizer's slots and counters, the compiled metrics' and loss tracker's
-    totals, and the engine's weight copies (other replicas', a mirrored tied embedding)."""
+    totals, the engine's weight copies (other replicas', a mirrored tied embedding), and under
+    ZeRO the slices, their optimizer's slots and ``model.optimizer``'s whole-shaped slots."""
     import tensorflow as tf
 
     model = engine.model
     keras_vars = list(model.variables) + list(getattr(engine.optimizer, "variables", []))
+    slices = getattr(engine, "slices", None)
+    if slices is not None:  # ZeRO: the slices, and model.optimizer's whole-shaped slots (on the host)
+        keras_vars += list(slices.flat) + list(getattr(model.optimizer, "variables", []))
     for metric in model.metrics:
         keras_vars += list(metric.variables)
     found: dict[int, tf.Variable] = {}
