@@ -69,3 +69,24 @@ def test_cli_doctests():
 
     from phalanx import cli
     assert doctest.testmod(cli).failed == 0
+
+
+def test_the_filter_drops_native_noise_written_in_pieces_and_keeps_the_rest():
+    program = """
+import os, sys, time
+from phalanx.cli import filter_native_stderr
+filter_native_stderr()
+os.write(2, b"I0000 00:00:1795793210.844681    9028 port.cc:153] oneDNN custom operations are on.\\n")
+os.write(2, b"fully_quantize: ")  # a C++ stream writes a line in pieces
+time.sleep(0.05)
+os.write(2, b"0, inference_type: 6, input_inference_type: FLOAT32\\n")
+os.write(2, b"E0000 00:00:1795793210.8 9028 op.cc:1] a real error\\n")
+os.write(2, b"partial line without newline")
+time.sleep(0.5)
+print("python's stderr", file=sys.stderr)
+os.write(2, b"native line\\n")
+"""
+    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines() == ["E0000 00:00:1795793210.8 9028 op.cc:1] a real error",
+                                        "partial line without newline" + "python's stderr", "native line"], proc.stderr

@@ -40,10 +40,9 @@ NATIVE_NOISE = re.compile(
     rb"|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IW] "  # the pre-absl format of the same lines
     rb"|WARNING: All log messages before absl::InitializeLog\(\) is called"
     rb"|To enable the following instructions: |This TensorFlow binary is optimized to use available CPU"
-    rb"|fully_quantize: \d|Estimated count of arithmetic ops: |loc\(|Summary on the non-converted ops:"
-    rb"|---------------------|\s*\* Accepted dialects: |\s*\* Non-Converted Ops: |\s*\* \d+ ARITH ops"
-    rb"|\s*- arith\.constant: |\s*\(f32: \d+\)|\s*\(i32: \d+\)|\s*\(uq_8: \d+\)"
-    rb"|\s*- tf\.|\s*- tfl\.)")
+    rb"|fully_quantize: \d+, inference_type: |Estimated count of arithmetic ops: "  # the LiteRT converter
+    rb"|Summary on the non-converted ops:$|-{20,}$| \* Accepted dialects: | \* Non-Converted Ops: \d+, Total Ops "
+    rb"| \* \d+ ARITH ops$|- arith\.constant: +\d+ occurrences|INFO: Created TensorFlow Lite XNNPACK delegate for CPU)")
 
 
 def verbose_requested(argv: list[str]) -> tuple[bool, list[str]]:
@@ -77,20 +76,26 @@ def filter_native_stderr() -> None:
                                   errors=old.errors or "backslashreplace", line_buffering=True)
 
     def pump() -> None:
+        import select
         held = b""
         while True:
             try:
+                # C++ streams write a line in pieces: hold a partial line until its newline, or
+                # until nothing more comes for 0.2 s (a prompt or a \r progress update)
+                ready = select.select([read_end], [], [], 0.2 if held else None)[0]
+                if not ready:
+                    if not NATIVE_NOISE.match(held):
+                        _write_all(original, held)
+                    held = b""
+                    continue
                 chunk = os.read(read_end, 65536)
-            except OSError:
+            except (OSError, ValueError):
                 break
             if not chunk:
                 break
             lines = (held + chunk).split(b"\n")
             held = lines.pop()
             out = b"".join(line + b"\n" for line in lines if not NATIVE_NOISE.match(line))
-            # a line still being written that cannot be noise (a progress bar's \r update) goes out now
-            if held and not (held[:1] in b"IWE0123456789 " or held.startswith(b"WARNING: All")):
-                out, held = out + held, b""
             if out:
                 _write_all(original, out)
         if held and not NATIVE_NOISE.match(held):
