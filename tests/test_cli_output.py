@@ -90,3 +90,15 @@ os.write(2, b"native line\\n")
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.splitlines() == ["E0000 00:00:1795793210.8 9028 op.cc:1] a real error",
                                         "partial line without newline" + "python's stderr", "native line"], proc.stderr
+
+
+def test_a_native_crash_still_gets_its_last_line_out():
+    program = """
+import os
+from phalanx.cli import filter_native_stderr
+filter_native_stderr()
+os.write(2, b"F0000 00:00:1795793210.8 9028 op.cc:1] Check failed: a fatal error\\n")
+os.abort()
+"""
+    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "Check failed: a fatal error" in proc.stderr, proc.stderr

@@ -12,7 +12,6 @@ import io
 import os
 import re
 import sys
-import threading
 
 from phalanx import __version__
 from phalanx.config import ConfigError
@@ -59,61 +58,70 @@ def filter_native_stderr() -> None:
     """Drop :data:`NATIVE_NOISE` lines that native code (TensorFlow, the converter) writes to
     file descriptor 2, passing everything else through unchanged and in order.
 
-    fd 2 becomes a pipe read by a thread that writes to the original stderr; Python's own
-    ``sys.stderr`` writes there directly (so that a terminal is still seen as one: the
-    progress bar). At exit the pipe is closed and drained. Child processes inherit the
-    filtered fd 2, so a worker's banners go too."""
+    fd 2 becomes a pipe read by a small forked process that writes to the original stderr;
+    Python's own ``sys.stderr`` writes there directly (so that a terminal is still seen as one:
+    the progress bar). A separate process, not a thread: a native crash (an abort, a failed
+    CHECK) still gets its last lines out, since the filter reads until every writer is gone.
+    It ignores SIGINT and SIGTERM for that reason. Child processes inherit the filtered fd 2.
+    Call it before any thread starts (it forks)."""
     try:
-        original = os.dup(2)
         read_end, write_end = os.pipe()
+        original = os.dup(2)
     except OSError:
         return
+    sys.stdout.flush()
     sys.stderr.flush()
+    try:
+        pid = os.fork()
+    except OSError:
+        for fd in (read_end, write_end, original):
+            os.close(fd)
+        return
+    if pid == 0:  # the filter
+        try:
+            import signal
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            os.close(write_end)
+            _pump(read_end, original)
+        finally:
+            os._exit(0)
+    os.close(read_end)
     os.dup2(write_end, 2)
     os.close(write_end)
     old = sys.stderr
     sys.stderr = io.TextIOWrapper(io.FileIO(original, "w", closefd=False), encoding=old.encoding,
                                   errors=old.errors or "backslashreplace", line_buffering=True)
 
-    def pump() -> None:
-        import select
-        held = b""
-        while True:
-            try:
-                # C++ streams write a line in pieces: hold a partial line until its newline, or
-                # until nothing more comes for 0.2 s (a prompt or a \r progress update)
-                ready = select.select([read_end], [], [], 0.2 if held else None)[0]
-                if not ready:
-                    if not NATIVE_NOISE.match(held):
-                        _write_all(original, held)
-                    held = b""
-                    continue
-                chunk = os.read(read_end, 65536)
-            except (OSError, ValueError):
-                break
-            if not chunk:
-                break
-            lines = (held + chunk).split(b"\n")
-            held = lines.pop()
-            out = b"".join(line + b"\n" for line in lines if not NATIVE_NOISE.match(line))
-            if out:
-                _write_all(original, out)
-        if held and not NATIVE_NOISE.match(held):
-            _write_all(original, held)
 
-    thread = threading.Thread(target=pump, name="phalanx-stderr-filter", daemon=True)
-    thread.start()
-
-    def drain() -> None:
+def _pump(read_end: int, original: int) -> None:
+    """Copy ``read_end`` to ``original`` until EOF, without the :data:`NATIVE_NOISE` lines."""
+    import select
+    held = b""
+    while True:
         try:
-            sys.stderr.flush()
-            os.dup2(original, 2)  # closes this process's write end of the pipe: the pump reads to EOF
-        except OSError:
-            return
-        thread.join(timeout=5)  # a child still holding the pipe open: do not wait for it
-
-    import atexit
-    atexit.register(drain)
+            # C++ streams write a line in pieces: hold a partial line until its newline, or
+            # until nothing more comes for 0.2 s (a prompt or a \r progress update)
+            ready = select.select([read_end], [], [], 0.2 if held else None)[0]
+            if not ready:
+                if not NATIVE_NOISE.match(held):
+                    _write_all(original, held)
+                held = b""
+                continue
+            chunk = os.read(read_end, 65536)
+        except InterruptedError:
+            continue
+        except (OSError, ValueError):
+            break
+        if not chunk:
+            break
+        lines = (held + chunk).split(b"\n")
+        held = lines.pop()
+        out = b"".join(line + b"\n" for line in lines if not NATIVE_NOISE.match(line))
+        if out:
+            _write_all(original, out)
+    if held and not NATIVE_NOISE.match(held):
+        _write_all(original, held)
 
 
 def _write_all(fd: int, data: bytes) -> None:
