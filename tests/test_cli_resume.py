@@ -132,3 +132,20 @@ def test_a_bpe_vocabulary_mismatch_names_data_bpe_vocab(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(None, ["data.tokenizer=bpe", "model.vocab=512"])
     assert err.value.key == "data.bpe_vocab" and "set data.bpe_vocab=512" in str(err.value)
+
+
+@pytest.mark.parametrize("keys", [
+    ["parallel.devices=cpu:8", "parallel.pp=4", "parallel.schedule=interleaved", "parallel.virtual_stages=2",
+     "parallel.microbatches=8", "model.layers=8"],
+    ["parallel.devices=cpu:8", "parallel.tp=2"],
+    ["parallel.devices=cpu:4", "parallel.tp=2", "parallel.pp=2"]])
+def test_plan_and_train_derive_the_same_layout(keys, capsys):
+    import json
+
+    from phalanx.commands.plan import main as plan_main
+    assert plan_main([*keys, "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["layout"]
+    cfg = load_config(None, keys)
+    assert (cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp) == (planned["dp"], planned["tp"], planned["pp"])
+    assert main(["train", *keys, "--print-config"]) == 0  # what phalanx train would run
+    assert yaml.safe_load(capsys.readouterr().out)["parallel"]["dp"] == planned["dp"]
