@@ -92,7 +92,7 @@ def _on_keras_lookup() -> None:
             spec.loader = Loader()
             return spec
 
-    if not any(isinstance(f, type) is False and type(f).__name__ == "KerasWatch" for f in sys.meta_path):
+    if not any(type(f).__name__ == "KerasWatch" for f in sys.meta_path):  # once, even if phalanx is reloaded
         sys.meta_path.insert(0, KerasWatch())
 
 
