@@ -55,7 +55,7 @@ BAD = [
     (["data.tokenizer=words"], "data.tokenizer", "bytes, bpe"),
     (["data.val_fraction=0"], "data.val_fraction", "(0, 1)"),
     (["model.vocab=100"], "model.vocab", "too small for the bytes tokenizer"),
-    (["data.tokenizer=bpe", "data.bpe_vocab=4096", "model.vocab=1024"], "model.vocab", "smaller than data.bpe_vocab"),
+    (["data.tokenizer=bpe", "data.bpe_vocab=4096", "model.vocab=1024"], "data.bpe_vocab", "set data.bpe_vocab=1024"),
     (["checkpoint.keep=0"], "checkpoint.keep", "must be >= 1"),
     (["train.steps"], "train.steps", "section.key=value"),
     (["steps=3"], "steps", "section.key=value"),

@@ -69,7 +69,7 @@ def test_launch_runs_its_own_phalanx_without_an_activated_environment():
     done = subprocess.run([str(own), "launch", "--workers", "1", "--network", "host", "--", "phalanx", "--help"],
                           env=dict(os.environ, PATH=path), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "[worker:0] usage: phalanx <command>" in done.stdout
+    assert "[worker:0] usage: phalanx [--version] [--verbose] <command>" in done.stdout
     assert str(own) in done.stderr  # the launcher's status line names the command it started
 
 

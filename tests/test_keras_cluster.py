@@ -191,7 +191,7 @@ def test_two_workers_equal_keras_fit(mlp_run):
     assert [r["epoch"] for r in rows] == [1, 2]
     np.testing.assert_allclose([r["loss"] for r in rows], reference[1]["loss"], rtol=1e-4)
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == ["step-00000002", "step-00000004"]
-    assert "[worker:0] phalanx.fit: 'mlp' on 2 workers x dp=1 pp=1" in proc.stderr
+    assert "[worker:0] phalanx.fit: 'mlp' on layout dp=1 tp=1 pp=1 " in proc.stderr and " workers=2" in proc.stderr
     assert "[worker:1] phalanx.fit" not in proc.stderr and "[worker:1] Epoch" not in proc.stdout + proc.stderr
 
 

@@ -26,6 +26,78 @@ def _require_tensorflow() -> None:
 
 _require_tensorflow()
 
+# Modules whose Keras layers are registered for serialization (``keras.saving.register_keras_serializable``
+# with package "phalanx"): a saved ``.keras`` file naming "phalanx>..." loads once they are imported.
+_SERIALIZABLES = ("phalanx.layers", "phalanx.models.transformer", "phalanx.export.gpt_keras")
+
+
+def _on_keras_lookup() -> None:
+    """Make ``keras.saving.load_model`` find phalanx's layers after a plain ``import phalanx``,
+    without importing Keras (and TensorFlow) here: Keras's lookup of a registered name is
+    wrapped so that a miss on a ``phalanx>`` name imports :data:`_SERIALIZABLES` and looks again.
+    The wrapper goes in when Keras is imported (now, if it already is)."""
+    import sys
+
+    def patch(keras_module) -> None:
+        try:
+            from keras.src.saving import object_registration as registry
+        except ImportError:  # another Keras layout: loading needs the modules imported by hand
+            return
+        original = registry.get_registered_object
+        if getattr(original, "_phalanx", False):
+            return
+
+        def get_registered_object(name, custom_objects=None, module_objects=None):
+            found = original(name, custom_objects, module_objects)
+            if found is None and isinstance(name, str) and name.startswith("phalanx>"):
+                import importlib
+                for module in _SERIALIZABLES:
+                    importlib.import_module(module)
+                found = original(name, custom_objects, module_objects)
+            return found
+
+        get_registered_object._phalanx = True
+        registry.get_registered_object = get_registered_object
+
+    if "keras" in sys.modules and hasattr(sys.modules["keras"], "saving"):
+        patch(sys.modules["keras"])
+        return
+    import importlib.abc
+    import importlib.machinery
+
+    class KerasWatch(importlib.abc.MetaPathFinder):
+        """Finds nothing itself: wraps the loader of the top-level ``keras`` module so that
+        ``patch`` runs right after Keras's own ``__init__``; then leaves ``sys.meta_path``."""
+
+        def find_spec(self, fullname, path=None, target=None):
+            if fullname != "keras":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+            if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+                return spec
+            inner = spec.loader
+
+            class Loader(importlib.abc.Loader):
+                def create_module(self, spec):
+                    return inner.create_module(spec)
+
+                def exec_module(self, module):
+                    inner.exec_module(module)
+                    patch(module)
+
+                def __getattr__(self, name):  # resources, is_package, ...: the real loader's
+                    return getattr(inner, name)
+
+            spec.loader = Loader()
+            return spec
+
+    if not any(type(f).__name__ == "KerasWatch" for f in sys.meta_path):  # once, even if phalanx is reloaded
+        sys.meta_path.insert(0, KerasWatch())
+
+
+_on_keras_lookup()
+
 _LAZY = {
     "Config": ("phalanx.config", "Config"),
     "ConfigError": ("phalanx.config", "ConfigError"),

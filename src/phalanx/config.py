@@ -303,7 +303,79 @@ def _deep_update(target: dict, values: Mapping[str, Any]) -> None:
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
-    """Defaults, then the YAML file at ``path`` (if any), then ``key=value`` overrides."""
+    """Defaults, then the YAML file at ``path`` (if any), then ``key=value`` overrides.
+
+    ``parallel.dp``, when neither the file nor an override gives it and ``parallel.devices``
+    names a count (``cpu:N``, ``gpu:N``), is derived as ``N / (tp x pp)``
+    (:func:`derive_layout`): ``phalanx train``, ``phalanx plan`` and ``phalanx.init`` read
+    the same layout from the same keys.
+
+    >>> load_config(None, ["parallel.devices=cpu:8", "parallel.pp=4", "model.layers=8"]).parallel.dp
+    2
+    """
+    return from_dict(derived(read_raw(path, overrides)))
+
+
+def derived(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with the keys the user left out that follow from others: ``parallel.dp`` from the
+    device count (:func:`derive_layout`), the tokenizer and vocabulary from a prepared
+    ``data.source`` (:func:`derive_from_data`)."""
+    return derive_from_data(derive_layout(raw))
+
+
+def derive_from_data(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with what a prepared ``data.source`` directory records (its ``manifest.json``,
+    written by ``phalanx data prepare``) filled in where not given: ``data.tokenizer``,
+    ``data.bpe_vocab`` (a BPE tokenizer's vocabulary) and ``model.vocab`` (the tokenizer's
+    vocabulary size). A key given explicitly is kept (and checked against the data when the
+    data is read)."""
+    data = raw.get("data")
+    source = data.get("source") if isinstance(data, dict) else None
+    if not isinstance(source, str) or source == "stdlib":
+        return raw
+    manifest = Path(source).expanduser() / "manifest.json"
+    try:
+        import json
+        entry = json.loads(manifest.read_text()).get("tokenizer") or {}
+        name, size = str(entry["name"]), int(entry["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return raw  # not a prepared directory (a glob of text files), or a damaged one: reported when read
+    data = dict(data)
+    data.setdefault("tokenizer", name)
+    if name == "bpe" and data["tokenizer"] == "bpe":
+        data.setdefault("bpe_vocab", size)
+    model = dict(raw.get("model") or {}) if isinstance(raw.get("model", {}), dict) else raw.get("model")
+    if isinstance(model, dict) and data["tokenizer"] == name:
+        model.setdefault("vocab", max(size, 256) if name == "bytes" else size)
+    return {**raw, "data": data, **({"model": model} if model else {})}
+
+
+def derive_layout(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` (nested plain data) with ``parallel.dp`` filled in when it is not given and
+    ``parallel.devices`` names a device count that ``tp x pp`` divides: ``dp = N / (tp x pp)``.
+    A degree of -1, ``devices=auto`` or a count ``tp x pp`` does not divide leaves ``dp`` unset
+    (the default 1, or the error naming the keys when the product does not match).
+
+    >>> derive_layout({"parallel": {"devices": "cpu:8", "tp": 2}})["parallel"]["dp"]
+    4
+    """
+    par = raw.get("parallel")
+    if not isinstance(par, dict) or "dp" in par or not isinstance(par.get("devices"), str):
+        return raw
+    try:
+        _, count = parse_devices(par["devices"])
+    except ConfigError:
+        return raw  # reported by validation, by key
+    tp, pp = par.get("tp", 1), par.get("pp", 1)
+    if (count and isinstance(tp, int) and isinstance(pp, int) and tp >= 1 and pp >= 1
+            and not isinstance(tp, bool) and not isinstance(pp, bool) and count % (tp * pp) == 0):
+        raw = {**raw, "parallel": {**par, "dp": count // (tp * pp)}}
+    return raw
+
+
+def read_raw(path: str | Path | None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The nested plain data the YAML file at ``path`` (if any) and the overrides give,
+    before defaults and validation: exactly the keys the user wrote."""
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -318,7 +390,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
         try:
             loaded = load_yaml(text, str(path)) or {}
         except yaml.YAMLError as err:
-            raise ConfigError("config", f"{str(path)!r} is not valid YAML: {err}") from None
+            raise yaml_error(path, err) from None
         if not isinstance(loaded, dict):
             raise ConfigError("config", f"{str(path)!r} must hold a mapping of sections, got {type(loaded).__name__}")
         raw = loaded
@@ -336,7 +408,39 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
             if not isinstance(target, dict):
                 raise ConfigError(".".join(parts[:i + 1]), f"must be a mapping, got {target!r}")
         target[parts[-1]] = value
-    return from_dict(raw)
+    return raw
+
+
+def yaml_error(path: str | Path, err: yaml.YAMLError) -> ConfigError:
+    """A YAML syntax error as ``FILE:LINE: what is wrong`` (the line PyYAML's mark points to,
+    1-based; the context line too when it names another one).
+
+    >>> try:
+    ...     load_yaml("train:\\n  steps: [1\\n", "x.yaml")
+    ... except yaml.YAMLError as err:
+    ...     print(yaml_error("x.yaml", err))
+    x.yaml:3: not valid YAML: while parsing a flow sequence (line 2), expected ',' or ']', but got '<stream end>'
+    """
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    context, where = getattr(err, "context", None), getattr(err, "context_mark", None)
+    if context and where is not None and (mark is None or where.line != mark.line):
+        problem = f"{context} (line {where.line + 1}), {problem}"
+    elif context:
+        problem = f"{context}, {problem}"
+    line = f":{mark.line + 1}" if mark is not None else ""
+    return ConfigError(f"{path}{line}", f"not valid YAML: {problem}")
+
+
+def suggest(word: str, choices: Sequence[str], prefix: str = "") -> str:
+    """``" (did you mean PREFIX+X?)"`` for the nearest of ``choices`` (difflib), else ``""``.
+
+    >>> suggest("step", ["steps", "lr"])
+    ' (did you mean steps?)'
+    """
+    import difflib
+    close = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
@@ -396,6 +500,21 @@ def load_yaml(text: str, source: str = "<string>", prefix: str = "") -> Any:
         loader.dispose()
 
 
+def require_directory(key: str, path: str | Path) -> None:
+    """ConfigError naming ``key`` when ``path`` does not exist or is not a directory.
+
+    >>> require_directory("run_dir", "/nonexistent/run")
+    Traceback (most recent call last):
+    ...
+    phalanx.config.ConfigError: run_dir: '/nonexistent/run' does not exist
+    """
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ConfigError(key, f"{str(path)!r} does not exist")
+    if not p.is_dir():
+        raise ConfigError(key, f"{str(path)!r} is not a directory")
+
+
 def split_config_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
     """Command-line words ``[CONFIG.yaml] key=value ...`` -> (file or None, overrides).
 
@@ -432,7 +551,8 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
     built: dict[str, Any] = {}
     for section, values in raw.items():
         if section not in sections:
-            raise ConfigError(str(section), f"unknown section; valid sections: {', '.join(sections)}")
+            raise ConfigError(str(section), f"unknown section{suggest(section, list(sections))}; valid sections: "
+                                            f"{', '.join(sections)}")
         if values is None:
             values = {}
         if not isinstance(values, Mapping):
@@ -456,7 +576,8 @@ def _build_section(section: str, cls: type, values: Mapping[str, Any]) -> Any:
     for key_name, value in values.items():
         key = f"{section}.{key_name}"
         if key_name not in fields:
-            raise ConfigError(key, f"unknown key; valid keys of {section!r}: {', '.join(fields)}")
+            raise ConfigError(key, f"unknown key{suggest(key_name, list(fields), section + '.')}; valid keys of "
+                                   f"{section!r}: {', '.join(fields)}")
         name = fields[key_name].name
         if dataclasses.is_dataclass(hints[name]):  # a nested section, e.g. train.prune
             if value is None:
@@ -655,8 +776,14 @@ def validate(cfg: Config) -> None:
     if d.tokenizer == "bytes":
         _require(m.vocab >= 256, "model.vocab", f"{m.vocab} is too small for the bytes tokenizer (256 ids); use >= 256")
     else:
-        _require(m.vocab >= d.bpe_vocab, "model.vocab",
-                 f"{m.vocab} is smaller than data.bpe_vocab={d.bpe_vocab}; use >= {d.bpe_vocab}")
+        if m.vocab >= 257:  # a vocabulary a BPE tokenizer can have: the tokenizer's size is what to change
+            _require(m.vocab >= d.bpe_vocab, "data.bpe_vocab",
+                     f"{d.bpe_vocab} ids do not fit model.vocab={m.vocab}: set data.bpe_vocab={m.vocab} for a "
+                     f"{m.vocab}-id BPE tokenizer (a prepared data.source supplies its own), or model.vocab >= "
+                     f"{d.bpe_vocab}")
+        else:
+            _require(False, "model.vocab", f"{m.vocab} is smaller than data.bpe_vocab={d.bpe_vocab}; use >= "
+                                           f"{d.bpe_vocab}")
 
     _require(bool(cfg.run.dir), "run.dir", "must not be empty")
     _require(cfg.checkpoint.every >= 0, "checkpoint.every", f"must be >= 0 (0: only at the end), got {cfg.checkpoint.every}")
@@ -830,6 +957,27 @@ def resolve_degrees(cfg: Config, n_devices: int) -> tuple[int, int, int]:
     return degrees["dp"], degrees["pp"], degrees["tp"]
 
 
+def describe_layout(cfg: Config, *, dp: int | None = None, tp: int | None = None, pp: int | None = None,
+                    workers: int = 1, strategy: str | None = None, precision: str | None = None) -> str:
+    """The whole layout of a run in one line, for the status line of ``phalanx train`` and
+    ``phalanx.fit``: every parallel degree and option under its config key, the precision and the
+    processes. ``dp``/``tp``/``pp``: the degrees the engine resolved (default: the config's);
+    ``workers``: processes training together (multi_worker or parameter-server tasks);
+    ``strategy``: the tf.distribute strategy or engine that runs it, when known; ``precision``:
+    the policy that runs (default: ``precision.policy``).
+
+    >>> describe_layout(Config().replace(precision={"policy": "float32"}))
+    'dp=1 tp=1 pp=1 ep=1 schedule=1f1b microbatches=1 grad_accum=1 zero=0 recompute=none sequence_parallel=off float32 workers=1'
+    """
+    p = cfg.parallel
+    schedule = p.schedule + (f" virtual_stages={p.virtual_stages}" if p.schedule == "interleaved" else "")
+    parts = [f"dp={dp or p.dp}", f"tp={tp or p.tp}", f"pp={pp or p.pp}", f"ep={p.ep}", f"schedule={schedule}",
+             f"microbatches={p.microbatches}", f"grad_accum={cfg.train.grad_accum}", f"zero={p.zero}",
+             f"recompute={p.recompute}", f"sequence_parallel={'on' if p.sequence_parallel else 'off'}",
+             precision or cfg.precision.policy, f"workers={workers}" + (f" ({strategy})" if strategy else "")]
+    return " ".join(parts)
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0][:12]
 
@@ -843,7 +991,8 @@ MEANINGS: dict[str, str] = {
     "model.d_model": "hidden size",
     "model.heads": "attention heads (must divide `model.d_model`)",
     "model.ffn": "MLP hidden size (0: 4 x `model.d_model`)",
-    "model.vocab": "vocabulary size (at least the tokenizer's: 256 for bytes, `data.bpe_vocab` for bpe)",
+    "model.vocab": "vocabulary size (at least the tokenizer's: 256 for bytes, `data.bpe_vocab` for bpe; "
+                   "not given: a prepared `data.source` supplies its tokenizer's)",
     "model.seq_len": "context length in tokens",
     "model.dropout": "dropout rate on embeddings and residual branches",
     "model.tie_embeddings": "the output head shares the token embedding",
@@ -852,7 +1001,8 @@ MEANINGS: dict[str, str] = {
     "model.moe_every": "every N-th block is an MoE block",
     "model.capacity_factor": "expert capacity as a multiple of the even share of tokens (0: no token dropped)",
     "model.aux_loss_coef": "coefficient of the Switch load-balancing loss",
-    "parallel.dp": "data-parallel replicas (-1: whatever the device count leaves)",
+    "parallel.dp": "data-parallel replicas (-1: whatever the device count leaves; not given: devices / (tp x pp) "
+                   "when `parallel.devices` names a count)",
     "parallel.tp": "tensor-parallel degree: each split layer's weights over tp devices (divides heads, ffn, vocab; -1 as dp)",
     "parallel.pp": "pipeline stages (-1 as dp)",
     "parallel.microbatches": "pipeline micro-batches per replica and step",
@@ -890,8 +1040,8 @@ MEANINGS: dict[str, str] = {
     "train.prune.pattern": "unstructured, or N:M such as 2:4 (along each kernel's input dimension)",
     "train.prune.every": "steps between mask updates",
     "data.source": "stdlib (the Python standard library's sources), a prepared directory, or a glob of text files",
-    "data.tokenizer": "bytes, or bpe (trained locally on the data)",
-    "data.bpe_vocab": "BPE vocabulary size",
+    "data.tokenizer": "bytes, or bpe (trained locally on the data); not given: a prepared `data.source` supplies its own",
+    "data.bpe_vocab": "BPE vocabulary size (not given: a prepared `data.source` supplies its own)",
     "data.val_fraction": "held-out share of the documents (chosen by document hash; never in training)",
     "data.cache_dir": "prepared datasets and the matmul-peak probe's result",
     "data.max_bytes": "cap on the text read (0: all of it)",

@@ -10,9 +10,9 @@ Modules: ``formats`` (modes, the support matrix, writers), ``quantization`` (Ker
 ``quantize``), ``calibration`` (int8 representative data), ``gpt_keras`` (the built-in GPT
 as stock Keras layers), ``runtime`` (load and run an artifact), ``report``, ``api``, ``cli``.
 
-Names are imported lazily, so importing this package does not start TensorFlow; loading a
-``.keras`` export of the built-in GPT needs ``phalanx.export.gpt_keras`` imported (done by
-:func:`load_artifact`).
+Names are imported lazily, so importing this package does not start TensorFlow; a ``.keras``
+export loads with ``import phalanx`` then ``keras.saving.load_model`` (``phalanx`` registers its
+layers when Keras first looks one up).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from phalanx.config import ConfigError
+from phalanx.config import ConfigError, require_directory
 from phalanx.export import calibration
 from phalanx.export.api import export_run
 from phalanx.export.formats import FORMATS, QUANTIZE_MODES, UNSUPPORTED, check_request
@@ -51,6 +51,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
     ns = parser.parse_intermixed_args(argv)
+    require_directory("run_dir", ns.run_dir)
     if ns.eval_batches is not None and ns.eval_batches < 1:
         raise ConfigError("--eval-batches", f"must be >= 1, got {ns.eval_batches}")
     check_request(ns.format, ns.quantize)  # before TensorFlow starts: a bad flag fails at once

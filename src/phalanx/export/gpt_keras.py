@@ -12,9 +12,9 @@ weights (:func:`phalanx.models.gpt.weight_shapes` names; tested to ~1e-5) out of
 
 plus small registered layers with no quantizable weights: phalanx's
 :class:`~phalanx.layers.transformer.PositionEmbedding`, :class:`CausalSelfAttention` (the
-attention core between the Dense projections) and :class:`TanhGelu`. Loading a saved
-``.keras`` file needs them registered: ``import phalanx.export`` first
-(``phalanx.export.load_artifact`` does).
+attention core between the Dense projections) and :class:`TanhGelu`. A saved ``.keras``
+file loads with ``import phalanx`` then ``keras.saving.load_model`` (``phalanx`` registers
+them when Keras first looks one up).
 
 Inputs are int32 tokens ``[batch, seq_len]`` (a fixed length: the position table has
 ``seq_len`` rows, and :func:`phalanx.models.generate.generate` pads to it); outputs are

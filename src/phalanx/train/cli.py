@@ -10,6 +10,8 @@ Examples:
     $ phalanx train                                   # the built-in demo-sized default
     $ phalanx train my.yaml parallel.dp=2 parallel.devices=cpu:2 precision.policy=mixed_bfloat16
     $ phalanx train --quiet my.yaml train.steps=10
+    $ phalanx train run.dir=runs/x train.steps=200     # resume runs/x with its config.yaml, longer
+    $ phalanx train my.yaml --print-config             # the resolved config as YAML, nothing run
     $ phalanx eval runs/default --json train.eval_batches=50
     $ phalanx generate runs/default --prompt "def main(" --tokens 200
 """
@@ -19,15 +21,19 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+
+import yaml
 from pathlib import Path
 
 from phalanx import checkpoint
-from phalanx.config import Config, ConfigError, load_config, one_device_overrides, sections_help, split_config_args
+from phalanx.config import (Config, ConfigError, load_config, one_device_overrides, require_directory, sections_help,
+                            split_config_args)
 from phalanx.data.pipeline import make_datasets
 from phalanx.data.tokenize import load_run_tokenizer
 from phalanx.export.runtime import main_eval as eval_artifact, main_generate as generate_artifact
 from phalanx.mesh import build_mesh
 from phalanx.plan.precheck import check_fits
+from phalanx.train.resume import resolve_train_config
 
 
 # The trainer, engines, cluster strategies and generate import TensorFlow: they are imported where
@@ -40,9 +46,18 @@ def main_train(argv: list[str]) -> int:
                                      epilog=sections_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("args", nargs="*", help="[CONFIG.yaml] [section.key=value ...], anywhere among the flags")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit "
+                        "(on an existing run: its saved config.yaml with the overrides applied)")
     ns = parser.parse_intermixed_args(argv)
     path, overrides = split_config_args(ns.args)
-    cfg = load_config(path, overrides)
+    # A run.dir holding a checkpoint resumes with its own config.yaml; what changes is named, and a
+    # change of the model or the data is refused here, before anything is written.
+    cfg, resuming = resolve_train_config(path, overrides)
+    if ns.print_config:
+        sys.stdout.write(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        return 0
+    if resuming and not ns.quiet:
+        print(resuming, file=sys.stderr, flush=True)
     check_fits(cfg)  # before TensorFlow builds anything: a clear refusal instead of an OOM
     cluster = _runtime_first(cfg)
     from phalanx.train.trainer import Trainer
@@ -69,6 +84,7 @@ def _runtime_first(cfg: Config):
 
 def _load_run(run_dir: str, overrides: list[str]) -> Config:
     path = Path(run_dir) / "config.yaml"
+    require_directory("run_dir", run_dir)
     if not path.is_file():
         raise ConfigError("run.dir", f"{run_dir!r} has no config.yaml; is it a phalanx run directory?")
     # Evaluate/generate on one device whatever layout trained it (checkpoints are layout-independent).
@@ -106,6 +122,7 @@ def main_eval(argv: list[str]) -> int:
                         "(anywhere among the flags)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     ns = parser.parse_intermixed_args(argv)
+    require_directory("run_dir", ns.run_dir)
     if (Path(ns.run_dir) / "export.json").is_file():  # a `phalanx export` artifact, run in its own runtime
         return eval_artifact(ns.run_dir, ns.overrides, ns.json)
     cfg = _load_run(ns.run_dir, ns.overrides)
@@ -141,6 +158,7 @@ def main_generate(argv: list[str]) -> int:
         raise ConfigError("--tokens", f"must be >= 1, got {ns.tokens}")
     if ns.temperature < 0:
         raise ConfigError("--temperature", f"must be >= 0, got {ns.temperature}")
+    require_directory("run_dir", ns.run_dir)
     if (Path(ns.run_dir) / "export.json").is_file():  # a `phalanx export` artifact, run in its own runtime
         return generate_artifact(ns.run_dir, ns.prompt, ns.tokens, ns.temperature, ns.top_k, ns.seed)
     cfg = _load_run(ns.run_dir, ns.overrides)

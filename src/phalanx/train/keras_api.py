@@ -35,7 +35,7 @@ import numpy as np
 import yaml
 
 from phalanx import checkpoint
-from phalanx.config import Config, ConfigError, given
+from phalanx.config import Config, ConfigError, describe_layout, given
 from phalanx.data.keras_inputs import Batches
 from phalanx.engines import custom_step, keras_cluster
 from phalanx.engines.keras_model import KerasModelEngine, apply_precision, precision_of
@@ -580,10 +580,10 @@ def _train_epochs(engine, model, cfg, run_dir: Path | None, output: RunOutput | 
     history.history = {k: list(v)[:start] for k, v in saved_history.items()}
     history.epoch = list(range(start)) if saved_history else []
     step_count = int(model.optimizer.iterations.numpy())
-    across = "" if workers is None else f"{workers.size} workers x "
     policy, why = precision_of(model, cfg)
-    say(f"phalanx.fit: {model.name!r} on {across}dp={engine.dp} pp={engine.pp} (grad_accum {engine.accum}, "
-        f"{engine.microbatches} micro-batches), {policy}; run dir {run_dir}")
+    layout = describe_layout(cfg, dp=engine.dp, tp=engine.mesh.tp, pp=engine.pp, precision=policy,
+                             workers=1 if workers is None else workers.size)
+    say(f"phalanx.fit: {model.name!r} on layout {layout}; run dir {run_dir}")
     say(f"precision: {policy} ({why})")
     if engine.loss_note:  # a vocabulary-parallel head: whether its loss reads the shard logits
         say(engine.loss_note)

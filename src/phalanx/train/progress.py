@@ -43,6 +43,7 @@ class RunOutput:
         self._progress = None
         self._task = None
         self._t0 = time.monotonic()
+        self._t0_step = start_step  # the ETA counts from here (after the building step, see built())
 
     def __enter__(self) -> "RunOutput":
         if not self.write:
@@ -59,8 +60,17 @@ class RunOutput:
             self._progress = Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                                       TextColumn("{task.fields[info]}"), TimeRemainingColumn())
             self._progress.start()
-            self._task = self._progress.add_task("train", total=self.total, completed=self.start, info="")
+            self._task = self._progress.add_task("train", total=self.total, completed=self.start,
+                                                 info="building the step")
         return self
+
+    def built(self, step: int, seconds: float) -> None:
+        """The first step (``step``) of this process ran, tracing and compiling the step in
+        ``seconds``: say so, and count the ETA and the bar's speed from here on."""
+        self.message(f"building the step ({seconds:.0f} s)")
+        self._t0, self._t0_step = time.monotonic(), step
+        if self._progress is not None:  # rich's speed estimate would otherwise include the build
+            self._progress.reset(self._task, completed=step, total=self.total, info="")
 
     def __exit__(self, *exc) -> None:
         self.close()
@@ -107,16 +117,19 @@ class RunOutput:
         parts = [f"loss {row['loss']:.4f}"]
         if "eval_loss" in row:
             parts.append(f"eval {row['eval_loss']:.4f}")
-        parts += [f"{row.get('tokens_per_s', 0):,.0f} tok/s", f"MFU {100 * row.get('mfu', 0):.1f}%"]
+        if "build_s" in row:  # a window of only the building step: its rate is not the throughput
+            parts.append(f"(building the step {row['build_s']:.0f} s)")
+        else:
+            parts += [f"{row.get('tokens_per_s', 0):,.0f} tok/s", f"MFU {100 * row.get('mfu', 0):.1f}%"]
         info = "  ".join(parts)
         if self._progress is not None:
             self._progress.update(self._task, completed=row["step"], info=info)
         else:
-            done = row["step"] - self.start
+            done = row["step"] - self._t0_step
             elapsed = time.monotonic() - self._t0
-            eta = elapsed / done * (self.total - row["step"]) if done > 0 else 0.0
+            eta = f"ETA {_hms(elapsed / done * (self.total - row['step']))}" if done > 0 else "ETA -"
             print(f"{self.prefix}step {row['step']}/{self.total}  {info}  lr {row.get('lr', 0):.2e}  "
-                  f"ETA {_hms(eta)}", file=sys.stderr, flush=True)
+                  f"{eta}", file=sys.stderr, flush=True)
 
 
 def _hms(seconds: float) -> str:

@@ -33,7 +33,7 @@ import yaml
 
 from phalanx import checkpoint, precision, prune
 from phalanx.cluster.preemption import StopSignals, stop_agreement
-from phalanx.config import Config, ConfigError
+from phalanx.config import Config, ConfigError, describe_layout
 from phalanx.data import pipeline
 from phalanx.data.tokenize import save_tokenizer
 from phalanx.engines.factory import build_engine, refuse_before_build
@@ -41,7 +41,7 @@ from phalanx.engines.task import GPTTask
 from phalanx.fsutil import RunLock
 from phalanx.train.metrics import mfu, peak_flops
 from phalanx.train.moe_stats import MoEStats
-from phalanx.train.progress import RunOutput, plot_loss
+from phalanx.train.progress import RunOutput, plot_loss, read_metrics
 
 
 @dataclass
@@ -270,13 +270,17 @@ class Trainer:
         tokens_per_step = t.global_batch * self.task.tokens_per_example()
         flops_per_step = self.task.flops_per_example() * t.global_batch
         peak = peak_flops(cfg, device_count(self.engine)) if flops_per_step else 0.0
-        self._say(f"model: {self.engine.num_params():,} parameters; layout dp={self.engine.dp} "
-                  f"tp={cfg.parallel.tp} pp={cfg.parallel.pp}; {cfg.precision.policy}; "
+        if start >= t.steps:  # a finished run: nothing to train, nothing to rewrite
+            return self._nothing_to_do(start, t_start)
+        self._say(f"model: {self.engine.num_params():,} parameters; layout {self.layout_line()}; "
                   f"global batch {t.global_batch} x {self.task.tokens_per_example()} tokens")
         self._say(precision.describe(cfg))
         last = {"loss": float("nan")}
         eval_loss, rate, util, stopped = None, 0.0, 0.0, False
+        # The first step of this process traces and compiles the step functions: it is timed on its
+        # own ("building the step") and left out of the first window's throughput and the ETA.
         window_losses, window_start, window_steps = [], time.monotonic(), 0
+        building = True
         saved_path = None
         step = start
         # cluster: under multi_worker all workers must stop at the same step (one tiny all-reduce of the
@@ -292,7 +296,13 @@ class Trainer:
                 result = self.engine.train_step(batch)
                 step += 1
                 window_losses.append(result["loss"])
-                window_steps += 1
+                if building:
+                    float(result["loss"])  # waits for the step to finish
+                    build_s = time.monotonic() - window_start
+                    out.built(step, build_s)
+                    window_start, building = time.monotonic(), False
+                else:
+                    window_steps += 1
                 stopping = agree_stop(stop.set)  # cluster: every worker calls it once per step
                 evaluating = bool(t.eval_every) and (step % t.eval_every == 0 or step == t.steps)
                 # An evaluation or a stop closes the logging window too, so every evaluation is in
@@ -300,12 +310,17 @@ class Trainer:
                 if step % t.log_every == 0 or step == t.steps or evaluating or stopping:
                     losses = [float(x) for x in window_losses]  # syncs the device
                     elapsed = time.monotonic() - window_start
+                    only_build = not window_steps
+                    if only_build:  # the window holds only the building step: time that one
+                        elapsed, window_steps = build_s, 1
                     rate = tokens_per_step * window_steps / elapsed
                     util = mfu(flops_per_step, elapsed / window_steps, peak)
                     row = {"step": step, "loss": float(np.mean(losses)), "lr": float(result["lr"]),
                            "tokens_per_s": rate, "mfu": util, "step_time_s": elapsed / window_steps,
                            "grad_norm": float(result["grad_norm"]), "loss_scale": float(result["loss_scale"]),
                            "skipped": float(result["skipped"])}
+                    if only_build:
+                        row["build_s"] = build_s
                     if self.cfg.model.experts and hasattr(self.engine, "model"):  # MoE totals of the whole step
                         row.update(MoEStats(self.engine.model).read())
                     if self.pruner is not None:  # measured: exact zeros among the pruned weights
@@ -332,6 +347,25 @@ class Trainer:
                           checkpoint=saved_path or checkpoint.latest(self.ckpt_dir), stopped_early=stopped)
         self._say(summary.line())
         return summary
+
+    def layout_line(self) -> str:
+        """The run's whole layout as the engine resolved it (:func:`phalanx.config.describe_layout`)."""
+        e = self.engine
+        workers = 1 if self.cluster is None else max(1, int(self.cluster.info.num_workers))
+        return describe_layout(self.cfg, dp=getattr(e, "dp", None), tp=getattr(e, "tp", None),
+                               pp=getattr(e, "pp", None), workers=workers,
+                               strategy=None if self.cluster is None else self.cluster.name)
+
+    def _nothing_to_do(self, step: int, t_start: float) -> Summary:
+        """The checkpoint is at or past ``train.steps``: say so with the run's last logged loss."""
+        rows = [r for r in read_metrics(self.run_dir) if r.get("step", 0) <= step]
+        loss = float(rows[-1]["loss"]) if rows else float("nan")
+        evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
+        self._say(f"nothing to do: {self.run_dir} is at step {step}, loss {loss:.4f} (train.steps={self.cfg.train.steps});"
+                  f" raise train.steps to train further")
+        return Summary(steps=step, loss=loss, eval_loss=evals[-1] if evals else None, tokens_per_s=0.0, mfu=0.0,
+                       wall_s=time.monotonic() - t_start, skipped_steps=0, run_dir=self.run_dir,
+                       checkpoint=checkpoint.latest(self.ckpt_dir))
 
     def _say(self, text: str) -> None:
         if not self.quiet and self.is_chief:
