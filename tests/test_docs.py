@@ -37,8 +37,7 @@ def test_links_stay_inside_the_repository_and_resolve(page):
 DIARY = re.compile(r"\b(issue|task|helper)[ -]?#?\d+|\bhelper H\d|\bthe lead\b|\bsessions?\b", re.I)
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if p.name not in ("reliability.md", "checkpoint_format.md")]
-                         + RESULTS, ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("page", PAGES + RESULTS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_development_diary(page):
     found = [m.group(0) for m in DIARY.finditer(page.read_text())]
     assert not found, f"{page.relative_to(ROOT)}: {found}"
