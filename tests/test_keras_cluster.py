@@ -220,13 +220,14 @@ def test_two_workers_with_two_devices_each_sparse_gradients_and_batchnorm(tmp_pa
     reference = keras_reference("embed", 2, chunks=4, replicas=4)
     for result in results:
         assert_equal_to_keras(result, reference)
-    # The moving statistics are equal everywhere, and moved.
+    # The moving statistics are equal everywhere, and moved: 4 updates at momentum 0.99 move them by
+    # ~4e-2 x the batch statistics (~2e-2 here), ten times and more the 1e-5 they equal Keras's at.
     model = reference[2]
     for i, v in enumerate(model.variables):
         if not v.trainable:
             np.testing.assert_array_equal(results[0]["weights"][i], results[1]["weights"][i])
             initial = 0.0 if "mean" in v.path else 1.0
-            assert np.abs(np.asarray(results[0]["weights"][i]) - initial).max() > 1e-3, v.path
+            assert np.abs(np.asarray(results[0]["weights"][i]) - initial).max() > 1e-4, v.path
 
 
 @pytest.mark.slow
