@@ -75,7 +75,11 @@ def build(kind, seed, optimizer="adam"):
     return model
 
 def compile_model(model):
-    model.compile(optimizer=keras.optimizers.Adam(0.01),
+    # Adam epsilon 1e-2 in Keras's fit and the workers alike (Keras's default 1e-7): a gradient's
+    # float32 round-off d (~1e-7: sums in another order) moves a step by at most ~2 x lr x d / eps
+    # (derivation: tests/test_engine.py ADAM_EPS): 2e-7 a step at lr 0.01, so 1.2e-6 in the 6 steps
+    # compared with Keras at atol 1e-5 and 8e-7 in the 4 compared with one process at atol 1e-6.
+    model.compile(optimizer=keras.optimizers.Adam(0.01, epsilon=1e-2),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
 
 def data(kind, n, seed=7):
@@ -220,13 +224,14 @@ def test_two_workers_with_two_devices_each_sparse_gradients_and_batchnorm(tmp_pa
     reference = keras_reference("embed", 2, chunks=4, replicas=4)
     for result in results:
         assert_equal_to_keras(result, reference)
-    # The moving statistics are equal everywhere, and moved.
+    # The moving statistics are equal everywhere, and moved: 4 updates at momentum 0.99 move them by
+    # ~4e-2 x the batch statistics (~2e-2 here), ten times and more the 1e-5 they equal Keras's at.
     model = reference[2]
     for i, v in enumerate(model.variables):
         if not v.trainable:
             np.testing.assert_array_equal(results[0]["weights"][i], results[1]["weights"][i])
             initial = 0.0 if "mean" in v.path else 1.0
-            assert np.abs(np.asarray(results[0]["weights"][i]) - initial).max() > 1e-3, v.path
+            assert np.abs(np.asarray(results[0]["weights"][i]) - initial).max() > 1e-4, v.path
 
 
 @pytest.mark.slow
@@ -256,7 +261,8 @@ def test_batchnorm_statistics_of_two_workers_equal_dp2_in_one_process(tmp_path):
     phalanx.fit(model, *ns["data"]("embed", N), batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
                 overrides=["parallel.devices=cpu:2", "parallel.dp=2", f"run.dir={tmp_path / 'dp2'}"])
     # The same global layout in one process gives the same numbers, the moving statistics included
-    # (only the order of float32 sums differs: ~1e-7, kept below 1e-5 over 4 Adam steps) ...
+    # (only the order of float32 sums differs: ~1e-7, kept below 1e-6 over 4 Adam steps by the
+    # epsilon of compile_model) ...
     assert sum(not v.trainable for v in model.variables) == 2  # BatchNorm's moving mean and variance
     for i, v in enumerate(model.variables):
         for result in results:

@@ -23,6 +23,11 @@ LAYOUTS = {
                   "parallel.microbatches=2"],
 }
 N, BATCH = 16, 8
+# Adam epsilon 2e-2 (Keras's default 1e-7) in the reference and the run under test alike: the
+# weights after up to 6 steps are compared at atol 1e-6, and Adam moves a step by at most
+# ~2 x lr x d / epsilon for a gradient round-off d (~1e-7: sums in another order on another
+# layout or CPU): 6 x 2 x 0.01 x 1e-7 / 2e-2 = 6e-7 (derivation: tests/test_engine.py ADAM_EPS).
+ADAM_EPS = 2e-2
 
 
 def build(tp: int, optimizer=None):
@@ -34,7 +39,7 @@ def build(tp: int, optimizer=None):
     h = h + ParallelMLP(16, tp=tp, gated=True, activation="silu", name="mlp")(h)
     out = keras.layers.Dense(3, name="head")(h)
     model = keras.Model(x, out, name="tpnet")
-    model.compile(optimizer=optimizer or keras.optimizers.Adam(0.01), loss="mse")
+    model.compile(optimizer=optimizer or keras.optimizers.Adam(0.01, epsilon=ADAM_EPS), loss="mse")
     return model
 
 
@@ -215,14 +220,14 @@ def test_adamw_weight_decay_equals_keras_fit(layout, tmp_path):
     decayed weights) and decay each shard as its part of the logical weight. Oracle: Keras's
     one-device fit with the same AdamW."""
     def adamw():
-        return keras.optimizers.AdamW(0.01, weight_decay=0.1)
+        return keras.optimizers.AdamW(0.01, weight_decay=0.1, epsilon=ADAM_EPS)  # see ADAM_EPS
 
     x, y = data()
     reference = build(1, adamw())
     ref_steps = StepLosses()
     reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[ref_steps])
     # the decay is large enough to see at these tolerances: without it the weights differ
-    undecayed = build(1, keras.optimizers.AdamW(0.01, weight_decay=0.0))
+    undecayed = build(1, keras.optimizers.AdamW(0.01, weight_decay=0.0, epsilon=ADAM_EPS))
     undecayed.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     assert max(np.max(np.abs(a - b) / (np.abs(b) + 1e-6))
                for a, b in zip(logical(undecayed), logical(reference))) > 1e-2

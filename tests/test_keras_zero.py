@@ -27,6 +27,11 @@ from phalanx.mesh import Mesh
 from helpers import ghost_batches
 
 N, BATCH, EPOCHS = 16, 8, 2
+# Adam epsilon 1e-2 in Keras's fit and the run under test alike (Keras's default 1e-7): a gradient's
+# float32 round-off d (~1e-7: sums in another order on another layout or CPU) moves a step by at
+# most ~2 x lr x d / eps (derivation: tests/test_engine.py ADAM_EPS): 2e-7 a step at lr 0.01, 8e-7
+# in the 4 steps whose weights are compared at atol 1e-6.
+ADAM_EPS = 1e-2
 
 
 def replica_of(device: str, mesh_devices: list[str], dp: int) -> int:
@@ -72,11 +77,11 @@ def mlp_data():
 def adamw_clipped():
     """Keras AdamW: weight decay in its apply, and a global norm clip below the gradients'
     norm (the norm of all the variables' gradients, summed on their several owners)."""
-    return keras.optimizers.AdamW(0.01, weight_decay=0.1, global_clipnorm=0.2)
+    return keras.optimizers.AdamW(0.01, weight_decay=0.1, global_clipnorm=0.2, epsilon=ADAM_EPS)
 
 
 def adam():
-    return keras.optimizers.Adam(0.01)
+    return keras.optimizers.Adam(0.01, epsilon=ADAM_EPS)
 
 
 def sgd_momentum():
@@ -113,7 +118,7 @@ def test_zero_fit_equals_keras_fit(layout, zero, tmp_path):
     for mine, want in zip(model.optimizer.variables, reference.optimizer.variables):
         np.testing.assert_allclose(mine.numpy(), want.numpy(), rtol=1e-4, atol=1e-6, err_msg=mine.path)
     if layout == "dp2":  # the clip is active, so the global norm mattered
-        unclipped = mlp(lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1))
+        unclipped = mlp(lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1, epsilon=ADAM_EPS))
         unclipped.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
         assert max(np.max(np.abs(a.numpy() - b.numpy())) for a, b in
                    zip(unclipped.trainable_variables, reference.trainable_variables)) > 1e-3
@@ -191,7 +196,7 @@ def embedder():
     tokens = keras.Input((6,), dtype="int32")
     h = keras.layers.Embedding(16, 8)(tokens)
     model = keras.Model(tokens, keras.layers.Dense(16)(keras.layers.LayerNormalization()(h)), name="embedder")
-    model.compile(optimizer=keras.optimizers.Adam(0.01),
+    model.compile(optimizer=keras.optimizers.Adam(0.01, epsilon=ADAM_EPS),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
 
@@ -253,7 +258,7 @@ def tp_model(tp: int):
     h = RowParallelDense(8, tp=tp, name="row")(ColumnParallelDense(16, tp=tp, activation="relu", name="col")(h))
     h = h + ParallelMLP(16, tp=tp, gated=True, activation="silu", name="mlp")(h)
     model = keras.Model(x, keras.layers.Dense(3, name="head")(h), name="tpnet")
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.compile(optimizer=keras.optimizers.Adam(0.01, epsilon=ADAM_EPS), loss="mse")
     return model
 
 
@@ -307,7 +312,7 @@ def moe_model(ep: int = 1):
 
 
 def moe_compile(model):
-    model.compile(optimizer=keras.optimizers.Adam(0.01),
+    model.compile(optimizer=keras.optimizers.Adam(0.01, epsilon=ADAM_EPS),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
 
@@ -482,7 +487,7 @@ def cnn():
     model = keras.Sequential([keras.Input((6, 6, 2)), keras.layers.Conv2D(4, 3, padding="same"),
                               keras.layers.BatchNormalization(), keras.layers.ReLU(), keras.layers.Flatten(),
                               keras.layers.Dense(3)], name="cnn")
-    model.compile(optimizer=keras.optimizers.Adam(0.01, global_clipnorm=0.5), loss="mse")
+    model.compile(optimizer=keras.optimizers.Adam(0.01, global_clipnorm=0.5, epsilon=ADAM_EPS), loss="mse")
     return model
 
 
@@ -497,7 +502,7 @@ def test_zero_cnn_with_batchnorm_equals_keras_fit(zero, tmp_path):
     x, y = rng.normal(size=(N, 6, 6, 2)).astype("float32"), rng.normal(size=(N, 3)).astype("float32")
     reference = cnn()
     trained = ghost_batches(reference, 2, replicas=2)
-    trained.compile(optimizer=keras.optimizers.Adam(0.01, global_clipnorm=0.5), loss="mse")
+    trained.compile(optimizer=keras.optimizers.Adam(0.01, global_clipnorm=0.5, epsilon=ADAM_EPS), loss="mse")
     ref = trained.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history
     model = cnn()
     history = phalanx.fit(model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
@@ -567,7 +572,8 @@ def test_keras_hub_gpt2_zero3_dp2_tp2_pp2_equals_keras_fit(tmp_path):
     tp2 x pp2: tensor shards sliced over the replicas on their own ranks, each stage gathered
     for its forward; per-step losses and every weight (after unparallelize) equal Keras's
     one-device fit to 1e-4 (tests/test_keras_hub_tp.py's tolerances)."""
-    from test_keras_hub import StepLosses as HubSteps, build, data
+    from test_keras_hub import StepLosses as HubSteps, data
+    from test_keras_hub_tp import build  # Adam epsilon 1e-4 on both sides: see its docstring
 
     x, y = data()
     reference, ref_steps = build("gpt2"), HubSteps()

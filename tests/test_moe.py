@@ -89,6 +89,13 @@ def test_moe_arguments_are_checked():
         MoE(num_experts=0, hidden_dim=4)
 
 
+# Adam epsilon 1e-3 (Keras's default 1e-7) in the reference and the run under test alike: the
+# weights after 4 steps are compared at atol 1e-5, and Adam moves a step by at most
+# ~2 x lr x d / epsilon for a gradient round-off d (~1e-7: sums in another order on another
+# layout or CPU): 4 x 2 x 0.01 x 1e-7 / 1e-3 = 8e-6 (derivation: tests/test_engine.py ADAM_EPS).
+ADAM_EPS = 1e-3
+
+
 def moe_model(ep: int = 1):
     keras.utils.set_random_seed(4)
     tokens = keras.Input((6,), dtype="int32")
@@ -98,7 +105,7 @@ def moe_model(ep: int = 1):
     h = keras.layers.LayerNormalization()(h)
     out = keras.layers.Dense(16)(h)
     model = keras.Model(tokens, out)
-    model.compile(optimizer=keras.optimizers.Adam(0.01),
+    model.compile(optimizer=keras.optimizers.Adam(0.01, epsilon=ADAM_EPS),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
 
@@ -130,7 +137,7 @@ def test_moe_model_trains_through_phalanx_fit_like_keras(layout, overrides, chun
     trained = ghost_batches(reference, chunks, average_added_losses=True, replicas=replicas) if chunks > 1 \
         else reference
     if chunks > 1:
-        trained.compile(optimizer=keras.optimizers.Adam(0.01),
+        trained.compile(optimizer=keras.optimizers.Adam(0.01, epsilon=ADAM_EPS),
                         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     start = logical_weights(reference)
     ref = trained.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history

@@ -48,7 +48,10 @@ def build(seed, ep):
     return model
 
 def compile_model(model):
-    model.compile(optimizer=keras.optimizers.Adam(0.01),
+    # Adam epsilon 1e-3 on both sides: 4 steps at lr 0.01 move an element by at most
+    # 4 x 2 x 0.01 x 1e-7 / 1e-3 = 8e-6 for gradient round-off of 1e-7, inside atol 1e-5
+    # (derivation: tests/test_engine.py ADAM_EPS).
+    model.compile(optimizer=keras.optimizers.Adam(0.01, epsilon=1e-3),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
 def data():
@@ -149,7 +152,11 @@ CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "moe.yaml")
 SMALL_MOE = ["model.layers=2", "model.d_model=32", "model.heads=2", "model.ffn=64", "model.seq_len=32",
              "model.experts=4", "model.aux_loss_coef=0.05", "data.max_bytes=300000", "train.global_batch=8",
              "train.warmup=2", "train.lr=3e-3", "train.min_lr_ratio=1.0", "train.log_every=1",
-             "train.eval_every=8", "train.eval_batches=2", "checkpoint.every=4", "precision.policy=float32"]
+             "train.eval_every=8", "train.eval_batches=2", "checkpoint.every=4", "precision.policy=float32",
+             # AdamW epsilon 5e-3 in the oracle and the cluster alike (default 1e-8): 8 steps at lr 3e-3
+             # move an element by at most 8 x 2 x 3e-3 x 1e-7 / 5e-3 < 1e-6 for gradient round-off of
+             # 1e-7, inside the checkpoint's atol 1e-6 (derivation: tests/test_engine.py ADAM_EPS).
+             "train.eps=5e-3"]
 ROW_KEYS = ("loss", "grad_norm", "lr", "moe_aux_loss", "moe_balance", "moe_dropped", "moe_load_min", "moe_load_max")
 
 

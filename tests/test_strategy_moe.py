@@ -26,10 +26,16 @@ from phalanx.train.moe_stats import MoEStats
 MODEL = {"layers": 2, "d_model": 32, "heads": 2, "ffn": 32, "vocab": 256, "seq_len": 8, "experts": 4,
          "top_k": 2, "moe_every": 1, "aux_loss_coef": 0.5}
 
+# AdamW epsilon 1e-2 on both sides (default 1e-8): a gradient's float32 round-off d (~1e-7: sums in
+# another order) moves a step by at most ~2 x lr x d / eps (derivation: tests/test_engine.py
+# ADAM_EPS): 3 steps at lr <= 1e-2 move an element by at most 6e-7, inside the weights' atol 1e-6.
+ADAM_EPS = 1e-2
+
 
 def config(accum: int = 1, **model) -> Config:
     return Config().replace(model={**MODEL, **model},
-                            train={"global_batch": 8, "warmup": 1, "steps": 10, "lr": 1e-2, "grad_accum": accum},
+                            train={"global_batch": 8, "warmup": 1, "steps": 10, "lr": 1e-2, "grad_accum": accum,
+                                   "eps": ADAM_EPS},
                             precision={"policy": "float32"})
 
 
