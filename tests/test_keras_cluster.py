@@ -218,7 +218,7 @@ def test_two_workers_with_two_devices_each_sparse_gradients_and_batchnorm(tmp_pa
     proc, results = launch(tmp_path, "embed", "embed", epochs=2, overrides=["parallel.devices=cpu:2",
                                                                             "parallel.dp=2"])
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "on 2 workers x dp=2 pp=1" in proc.stderr
+    assert "on layout dp=2 tp=1 pp=1 " in proc.stderr and " workers=2" in proc.stderr
     # 2 workers x 2 replicas: each quarter of a batch is normalised with its own statistics, and
     # the 4 replicas' moving statistics are averaged once per step (locally, then across workers).
     reference = keras_reference("embed", 2, chunks=4, replicas=4)
@@ -241,7 +241,7 @@ def test_two_workers_with_two_devices_each_join_a_position_table_as_one_device(t
     proc, results = launch(tmp_path, "positions", "positions", epochs=2,
                            overrides=["parallel.devices=cpu:2", "parallel.dp=2"])
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "on 2 workers x dp=2 pp=1" in proc.stderr
+    assert "on layout dp=2 tp=1 pp=1 " in proc.stderr and " workers=2" in proc.stderr
     reference = keras_reference("positions", 2)
     assert len(results) == 2
     for result in results:
@@ -254,7 +254,7 @@ def test_batchnorm_statistics_of_two_workers_equal_dp2_in_one_process(tmp_path):
 
     proc, results = launch(tmp_path, "bn", "embed", epochs=2)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "on 2 workers x dp=1 pp=1" in proc.stderr
+    assert "on layout dp=1 tp=1 pp=1 " in proc.stderr and " workers=2" in proc.stderr
     ns = namespace()
     model = ns["build"]("embed", 3)
     ns["compile_model"](model)
@@ -280,7 +280,7 @@ def test_two_workers_train_an_uneven_last_batch_as_keras(tmp_path):
     proc, results = launch(tmp_path, "uneven", "mlp", epochs=2, n=53, batch=16,
                            overrides=["parallel.devices=cpu:2", "parallel.dp=2"])
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "on 2 workers x dp=2 pp=1" in proc.stderr
+    assert "on layout dp=2 tp=1 pp=1 " in proc.stderr and " workers=2" in proc.stderr
     assert "skipped" not in proc.stderr
     reference = keras_reference("mlp", 2, n=53, batch=16)
     assert len(results) == 2

@@ -103,7 +103,7 @@ def test_two_workers_with_expert_parallel_groups_equal_keras_fit(tmp_path):
            sys.executable, str(script), json.dumps(args)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env())
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "on 2 workers x dp=2 pp=1" in proc.stderr
+    assert "on layout dp=2 tp=1 pp=1 " in proc.stderr and " workers=2" in proc.stderr
     results = [json.loads(Path(f"{out}.{k}.json").read_text()) for k in (0, 1)]
     # The oracle: Keras's fit of the model on 4 chunks per batch (2 workers x 2 replicas).
     ns = namespace()
