@@ -12,7 +12,7 @@ import pytest
 from helpers import tiny_overrides, write_corpus
 
 TF_LINE = re.compile(r"^[EWI]\d{4} |cpu_feature_guard|oneDNN custom operations|absl::InitializeLog", re.M)
-LAYOUT_PARTS = ("dp=2", "tp=1", "pp=1", "ep=1", "schedule=1f1b", "microbatches=2", "grad_accum=1", "zero=1",
+LAYOUT_PARTS = ("dp=2", "tp=1", "pp=1", "ep=1", "schedule=1f1b", "microbatches=1", "grad_accum=2", "zero=1",
                 "recompute=full", "sequence_parallel=off", "float32", "workers=1")
 
 
@@ -33,7 +33,7 @@ def corpus(tmp_path_factory):
 
 def test_quiet_run_prints_no_tensorflow_lines_and_the_whole_layout(tmp_path, corpus):
     args = tiny_overrides(tmp_path, corpus, train__steps=3, parallel__devices="cpu:2", parallel__dp=2,
-                          parallel__zero=1, parallel__recompute="full", parallel__microbatches=2,
+                          parallel__zero=1, parallel__recompute="full", train__grad_accum=2,
                           precision__policy="float32")
     proc = run("train", *args)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -162,14 +162,15 @@ def test_overwrite_replaces_a_previous_export_and_nothing_else(run_copy, tmp_pat
 
 def test_export_falls_back_past_a_damaged_newest_checkpoint_and_moves_nothing(run_copy, tmp_path, capsys):
     newest = run_copy / "checkpoints" / "step-00000004"
-    flip_byte(newest / "shards" / "tensors.bin")
+    damaged = sorted(newest.glob("shards/*.bin"))[0]  # the first shard set's data file
+    flip_byte(damaged)
     checkpoints = tree_bytes(run_copy / "checkpoints")
     out = tmp_path / "out"
     assert export_cli(run_copy, "--output", str(out)) == 0
     err = capsys.readouterr().err
     # the warning `phalanx eval` and `phalanx train` print, naming the file and the fault
     assert "warning: skipping damaged checkpoint step-00000004: " in err
-    assert "step-00000004/shards/tensors.bin: checksum mismatch" in err
+    assert f"step-00000004/shards/{damaged.name}: checksum mismatch" in err
     meta = json.loads((out / "export.json").read_text())
     assert meta["step"] == 2 and meta["checkpoint"].endswith("step-00000002")
     assert tree_bytes(run_copy / "checkpoints") == checkpoints  # a reader moves nothing

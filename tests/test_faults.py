@@ -160,7 +160,9 @@ def test_corrupted_newest_checkpoint_resumes_from_the_previous_one(tmp_path, cac
     assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
 
     for path in checkpoint.all_checkpoints(run_dir / "checkpoints"):
-        for shard in (path / "shards").glob("*.bin"):
+        shards = list(path.glob("shards/*.bin"))  # every shard set's data file
+        assert shards, path
+        for shard in shards:
             data = bytearray(shard.read_bytes())
             data[100] ^= 0xFF
             shard.write_bytes(bytes(data))

@@ -160,7 +160,7 @@ def test_the_engine_state_has_the_builtin_names_and_moments(devices):
 @pytest.mark.parametrize("extra,key", [
     (["parallel.zero=2"], "parallel.zero"),
     (["parallel.recompute=full"], "parallel.recompute"),
-    (["parallel.strategy=mirrored"], "parallel.strategy"),
+    (["parallel.strategy=parameter_server"], "parallel.strategy"),
     (["parallel.microbatches=2"], "parallel.microbatches"),
     (["train.prune.target=0.5"], "train.prune.target"),
     (["model.experts=0"], "parallel.ep.*model.experts=0"),

@@ -212,17 +212,6 @@ def test_nested_keys_from_yaml_and_overrides(tmp_path):
     assert load_config(None, []).train.prune.target == 0  # off by default
 
 
-def test_keras_fit_refuses_prune_keys(tmp_path):
-    import keras
-    import phalanx
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-    model.compile(optimizer="adam", loss="mse")
-    with pytest.raises(ConfigError) as err:
-        phalanx.fit(model, np.zeros([8, 4], np.float32), np.zeros([8, 2], np.float32), epochs=1, verbose=0,
-                    overrides=["train.prune.target=0.5", f"run.dir={tmp_path}/k"])
-    assert err.value.key == "train.prune.target"
-
-
 def test_moe_experts_are_pruned_2_4_too():
     from phalanx.engines.factory import build_engine
     cfg = load_config(None, TINY + ["model.experts=2", "train.prune.target=0.5", "train.prune.pattern=2:4",
@@ -369,7 +358,9 @@ def _strategy_engine(layout: str, prune_on: bool = True):
     overrides = ["train.prune.target=0.5", "train.prune.start=0", "train.prune.end=4", "train.prune.every=2"]
     cfg = load_config(None, TINY + LAYOUTS[layout] + (overrides if prune_on else []))
     engine = build_engine(cfg, GPTTask(cfg.model, "float32", cfg.train.seed))
-    assert type(engine) is StrategyEngine
+    # pruning runs on tf.distribute's engine; without it phalanx train routes the GPT to the
+    # Keras-model engine (plan/engine_rules.OLD_ENGINE_ROWS), whose checkpoint has the same names
+    assert type(engine) is StrategyEngine or not prune_on, type(engine)
     return cfg, engine
 
 

@@ -337,8 +337,10 @@ def _export(float_model, make_artifact_model, fmt: str, mode, out: Path, overwri
             art = load_artifact(tmp)
             quality = report_lib.compare(lambda x: float_model.predict_on_batch(x), art.predict, batches_fn(), kind,
                                          progress=say, total=total)
-        rep = report_lib.build({**meta, "artifact": str(out / MODEL_FILES[fmt])}, quality, float_size,
+        # sized where it is now (the hidden sibling), named where it will be
+        rep = report_lib.build({**meta, "artifact": str(tmp / MODEL_FILES[fmt])}, quality, float_size,
                                artifact_size, notes)
+        rep["artifact"] = str(out / MODEL_FILES[fmt])
         report_lib.write(rep, tmp / REPORT_FILE)
         move_into_place(tmp, out, overwrite)
     except OSError as err:

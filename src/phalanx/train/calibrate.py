@@ -105,10 +105,16 @@ def calibrate(cfg, plan=None, steps: int = 3, predicted_per_device: dict | None 
                         dtype=tf.int32)
     variables = None
     if isinstance(engine, KerasGPTEngine):
-        # expert parallelism: the Keras-model engine with phalanx's AdamW (its moments are
-        # plain tf.Variables beside each weight, not Keras optimizer variables)
+        # the Keras-model engine with phalanx's AdamW: its moments (Keras slots, by their
+        # tf.Variables) counted once beside what the engine keeps
         opt = engine.optimizer
-        variables = keras_engine_variables(engine.engine) + list(opt.m) + list(opt.v)
+        variables = keras_engine_variables(engine.engine)
+        seen = {id(v) for v in variables}
+        for slot in list(opt.m) + list(opt.v):
+            tv = slot if isinstance(slot, tf.Variable) else slot.value
+            if id(tv) not in seen:
+                seen.add(id(tv))
+                variables.append(tv)
         if predicted_per_device is None and plan is not None:
             predicted_per_device = {d: m.total for d, m in keras_memory_per_device(
                 cfg, engine_blocks_per_stage(engine.engine), optimizer="phalanx").items()}
