@@ -49,12 +49,21 @@ def test_resolve(config, cluster, expected):
     (cfg("multi_worker"), info(2, 1), "does not use parameter servers"),
     (cfg("parameter_server"), info(2), "needs a cluster with ps tasks"),
     (cfg("parameter_server"), SINGLE, "phalanx launch --workers 2 --ps 1"),
-    (cfg("multi_worker", tp=2), info(2), "need parallel.strategy=mesh"),
+    (cfg("parameter_server", tp=2), info(2, 1), "need parallel.strategy=mesh"),
 ])
 def test_resolve_errors(config, cluster, fragment):
     with pytest.raises(ConfigError) as err:
         resolve_strategy_name(config, cluster)
     assert err.value.key == "parallel.strategy" and fragment in str(err.value)
+
+
+def test_multi_worker_is_each_workers_own_layout_unless_it_is_tf_distributes_step():
+    # phalanx train's built-in GPT: parallel.* is each worker's layout on the Keras-model engine.
+    assert resolve_strategy_name(cfg("multi_worker", tp=2, pp=2), info(2)) == "multi_worker"
+    assert strategies.keras_workers(cfg("multi_worker")) and not strategies.keras_workers(cfg("multi_worker"), True)
+    # tf.distribute's own step (a Keras task's StrategyEngine) is data parallel only.
+    with pytest.raises(ConfigError, match=r"parallel.strategy: multi_worker is data parallel only.*mesh"):
+        resolve_strategy_name(cfg("multi_worker", tp=2), info(2), strategy_step=True)
 
 
 def test_mesh_is_not_built_here():
@@ -145,7 +154,7 @@ MULTI_WORKER_SCRIPT = textwrap.dedent('''
         from phalanx.cluster.strategies import setup_cluster
         cfg = Config().replace(parallel={"strategy": "multi_worker" if mode == "multi" else "mirrored", "dp": 2},
                                train={"global_batch": 8, "lr": 0.05, "warmup": 0})
-        setup = setup_cluster(cfg)                   # first: before any other TF op
+        setup = setup_cluster(cfg, strategy_step=True)   # first: before any other TF op; tf.distribute's step
         strategy, rows = setup.strategy, setup.local_batch   # rows: this process's share of the global batch
         import keras
         from phalanx.engines.strategy import StrategyEngine

@@ -17,13 +17,17 @@
   cluster :func:`setup_cluster` joins it and names the mesh's devices on every task
   (:mod:`phalanx.cluster.mesh_cluster`).
 
-Expert parallelism (``parallel.ep > 1``) trains on the Keras-model engine
-(:mod:`phalanx.engines.keras_gpt`), which spans workers with ``multi_worker`` only
-(``auto`` under a cluster of workers picks it): ``parallel.*`` is then each worker's own
-layout (its devices made here, ``tp``/``pp`` included), every worker reads the whole
-global batch and trains its rows of it, and the workers are data parallel
-(:class:`phalanx.engines.keras_cluster.WorkerGroup`). The experts are sharded within a
-worker, never across workers; ``mesh`` and ``parameter_server`` clusters are refused.
+``phalanx train``'s ``multi_worker`` run of the built-in GPT (dense or mixture-of-experts)
+trains on the Keras-model engine (:mod:`phalanx.engines.keras_gpt`), not on the strategy's
+step: ``parallel.*`` is each worker's own layout (its devices made here, ``dp``/``tp``/``pp``/
+``ep`` over them), every worker reads the whole global batch and trains its rows of it, and
+the workers are data parallel (:class:`phalanx.engines.keras_cluster.WorkerGroup`). The
+strategy is still created, for what its constructor sets up (the collectives, the
+coordination service). Experts are sharded within a worker, never across workers: with
+``parallel.ep > 1``, ``mesh`` and ``parameter_server`` clusters are refused. A Keras task's
+tf.distribute step (:class:`~phalanx.engines.strategy.StrategyEngine`) asks for the strategy's
+own set-up with ``setup_cluster(cfg, strategy_step=True)``: each worker then feeds its share
+of the batch to MultiWorkerMirroredStrategy.
 
 Keras 3 ``model.fit`` fails under both multi-process strategies (keras-team/keras#20585,
 #18624); phalanx trains with a custom loop (``strategy.run`` + cross-replica sums),
@@ -67,8 +71,12 @@ PARAMETER_SERVER = "parameter_server"
 MESH = "mesh"
 
 
-def resolve_strategy_name(cfg: Any, info: ClusterInfo) -> str:
+def resolve_strategy_name(cfg: Any, info: ClusterInfo, strategy_step: bool = False) -> str:
     """``parallel.strategy`` with ``auto`` resolved, checked against the cluster.
+
+    ``strategy_step``: the run is tf.distribute's own step (a Keras task's
+    :class:`~phalanx.engines.strategy.StrategyEngine`), not ``phalanx train``'s built-in GPT,
+    whose ``multi_worker`` run is each worker's own layout on the Keras-model engine.
 
     >>> from phalanx.config import Config
     >>> resolve_strategy_name(Config(), ClusterInfo.single_process())
@@ -95,9 +103,12 @@ def resolve_strategy_name(cfg: Any, info: ClusterInfo) -> str:
                                                f"multi_worker only (launch without --ps): parallel.* is then each "
                                                f"worker's own layout, the experts sharded within a worker and the "
                                                f"workers data parallel")
-    if name in (MULTI_WORKER, PARAMETER_SERVER) and (p.tp > 1 or p.pp > 1) and not (name == MULTI_WORKER and p.ep > 1):
+    if name in (MULTI_WORKER, PARAMETER_SERVER) and (p.tp > 1 or p.pp > 1) and \
+            not (name == MULTI_WORKER and keras_workers(cfg, strategy_step)):
         raise ConfigError("parallel.strategy", f"{name} is data parallel only; parallel.tp={p.tp} and "
-                                               f"parallel.pp={p.pp} need parallel.strategy=mesh")
+                                               f"parallel.pp={p.pp} need parallel.strategy=mesh" +
+                          (" (or the built-in GPT's multi_worker run, each worker's own layout)"
+                           if name == MULTI_WORKER else ""))
     if name == LOCAL and info.num_workers > 1:
         raise ConfigError("parallel.strategy", f"mirrored trains in one process, but TF_CONFIG names "
                                                f"{info.num_workers} workers; use multi_worker (or parameter_server "
@@ -109,11 +120,23 @@ def resolve_strategy_name(cfg: Any, info: ClusterInfo) -> str:
         raise ConfigError("parallel.strategy", "parameter_server needs a cluster with ps tasks and a chief; e.g. "
                                                "phalanx launch --workers 2 --ps 1 -- phalanx train "
                                                "parallel.strategy=parameter_server (or set TF_CONFIG)")
-    refuse_unhonoured(cfg, name)
+    refuse_unhonoured(cfg, name, strategy_step)
     return name
 
 
-def refuse_unhonoured(cfg: Any, name: str) -> None:
+def keras_workers(cfg: Any, strategy_step: bool = False) -> bool:
+    """Whether a ``multi_worker`` run of ``cfg`` is each worker's own layout on the Keras-model
+    engine (``phalanx train``'s built-in GPT, and any run with ``parallel.ep > 1``) rather than
+    tf.distribute's step (``strategy_step``: a Keras task's :class:`StrategyEngine`).
+
+    >>> from phalanx.config import Config
+    >>> keras_workers(Config()), keras_workers(Config(), strategy_step=True)
+    (True, False)
+    """
+    return cfg.parallel.ep > 1 or not strategy_step
+
+
+def refuse_unhonoured(cfg: Any, name: str, strategy_step: bool = False) -> None:
     """Raise :class:`ConfigError` for a ``parallel.*`` value the strategy ``name`` would ignore.
 
     multi_worker, parameter_server and mirrored train with tf.distribute's own step
@@ -123,20 +146,25 @@ def refuse_unhonoured(cfg: Any, name: str) -> None:
     ``parallel.recompute`` and ``parallel.microbatches`` (one process, or across the
     workers of a cluster with ``parallel.strategy=mesh``); silently dropping them would
     train with more memory than asked, or differently, without a word.
-    ``multi_worker`` with ``parallel.ep > 1`` is not the strategy's step but the expert-parallel
-    GPT's (module docstring), which refuses what it cannot honour itself.
+    ``multi_worker`` without ``strategy_step`` (:func:`keras_workers`) is not the strategy's step
+    but the Keras-model engine's on each worker's own layout (module docstring): it honours
+    ``parallel.devices``, micro-batches and tp/pp; its own refusals apply
+    (:func:`phalanx.engines.keras_gpt.refuse_unhonoured`), and ZeRO across workers is refused here.
 
     >>> from phalanx.config import Config
     >>> refuse_unhonoured(Config().replace(parallel={"zero": 1}), "multi_worker")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    phalanx.config.ConfigError: parallel.zero: 1 is not honoured by parallel.strategy=multi_worker ...
+    phalanx.config.ConfigError: parallel.zero: 1 is not honoured by parallel.strategy=multi_worker: ...across workers...
     """
     p = cfg.parallel
-    if name == MULTI_WORKER and p.ep > 1:
-        # The expert-parallel GPT's multi_worker run is each worker's own layout on the Keras-model
-        # engine: its own refusals apply (phalanx.engines.keras_gpt.refuse_unhonoured), and
-        # parallel.devices / microbatches are honoured there.
+    if name == MULTI_WORKER and keras_workers(cfg, strategy_step):
+        if p.zero:  # (the Keras-model engine's own rule across workers: keras_model.check_zero)
+            raise ConfigError("parallel.zero", f"{p.zero} is not honoured by parallel.strategy=multi_worker: the "
+                                               f"Keras-model engine does not slice the optimizer state, gradients or "
+                                               f"weights across workers (every worker applies the whole update after "
+                                               f"the gradient all-reduce); set parallel.zero=0, or parallel."
+                                               f"strategy=mesh (one mesh over the workers' devices)")
         return
     # "mirrored" chosen by "auto" is not refused: in one process the trainer then builds the
     # mesh engine for these keys (phalanx.engines.factory.needs_mesh_engine).
@@ -377,8 +405,8 @@ class ClusterSetup:
     (``make_datasets(cfg, data_index, data_count)``): worker i of N under
     multi_worker; the whole batch (0 of 1) for one process and for the
     parameter-server chief, which feeds every step itself, and every worker of the
-    expert-parallel GPT's ``multi_worker`` run, which trains its own rows of the whole batch
-    (:func:`_expert_parallel_setup`). ``is_chief``: this process writes checkpoints, metrics
+    built-in GPT's ``multi_worker`` run on the Keras-model engine, which trains its own rows of
+    the whole batch (:func:`_keras_engine_setup`). ``is_chief``: this process writes checkpoints, metrics
     and logs.
     """
 
@@ -412,22 +440,28 @@ def needs_cluster(cfg: Any, info: ClusterInfo | None = None) -> bool:
     return cfg.parallel.strategy in ("auto", MESH) and info.is_distributed and (info.num_workers > 1 or info.num_ps > 0)
 
 
-def setup_cluster(cfg: Any, info: ClusterInfo | None = None, devices: Sequence[str] | None = None) -> ClusterSetup:
+def setup_cluster(cfg: Any, info: ClusterInfo | None = None, devices: Sequence[str] | None = None,
+                  strategy_step: bool = False) -> ClusterSetup:
     """Serve (ps-mode worker/ps tasks, and non-chief tasks of a mesh across workers: never
     returns), then build and check the strategy (or, for ``mesh``, join the cluster and
     name the mesh's devices in ``ClusterSetup.devices``).
 
+    ``multi_worker`` is set up for ``phalanx train``'s built-in GPT on the Keras-model engine
+    (:func:`_keras_engine_setup`: each worker's own devices, the whole batch on every worker);
+    ``strategy_step=True`` sets it up for tf.distribute's step instead (a Keras task's
+    :class:`~phalanx.engines.strategy.StrategyEngine`: each worker feeds its share).
+
     Call it first in a training process, before any other TensorFlow op.
     """
     info = cluster_info_from_env() if info is None else info
-    name = resolve_strategy_name(cfg, info)  # config errors before a server starts
+    name = resolve_strategy_name(cfg, info, strategy_step)  # config errors before a server starts
     if name == MESH and info.is_distributed:
         # The mesh engine's devices span the tasks; non-chief tasks serve in here and never return.
         devices = setup_mesh_cluster(cfg, info)
         return ClusterSetup(info=info, strategy=None, coordinator=None, name=name, data_index=0, data_count=1,
                             local_batch=cfg.train.global_batch, devices=tuple(devices))
-    if name == MULTI_WORKER and cfg.parallel.ep > 1:
-        return _expert_parallel_setup(cfg, info)
+    if name == MULTI_WORKER and keras_workers(cfg, strategy_step):
+        return _keras_engine_setup(cfg, info)
     serve_if_server_task(info)
     strategy = make_strategy(cfg, info, devices)
     local_batch = check_batch(cfg, strategy)
@@ -439,8 +473,8 @@ def setup_cluster(cfg: Any, info: ClusterInfo | None = None, devices: Sequence[s
                         data_index=index, data_count=count, local_batch=local_batch)
 
 
-def _expert_parallel_setup(cfg: Any, info: ClusterInfo) -> ClusterSetup:
-    """``multi_worker`` for the expert-parallel GPT (module docstring): this worker's own
+def _keras_engine_setup(cfg: Any, info: ClusterInfo) -> ClusterSetup:
+    """``multi_worker`` for the built-in GPT on the Keras-model engine (module docstring): this worker's own
     devices for its ``parallel.*`` layout (logical CPUs split before the runtime starts), then
     a MultiWorkerMirroredStrategy for what its constructor sets up (the collectives, the
     coordination service), as :func:`phalanx.init` does for ``phalanx.fit``. Every worker

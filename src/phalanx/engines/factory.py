@@ -7,13 +7,15 @@ The model code is written for one device; this step decides how it runs on the m
   set up by :func:`phalanx.cluster.strategies.setup_cluster`). The built-in GPT trains on
   :class:`~phalanx.engines.keras_gpt.KerasGPTEngine` (the Keras-model engine: one device, dp,
   tp, pp with any schedule, sequence parallelism, ep, grad accumulation, mixed precision,
-  ZeRO-1; across workers for ``parallel.ep > 1``, :func:`_keras_gpt_across_workers`). Only
+  ZeRO-1; across workers with ``parallel.strategy=multi_worker``, each worker's own layout,
+  :func:`_keras_gpt_across_workers`). Only
   what that engine does not run yet goes to an older engine, decided in one place:
   :meth:`phalanx.plan.engine_rules.GPTRun.engine` with its table
   :data:`~phalanx.plan.engine_rules.OLD_ENGINE_ROWS` (the mesh engine for ZeRO-2 and
   recomputation, tf.distribute's :class:`~phalanx.engines.strategy.StrategyEngine` or the mesh
-  engine for pruning and dropout, the parameter-server engine, MultiWorkerMirroredStrategy).
-  A Keras task of the Trainer trains on tf.distribute (data parallel);
+  engine for pruning and dropout, the parameter-server engine, the mesh engine across workers).
+  A Keras task of the Trainer trains on tf.distribute (data parallel; across workers with
+  ``setup_cluster(cfg, strategy_step=True)``);
 * :func:`make_engine` applies a given mesh to a model from outside:
 
   - the built-in GPT (a :class:`~phalanx.engines.task.GPTTask` or a ``ModelConfig``) ->
@@ -79,25 +81,45 @@ def refuse_before_build(cfg: Config, task, cluster=None) -> None:
         raise ConfigError("parallel.sequence_parallel", "true: the mesh engine runs sequence parallelism for the "
                                                         "dense GPT; the mixture-of-experts GPT (model.experts, "
                                                         "parallel.ep) does not run it yet")
-    if p.ep > 1 or (isinstance(task, GPTTask) and cluster is None and wants_keras_gpt(cfg)):
+    across = isinstance(task, GPTTask) and _worker_group_cluster(cluster)
+    if p.ep > 1 or across or (isinstance(task, GPTTask) and cluster is None and wants_keras_gpt(cfg)):
         # the GPT of parallel Keras layers on the Keras-model engine (expert parallelism included)
         if not isinstance(task, GPTTask):
             raise ConfigError("parallel.ep", f"{p.ep}: phalanx train runs expert parallelism for the "
                                              f"built-in GPT (in one process, or across workers with parallel."
                                              f"strategy=multi_worker); for another task use parallel.ep=1 (a Keras "
                                              f"model: phalanx.layers.MoE(ep=N) through phalanx.fit)")
+        if across and p.ep == 1:
+            # Across workers the dense GPT trains on the Keras-model engine only: what that engine does
+            # not run yet (GPTRun's older-engine rows) is refused here, naming its key.
+            reasons = gpt_run(cfg, cluster).old_engine_reasons()
+            if reasons:
+                key = reasons[0].split("=", 1)[0]
+                raise ConfigError(key, f"{reasons[0].split('=', 1)[1]}; across workers (parallel.strategy="
+                                       f"multi_worker) phalanx train runs the built-in GPT on the Keras-model engine "
+                                       f"(each worker's own layout), which does not run it: train it in one process, "
+                                       f"or across workers with parallel.strategy=mesh")
         keras_gpt_refusals(cfg)
-        if p.ep > 1:
+        if across:
+            refuse_unhonoured(cfg, MULTI_WORKER)  # ZeRO across workers
+        if p.ep > 1 or across:
             return
     if getattr(cluster, "devices", None):  # a mesh across the workers' devices: the mesh engine's own checks
         return
     elif cluster is not None:
-        refuse_unhonoured(cfg, cluster.name)
+        refuse_unhonoured(cfg, cluster.name, strategy_step=True)
     else:  # (parallel.microbatches with parallel.pp=1: config.refuse_ignored; with pp=-1: at build)
         refuse_unhonoured(cfg, p.strategy)  # e.g. an explicit "mirrored" with parallel.zero=1
         if p.zero and p.dp == 1:
             raise ConfigError("parallel.zero", f"{p.zero} shards the optimizer state over the data replicas, and "
                                                f"parallel.dp=1 has one: set parallel.dp > 1, or parallel.zero=0")
+
+
+def _worker_group_cluster(cluster) -> bool:
+    """Whether ``cluster`` is :func:`~phalanx.cluster.strategies.setup_cluster`'s ``multi_worker``
+    set-up for the Keras-model engine (every worker reads the whole batch and trains its rows)."""
+    return getattr(cluster, "name", None) == MULTI_WORKER and not getattr(cluster, "devices", None) \
+        and getattr(cluster, "coordinator", None) is None and getattr(cluster, "data_count", 1) == 1
 
 
 def _refuse_microbatches(n: int) -> None:
@@ -116,6 +138,9 @@ def build_engine(cfg: Config, task, cluster=None):
         if cluster is None:
             return KerasGPTEngine(cfg, task, build_mesh(cfg))
         return _keras_gpt_across_workers(cfg, task, cluster)
+    if isinstance(task, GPTTask) and getattr(cluster, "name", None) == MULTI_WORKER \
+            and not getattr(cluster, "devices", None):
+        return _keras_gpt_across_workers(cfg, task, cluster)  # each worker's own layout, the workers data parallel
     if isinstance(task, GPTTask) and cluster is None and gpt_run(cfg).engine() == "keras":
         return gpt_engine(cfg, build_mesh(cfg), task)
     if cfg.parallel.zero == 3:
@@ -127,6 +152,12 @@ def build_engine(cfg: Config, task, cluster=None):
     if cluster is not None:  # a multi-process strategy, built first (cluster.strategies.setup_cluster)
         if cluster.coordinator is not None:  # cluster: parameter servers, steps scheduled on the workers
             return ParameterServerEngine(cfg, task, cluster.strategy, cluster.coordinator, cluster.info.num_workers)
+        if _worker_group_cluster(cluster) and cluster.info.num_workers > 1:
+            raise ConfigError("parallel.strategy", f"multi_worker: this cluster was set up for the built-in GPT on "
+                                                   f"the Keras-model engine (every worker reads the whole batch); "
+                                                   f"a {type(task).__name__} trains on tf.distribute's step: set it "
+                                                   f"up with phalanx.cluster.strategies.setup_cluster(cfg, "
+                                                   f"strategy_step=True)")
         return StrategyEngine(cfg, task, cluster.strategy)
     mesh = build_mesh(cfg)
     if cfg.parallel.sequence_parallel and mesh.tp < 2:
@@ -162,23 +193,25 @@ def gpt_engine(cfg: Config, mesh: Mesh, task: GPTTask):
 
 
 def _keras_gpt_across_workers(cfg: Config, task: GPTTask, cluster) -> KerasGPTEngine:
-    """The expert-parallel GPT under ``cluster`` (:func:`~phalanx.cluster.strategies.setup_cluster`'s
-    ``multi_worker`` set-up for ``parallel.ep > 1``): ``parallel.*`` is each worker's own layout,
-    the experts sharded within a worker, and the workers data parallel through a
+    """The built-in GPT (dense or expert-parallel) under ``cluster``
+    (:func:`~phalanx.cluster.strategies.setup_cluster`'s ``multi_worker`` set-up):
+    ``parallel.*`` is each worker's own layout (dp, tp, pp, ep over its devices; the experts
+    sharded within a worker), and the workers are data parallel through a
     :class:`~phalanx.engines.keras_cluster.WorkerGroup`, as :func:`phalanx.fit` spans workers.
     Every worker must call it at the same point (the group's first collective runs here)."""
-    ep = cfg.parallel.ep
+    key = "parallel.ep" if cfg.parallel.ep > 1 else "parallel.strategy"
+    value = cfg.parallel.ep if cfg.parallel.ep > 1 else "multi_worker"
     name = getattr(cluster, "name", None)
     if name != MULTI_WORKER or getattr(cluster, "devices", None) or getattr(cluster, "coordinator", None):
-        raise ConfigError("parallel.ep", f"{ep}: the expert-parallel GPT trains in one process, or across "
-                                         f"workers with parallel.strategy=multi_worker (each worker's own "
-                                         f"layout, set up by phalanx.cluster.strategies.setup_cluster); got a "
-                                         f"{name or type(cluster).__name__} set-up")
-    if cluster.data_count != 1:  # a hand-made set-up feeding each worker a share of the batch
-        raise ConfigError("parallel.ep", f"{ep}: every worker of the expert-parallel GPT reads the whole global "
-                                         f"batch and trains its own rows of it, but this set-up feeds worker "
-                                         f"{cluster.data_index} of {cluster.data_count} a share; build it with "
-                                         f"phalanx.cluster.strategies.setup_cluster")
+        raise ConfigError(key, f"{value}: the built-in GPT on the Keras-model engine trains in one process, or "
+                               f"across workers with parallel.strategy=multi_worker (each worker's own "
+                               f"layout, set up by phalanx.cluster.strategies.setup_cluster); got a "
+                               f"{name or type(cluster).__name__} set-up")
+    if cluster.data_count != 1:  # a set-up feeding each worker a share of the batch (strategy_step=True)
+        raise ConfigError(key, f"{value}: every worker of the built-in GPT's multi_worker run reads the whole "
+                               f"global batch and trains its own rows of it, but this set-up feeds worker "
+                               f"{cluster.data_index} of {cluster.data_count} a share; build it with "
+                               f"phalanx.cluster.strategies.setup_cluster(cfg) (without strategy_step)")
     if not keras_cluster.cluster_mode(cfg, cluster.info):  # multi_worker without a cluster: this process alone
         return KerasGPTEngine(cfg, task, build_mesh(cfg))
     mesh = build_mesh(cfg, keras_cluster.local_devices(cfg, cluster.info))

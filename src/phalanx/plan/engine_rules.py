@@ -22,7 +22,8 @@ rules where they can be probed:
   ``ReductionToOneDevice``) sums each shard's replicas with ``add_n`` on one device and
   every replica reads the sum back (reduce-to-one + broadcast); ZeRO-2 reduce-scatters
   directly (replica ``d`` sums piece ``d``); only ``parallel.strategy=multi_worker``
-  uses ``MultiWorkerMirroredStrategy``'s collective RING all-reduce;
+  sums across workers with TensorFlow's collective RING all-reduce (the Keras-model engine's
+  worker group, :mod:`phalanx.engines.keras_cluster`);
 * the mixture-of-experts GPT: five flags, :data:`GPT_EXPERT_PARALLEL`, :data:`GPT_EP_WITH_TP_PP`,
   :data:`GPT_EP_WITH_ZERO`, :data:`GPT_EP_WITH_RECOMPUTE` and :data:`GPT_MOE_ON_MESH`, stated here because the refusals sit
   inside the engines' constructors; ``tests/test_plan_engine.py`` checks each against the engine's refusal,
@@ -127,7 +128,8 @@ class GPTRun:
     def engine(self) -> str:
         """``keras`` (:class:`~phalanx.engines.keras_gpt.KerasGPTEngine`), else the older engine
         the run needs: ``mesh`` (tp, pp, ZeRO, recompute or ``parallel.strategy=mesh``),
-        ``parameter_server``, or ``strategy`` (tf.distribute's data parallelism)."""
+        ``parameter_server``, or ``strategy`` (tf.distribute's data parallelism). Across workers
+        (``cluster="multi_worker"``) only ``keras`` runs: the factory refuses the others."""
         if self.ep > 1 or not self.old_engine_reasons():
             return "keras"  # (expert parallelism refuses there what it cannot run)
         if self.cluster == "parameter_server":
@@ -141,8 +143,9 @@ class GPTRun:
 #: What the Keras-model engine (``engines/keras_gpt.py``) does not run yet for the built-in GPT:
 #: ``(key, GPTRun field, applies, why)``. ``phalanx train`` builds an older engine for a run
 #: only when a row applies (:meth:`GPTRun.engine`); every other run (one device, dp, tp, pp
-#: with any schedule, grad accumulation, mixed precision, ZeRO-1, the MoE GPT) trains on the
-#: Keras-model engine. Removing a row moves its runs over; with no rows left the older
+#: with any schedule, grad accumulation, mixed precision, ZeRO-1, the MoE GPT, and across workers
+#: with ``parallel.strategy=multi_worker``, each worker's own layout) trains on the Keras-model engine
+#: (across workers, a run a row applies to is refused: ``engines/factory.py`` refuse_before_build). Removing a row moves its runs over; with no rows left the older
 #: engines are dead code.
 OLD_ENGINE_ROWS: tuple = (
     ("parallel.zero", "zero", lambda r: r.zero >= 2, "ZeRO-2/3 (sharded gradients) runs on the mesh engine"),
@@ -153,8 +156,6 @@ OLD_ENGINE_ROWS: tuple = (
      "layout-independent dropout masks run on the mesh engine"),
     ("parallel.strategy", "cluster", lambda r: r.cluster in ("parameter_server", "mesh"),
      "parameter servers, and a mesh spanning the workers, run on their own engines"),
-    ("parallel.strategy", "cluster", lambda r: r.cluster == "multi_worker",
-     "data parallelism across workers runs on tf.distribute's MultiWorkerMirroredStrategy"),
 )
 
 
