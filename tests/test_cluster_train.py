@@ -9,7 +9,8 @@ process it started is left behind. Tiny model, float32, one shared data cache.
 * a worker SIGKILLed under --restarts 1: the cluster restarts within 30 s, resumes
   from the last checkpoint, and the final losses equal the uninterrupted run's;
 * a worker crashing mid-run without --restarts: launch exits non-zero within 30 s;
-* pp=2 with one stage per worker equals pp=2 on 2 logical CPUs of one process;
+* pp=2 with one stage per worker (parallel.strategy=mesh: the chief's Keras-model engine places
+  stage 1 on worker:1) equals pp=2 on 2 logical CPUs of one process;
 * SIGTERM (preemption) to one worker of two: both stop at the same step, the chief
   saves a checkpoint, everything exits 0; the same for a single process;
 * parameter_server (chief + 2 workers + 1 ps): the loss falls and its checkpoint loads
@@ -252,7 +253,8 @@ def test_parameter_server_trains_and_its_checkpoint_loads(cache, tmp_path, capsy
 TRAIN_IN_CLUSTER = ("import sys; from phalanx.config import load_config; "
                     "from phalanx.cluster.strategies import setup_cluster; cfg = load_config(None, sys.argv[1:]); "
                     "setup = setup_cluster(cfg); from phalanx.train.trainer import Trainer; "
-                    "Trainer(cfg, cluster=setup).fit()")
+                    "t = Trainer(cfg, cluster=setup); t.fit(); "
+                    "print('TASKS', sorted({v.value.device.split('/device')[0] for v in t.engine.model.variables}))")
 
 
 def test_pipeline_stages_on_two_workers_equal_local_pipeline(cache, tmp_path):
@@ -274,6 +276,9 @@ def test_pipeline_stages_on_two_workers_equal_local_pipeline(cache, tmp_path):
     assert "layout dp=1 tp=1 pp=2" in out.stderr
     assert "[worker:1] [phalanx.cluster] the chief at" in out.stdout  # worker:1 served, then left
     meta = json.loads((run_dir / "checkpoints" / "step-00000006" / "meta.json").read_text())
-    assert meta["layout"]["engine"] == "MeshEngine"
+    assert meta["layout"]["engine"] == "KerasGPTEngine"  # the Keras-model engine drives the remote stages
+    # the model's variables live on both tasks: stage 1 on worker:1, placed from the chief
+    assert "[worker:0] TASKS ['/job:worker/replica:0/task:0', '/job:worker/replica:0/task:1']" in out.stdout, \
+        out.stdout[-2000:]
     assert_same_losses(losses(run_dir), expected)
     assert_gone(task_pids(out.stderr).values())

@@ -122,7 +122,7 @@ def test_mesh_across_workers_resumes_after_a_kill_with_the_uninterrupted_losses(
     np.testing.assert_allclose([r["loss"] for r in got], expected, rtol=1e-5)
     assert checkpoint_steps(run_dir)[-1] == MESH_STEPS
     meta = json.loads((run_dir / "checkpoints" / f"step-{MESH_STEPS:08d}" / "meta.json").read_text())
-    assert meta["layout"]["engine"] == "MeshEngine"
+    assert meta["layout"]["engine"] == "KerasGPTEngine"  # the Keras-model engine on the remote mesh
     assert_gone(first_pids | set(task_pids(err).values()))
 
 

@@ -104,7 +104,9 @@ def refuse_before_build(cfg: Config, task, cluster=None) -> None:
             refuse_unhonoured(cfg, MULTI_WORKER)  # ZeRO across workers
         if p.ep > 1 or across:
             return
-    if getattr(cluster, "devices", None):  # a mesh across the workers' devices: the mesh engine's own checks
+    if getattr(cluster, "devices", None):  # a mesh across the workers' devices
+        if isinstance(task, GPTTask) and gpt_run(cfg, cluster).engine() == "keras":
+            keras_gpt_refusals(cfg)  # (else the mesh engine's own checks)
         return
     elif cluster is not None:
         refuse_unhonoured(cfg, cluster.name, strategy_step=True)
@@ -148,7 +150,10 @@ def build_engine(cfg: Config, task, cluster=None):
                                            "optimizer state and gradients); ZeRO-3 (sliced weights) runs for Keras "
                                            "models through phalanx.fit; use parallel.zero=2")
     if getattr(cluster, "devices", None):  # cluster: a mesh whose devices span the workers
-        return make_mesh_engine(cfg, build_mesh(cfg, list(cluster.devices)), task)
+        mesh = build_mesh(cfg, list(cluster.devices))
+        if isinstance(task, GPTTask):  # the Keras-model engine on the remote devices, or the mesh engine
+            return gpt_engine(cfg, mesh, task, cluster)
+        return make_mesh_engine(cfg, mesh, task)
     if cluster is not None:  # a multi-process strategy, built first (cluster.strategies.setup_cluster)
         if cluster.coordinator is not None:  # cluster: parameter servers, steps scheduled on the workers
             return ParameterServerEngine(cfg, task, cluster.strategy, cluster.coordinator, cluster.info.num_workers)
@@ -170,13 +175,14 @@ def build_engine(cfg: Config, task, cluster=None):
     return StrategyEngine(cfg, task, local_strategy(mesh.devices))
 
 
-def gpt_engine(cfg: Config, mesh: Mesh, task: GPTTask):
-    """The engine that trains the built-in GPT ``task`` on ``mesh`` (in one process):
+def gpt_engine(cfg: Config, mesh: Mesh, task: GPTTask, cluster=None):
+    """The engine that trains the built-in GPT ``task`` on ``mesh`` (driven by this process, its
+    devices local or, with a ``mesh`` ``cluster``, the workers' over gRPC):
     :class:`KerasGPTEngine`, or the mesh engine / tf.distribute's for what only they run
     (:meth:`~phalanx.plan.engine_rules.GPTRun.engine` on the mesh's resolved degrees)."""
     if task.cfg != cfg.model:
         raise ConfigError("model", "the GPTTask's ModelConfig differs from cfg.model; build the task from cfg.model")
-    which = gpt_run(cfg, mesh=mesh).engine()
+    which = gpt_run(cfg, cluster, mesh=mesh).engine()
     if which == "keras":
         if cfg.parallel.sequence_parallel and mesh.tp < 2:
             raise ConfigError("parallel.sequence_parallel", f"true needs tensor parallelism: parallel.tp > 1 (the "
