@@ -335,3 +335,48 @@ def test_serving_task_exits_0_when_the_chief_has_gone(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _keras_engine_setup(workers=2):
+    from phalanx.cluster.strategies import MULTI_WORKER, ClusterSetup
+    return ClusterSetup(info=info(workers), strategy=None, coordinator=None, name=MULTI_WORKER, data_index=0,
+                        data_count=1, local_batch=8)
+
+
+@pytest.mark.parametrize("setting", ["model.dropout=0.1", "train.prune.target=0.5", "parallel.recompute=full",
+                                     "parallel.zero=1", "parallel.zero=2"])
+def test_the_builtin_gpt_across_workers_refuses_what_its_engine_does_not_run(setting):
+    """phalanx train's multi_worker run is the Keras-model engine on every worker: a key that would
+    need an older engine (engine_rules.OLD_ENGINE_ROWS) or ZeRO across workers is refused, naming it,
+    before anything is built; a key the engine runs is accepted."""
+    from phalanx.config import load_config
+    from phalanx.engines.factory import refuse_before_build
+    from phalanx.engines.task import GPTTask
+    from phalanx.plan.engine_rules import GPTRun
+
+    cfg = load_config(None, ["parallel.strategy=multi_worker", "model.layers=1", "model.d_model=32",
+                             "model.heads=2", "model.seq_len=8", setting])
+    key = setting.split("=")[0]
+    # ZeRO is never sliced across workers; the other keys follow the table of what needs an older engine
+    refused = key == "parallel.zero" or bool(GPTRun.of(cfg, cluster="multi_worker").old_engine_reasons())
+    try:
+        refuse_before_build(cfg, GPTTask(cfg.model), _keras_engine_setup())
+    except ConfigError as err:
+        assert refused and err.key == key, (setting, err)
+        assert "parallel.strategy=mesh" in str(err) or "parallel.zero=0" in str(err), err
+    else:
+        assert not refused, f"{setting} accepted across workers although the engine does not run it"
+
+
+def test_a_keras_task_needs_tf_distributes_own_set_up_across_workers():
+    """The built-in GPT's set-up feeds every worker the whole batch; a Keras task's StrategyEngine
+    wants each worker's share, so that set-up is refused for it, saying how to build the right one."""
+    import keras
+    from phalanx.engines.factory import build_engine
+    from phalanx.engines.task import KerasTask
+
+    task = KerasTask(lambda: keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]),
+                     keras.losses.MeanSquaredError())
+    with pytest.raises(ConfigError, match=r"parallel.strategy: multi_worker: .*setup_cluster\(cfg, "
+                                          r"strategy_step=True\)"):
+        build_engine(cfg("multi_worker"), task, _keras_engine_setup())
