@@ -13,9 +13,10 @@
   (:func:`serve_if_server_task`);
 * ``auto`` -- ``parameter_server`` when TF_CONFIG has ps tasks, ``multi_worker`` when
   it names several workers, ``mesh`` when ``parallel.tp``/``pp`` > 1, else ``mirrored``;
-* ``mesh`` -- built by the mesh engine (phalanx.parallel), not here; under a TF_CONFIG
-  cluster :func:`setup_cluster` joins it and names the mesh's devices on every task
-  (:mod:`phalanx.cluster.mesh_cluster`).
+* ``mesh`` -- placed by the engine itself (the Keras-model engine for the built-in GPT, the
+  mesh engine for what only it runs), not here; under a TF_CONFIG cluster
+  :func:`setup_cluster` joins it and names the mesh's devices on every task, which the
+  chief's engine places on (:mod:`phalanx.cluster.mesh_cluster`).
 
 ``phalanx train``'s ``multi_worker`` run of the built-in GPT (dense or mixture-of-experts)
 trains on the Keras-model engine (:mod:`phalanx.engines.keras_gpt`), not on the strategy's

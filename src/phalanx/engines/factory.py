@@ -13,7 +13,8 @@ The model code is written for one device; this step decides how it runs on the m
   :meth:`phalanx.plan.engine_rules.GPTRun.engine` with its table
   :data:`~phalanx.plan.engine_rules.OLD_ENGINE_ROWS` (the mesh engine for ZeRO-2 and
   recomputation, tf.distribute's :class:`~phalanx.engines.strategy.StrategyEngine` or the mesh
-  engine for pruning and dropout, the parameter-server engine, the mesh engine across workers).
+  engine for pruning and dropout, the parameter-server engine); a mesh spanning the workers
+  (``parallel.strategy=mesh``) is driven by the chief with the same choice.
   A Keras task of the Trainer trains on tf.distribute (data parallel; across workers with
   ``setup_cluster(cfg, strategy_step=True)``);
 * :func:`make_engine` applies a given mesh to a model from outside:
