@@ -140,12 +140,13 @@ def _attention(q, k, v, block: int):
     return run(q, k, v)
 
 
-def causal_attention(q, k, v, block_size: int = BLOCK_SIZE, scale: float | None = None):
+def causal_attention(q, k, v, block_size: int | None = None, scale: float | None = None):
     """Causal scaled dot-product attention by query blocks (see the module docstring).
 
     ``q [B, H, T, hd]``, ``k``, ``v`` ``[B, KV, T, hd]`` (``KV`` divides ``H``; query head ``h``
     reads key/value head ``h // (H/KV)``), all in the compute dtype; ``T`` (and ``H``, ``KV``,
-    ``hd``) must be known when traced. ``q`` is multiplied by ``scale`` (default
+    ``hd``) must be known when traced. ``block_size``: positions per block (default
+    :data:`BLOCK_SIZE`). ``q`` is multiplied by ``scale`` (default
     ``1/sqrt(hd)``) in its dtype first, as the plain attention does. Returns ``[B, H, T, hd]``
     in ``q``'s dtype; differentiable in ``q``, ``k`` and ``v``.
     """
@@ -159,6 +160,7 @@ def causal_attention(q, k, v, block_size: int = BLOCK_SIZE, scale: float | None 
     if heads % kv or k.shape[2:] != (t, hd) or v.shape[1:] != k.shape[1:]:
         raise ValueError(f"causal_attention: q {q.shape} does not match k {k.shape} / v {v.shape} "
                          f"(k and v [B, KV, T, hd] with KV dividing q's heads)")
+    block_size = BLOCK_SIZE if block_size is None else block_size
     if int(block_size) < 1:
         raise ValueError(f"causal_attention: block_size must be >= 1, got {block_size}")
     scale = 1.0 / math.sqrt(hd) if scale is None else float(scale)
