@@ -63,7 +63,8 @@ def inputs(heads, kv, t, hd=16, batch=2, seed=0):
 
 # (heads, kv heads, T, block): T a multiple of the block, not one, shorter than one block,
 # and grouped-query heads (two query heads per key/value head)
-CASES = [(2, 2, 32, 8), (2, 2, 29, 8), (2, 2, 5, 8), (4, 2, 27, 8), (3, 3, 17, 1)]
+# (every block shape is an XLA compilation: few blocks keep the test fast)
+CASES = [(2, 2, 24, 8), (4, 2, 20, 8), (3, 3, 5, 8)]
 
 
 @pytest.mark.parametrize("heads,kv,t,block", CASES)
@@ -74,14 +75,14 @@ def test_float32_output_and_gradients_equal_plain_attention(heads, kv, t, block)
     got = value_and_grads(lambda *x: blocked_attention.causal_attention(*x, block_size=block),
                           *(x.astype(np.float32) for x in (q, k, v)), upstream)
     # float32 round-off: inputs ~N(0, 1), scores ~N(0, 1) summed over hd = 16 products, outputs
-    # and gradients sums of at most T = 32 terms of size ~1: a few float32 ulps (6e-8) times
-    # ~30 terms; 2e-5 absolute leaves ~10x margin and is far below any real error (a wrong mask
+    # and gradients sums of at most T = 24 terms of size ~1: a few float32 ulps (6e-8) times
+    # ~24 terms; 2e-5 absolute leaves ~10x margin and is far below any real error (a wrong mask
     # or a missing block moves values by ~0.1).
     for name, g, w in zip(("o", "dq", "dk", "dv"), got, want):
         np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-5, err_msg=name)
 
 
-@pytest.mark.parametrize("heads,kv,t,block", [(2, 2, 29, 8), (4, 2, 32, 8)])
+@pytest.mark.parametrize("heads,kv,t,block", [(4, 2, 20, 8)])
 def test_bfloat16_within_bfloat16_tolerance(heads, kv, t, block):
     q, k, v, upstream = inputs(heads, kv, t, seed=1)
     want = value_and_grads(plain_attention, q, k, v, upstream)
