@@ -1006,8 +1006,9 @@ MEANINGS: dict[str, str] = {
     "model.aux_loss_coef": "coefficient of the Switch load-balancing loss",
     "model.attention": "attention core: plain (the [T, T] scores and softmax as whole matrices) or blocked (by "
                        "query blocks of 128, causal blocks skipped, scores recomputed in the backward: no [T, T] "
-                       "tensor kept; same numbers within round-off). plain is the default: blocked measured "
-                       "slower on the development CPU (benchmarks/results/attention_*.md)",
+                       "tensor kept; same numbers within round-off). plain is the default: on an AMD Zen 4 CPU the "
+                       "blocked core alone ran at 0.86-1.02x plain's speed (benchmarks/results/attention_2026-11-27.md); "
+                       "blocked needs no dropout on attention probabilities",
     "parallel.dp": "data-parallel replicas (-1: whatever the device count leaves; not given: devices / (tp x pp) "
                    "when `parallel.devices` names a count)",
     "parallel.tp": "tensor-parallel degree: each split layer's weights over tp devices (divides heads, ffn, vocab; -1 as dp)",

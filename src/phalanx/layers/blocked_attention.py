@@ -41,7 +41,7 @@ import tensorflow as tf
 
 from phalanx.layers.kernels import fused
 
-#: positions per block: 128 measured best of 64/128/256 for the reference GPT (seq_len 512) on CPU
+#: positions per block (query and key blocks alike): the reference GPT's seq_len 512 is four blocks
 BLOCK_SIZE = 128
 _F32 = tf.float32
 
