@@ -194,3 +194,9 @@ def test_mesh_engine_tp2_with_blocked_attention_equals_one_device_plain(small_bl
     # AdamW steps of lr 1e-3 from the same weights: float32 round-off of the two cores moves
     # the losses by ~1e-6 relative; a wrong attention moves them by ~1e-3
     np.testing.assert_allclose(got, want, rtol=2e-5)
+
+
+def test_doctests():
+    import doctest
+
+    assert doctest.testmod(blocked_attention).failed == 0
