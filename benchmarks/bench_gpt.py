@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import statistics
 import sys
@@ -105,8 +106,9 @@ class Timings:
 class PhalanxRunner:
     """The phalanx training step on one device, exactly as the trainer drives it."""
 
-    def __init__(self, model_cfg: dict, batch: int, policy: str, lr: float, batch_data: np.ndarray):
-        self.cfg = Config().replace(model=model_cfg, train={"global_batch": batch, "lr": lr, "warmup": 0},
+    def __init__(self, model_cfg: dict, batch: int, policy: str, lr: float, batch_data: np.ndarray,
+                 attention: str = "plain"):
+        self.cfg = Config().replace(model={**model_cfg, "attention": attention}, train={"global_batch": batch, "lr": lr, "warmup": 0},
                                     precision={"policy": policy})
         self.engine = StrategyEngine(self.cfg, GPTTask(self.cfg.model, policy))
         self.batch = tf.constant(batch_data, tf.int32)
@@ -341,6 +343,8 @@ def load_average() -> str:
 
 def measure_policy(policy: str, args, model_cfg: dict, batch_data: np.ndarray, log) -> dict[str, Timings]:
     contenders = {"phalanx": PhalanxRunner}
+    for core in args.attention[1:]:  # the other attention cores, alternating with the first
+        contenders[f"phalanx attention={core}"] = functools.partial(PhalanxRunner, attention=core)
     if not args.no_peer:
         contenders["keras-hub"] = PeerRunner
     if not args.no_ceiling:
@@ -348,7 +352,8 @@ def measure_policy(policy: str, args, model_cfg: dict, batch_data: np.ndarray, l
     runners, timings = {}, {}
     for name, cls in contenders.items():
         start = time.perf_counter()
-        runners[name] = cls(model_cfg, args.batch, policy, args.lr, batch_data)
+        runners[name] = (functools.partial(cls, attention=args.attention[0]) if name == "phalanx" else cls)(
+            model_cfg, args.batch, policy, args.lr, batch_data)
         warm, _ = runners[name].run(args.warmup)  # the first step traces the graph
         log(f"  {policy:15s} {name:10s} built + {args.warmup} warm-up steps in "
             f"{time.perf_counter() - start:.0f}s (last {warm[-1]:.2f}s/step)")
@@ -428,6 +433,7 @@ def build_table(results: dict, args, model_cfg: dict, peaks: dict, loads: list[s
         f"{tf.config.threading.get_intra_op_parallelism_threads() or 'default'}; Keras {keras.__version__}"
         f"{peer_version}",
         f"- load average (1/5/15 min) before: {loads[0]}; after each policy: {', '.join(loads[1:])}",
+        f"- phalanx: model.attention={args.attention[0]}",
         f"- phalanx's default (precision.policy=auto) on this machine: {describe_precision(Config())}",
         "",
         "| dtype | phalanx tokens/s | phalanx MFU | matmul peak GFLOP/s | matmul-only ceiling tokens/s | "
@@ -463,6 +469,18 @@ def build_table(results: dict, args, model_cfg: dict, peaks: dict, loads: list[s
             own = "1.00x" if policy == "float32" else "n/a"
         lines.append(f"| {policy} | {tps:.0f} | {mfu:.1%} | {peak / 1e9:.0f} | {ceil_tps} | {of_ceiling} | "
                      f"{peer_tps} | {peer_mfu} | {ratio} | {cpu_ratio} | {own} |")
+    extra = [(policy, name, t) for policy, timings in results.items() for name, t in timings.items()
+             if name.startswith("phalanx attention=")]
+    if extra:
+        lines += ["", f"Attention cores ('phalanx' above is model.attention={args.attention[0]}), timed in the same "
+                  f"alternating rounds:", "",
+                  "| dtype | contender | tokens/s | speed vs 'phalanx' (same-round ratio) | by CPU time |",
+                  "|---|---|---|---|---|"]
+        for policy, name, t in extra:
+            ours = results[policy]["phalanx"]
+            lines.append(f"| {policy} | {name} | {tokens / t.median():.0f} | "
+                         f"{statistics.median(round_ratios(t, ours)):.3f}x | "
+                         f"{statistics.median(round_ratios(t, ours, cpu=True)):.3f}x |")
     lines += ["", "phalanx / keras-hub and phalanx / ceiling are medians over rounds of same-round speed ratios; "
               "targets (issue 14): phalanx >= 1.10x keras-hub in float32 and >= 1.30x in mixed_bfloat16, "
               "mixed_bfloat16 >= 0.85 of the matmul-only ceiling. Matmul peak: one 2048^3 matmul, best call; "
@@ -502,6 +520,9 @@ def parse_args(argv):
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attention", default="plain",
+                   help="comma-separated model.attention cores: the first is 'phalanx', the others extra "
+                        "contenders timed in the same alternating rounds (default: %(default)s)")
     p.add_argument("--no-peer", action="store_true", help="time phalanx only (keras-hub not needed)")
     p.add_argument("--no-ceiling", action="store_true", help="skip the matmul-only ceiling")
     p.add_argument("--onednn", choices=("default", "on", "off"), default="default",
@@ -510,6 +531,11 @@ def parse_args(argv):
     p.add_argument("--append", action="store_true", help="append the table to --output instead of replacing it")
     args = p.parse_args(argv)
     args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    args.attention = [x.strip() for x in args.attention.split(",") if x.strip()]
+    from phalanx.config import ATTENTION
+    for core in args.attention:
+        if core not in ATTENTION:
+            p.error(f"--attention: unknown core {core!r}; valid: {', '.join(ATTENTION)}")
     for pol in args.policies:
         if pol not in COMPUTE_DTYPE:
             p.error(f"--policies: unknown policy {pol!r}; valid: {', '.join(COMPUTE_DTYPE)}")

@@ -24,6 +24,11 @@ Usage::
     python benchmarks/profile_gpt.py --policy mixed_bfloat16            # writes benchmarks/results/profile_gpt.md
     python benchmarks/profile_gpt.py --policy float32 --append
     python benchmarks/profile_gpt.py --layers 2 --output -              # a smoke run
+    python benchmarks/profile_gpt.py --attention plain,blocked          # both attention cores, one run
+
+With several ``--attention`` cores (``model.attention``), one engine per core is built and
+warmed up, their timed steps alternate (the order flips every step, so both see the same
+load) and each is profiled; one section per core.
 """
 
 from __future__ import annotations
@@ -57,14 +62,14 @@ def categorize(name: str, op_type: str) -> str:
     scope = name.split("gradient_tape/", 1)[-1]
     if op_type.startswith("XLA:"):  # a fused kernel, named by its XLA module
         kernel = op_type[4:]
-        for key, cat in (("layer_norm", "layer_norm"), ("gelu", "gelu"), ("softmax", "softmax"),
+        for key, cat in (("layer_norm", "layer_norm"), ("gelu", "gelu"), ("softmax", "softmax"), ("row_dot", "softmax"),
                          ("cross_entropy", "loss head"), ("adamw", "adamw")):
             if key in kernel:
                 return cat
         return "other"
     if op_type.startswith(MATMUL_TYPES):
         return "matmul"
-    if "/softmax" in scope and "CrossEntropy" not in op_type:
+    if ("/softmax" in scope or "blocked_attention" in scope) and "CrossEntropy" not in op_type:
         return "softmax"
     # (the engine's skip-on-overflow selects sat at the top level before issue 14)
     if "adamw" in scope or op_type.startswith("ResourceApply") or (
@@ -183,6 +188,8 @@ def main(argv=None) -> int:
                    help="inter_op_parallelism_threads (default 1: ops do not overlap; 0: TensorFlow's default)")
     p.add_argument("--top", type=int, default=25, help="individual ops listed")
     p.add_argument("--label", default="", help="a note for the heading (e.g. 'before' / 'after')")
+    p.add_argument("--attention", default="plain",
+                   help="comma-separated model.attention cores, timed alternately in one run (default: %(default)s)")
     p.add_argument("--output", default=str(RESULTS), help="markdown file, '-' for stdout only")
     p.add_argument("--append", action="store_true")
     args = p.parse_args(argv)
@@ -192,76 +199,92 @@ def main(argv=None) -> int:
 
     if args.inter_op:
         tf.config.threading.set_inter_op_parallelism_threads(args.inter_op)
-    from phalanx.config import Config
+    from phalanx.config import Config, validate
     from phalanx.plan.hardware import cpu_model
     from phalanx.engines.strategy import StrategyEngine
     from phalanx.engines.task import GPTTask
 
+    cores = [c.strip() for c in args.attention.split(",") if c.strip()]
     model = {"layers": args.layers, "d_model": args.d_model, "heads": args.heads, "ffn": args.ffn,
              "vocab": args.vocab, "seq_len": args.seq_len}
-    cfg = Config().replace(model=model, train={"global_batch": args.batch, "lr": 1e-4, "warmup": 0},
-                           precision={"policy": args.policy})
-    engine = StrategyEngine(cfg, GPTTask(cfg.model, args.policy))
+    engines = {}
+    for core in cores:
+        cfg = Config().replace(model={**model, "attention": core},
+                               train={"global_batch": args.batch, "lr": 1e-4, "warmup": 0},
+                               precision={"policy": args.policy})
+        validate(cfg)
+        engines[core] = StrategyEngine(cfg, GPTTask(cfg.model, args.policy))
     batch = tf.constant(np.random.default_rng(0).integers(0, args.vocab, [args.batch, args.seq_len + 1]), tf.int32)
     load_before = os.getloadavg()
-    for _ in range(args.warmup):
-        float(engine.train_step(batch)["loss"])
-    times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        float(engine.train_step(batch)["loss"])
-        times.append(time.perf_counter() - start)
-    with tempfile.TemporaryDirectory() as logdir:
-        tf.profiler.experimental.start(logdir)
-        start = time.perf_counter()
-        float(engine.train_step(batch)["loss"])
-        profiled = time.perf_counter() - start
-        tf.profiler.experimental.stop()
-        ops = read_trace(logdir)
+    for engine in engines.values():
+        for _ in range(args.warmup):
+            float(engine.train_step(batch)["loss"])
+    times = {core: [] for core in cores}
+    for i in range(args.steps):
+        for core in (cores if i % 2 == 0 else cores[::-1]):
+            start = time.perf_counter()
+            float(engines[core].train_step(batch)["loss"])
+            times[core].append(time.perf_counter() - start)
+    profiled, ops = {}, {}
+    for core in cores:
+        with tempfile.TemporaryDirectory() as logdir:
+            tf.profiler.experimental.start(logdir)
+            start = time.perf_counter()
+            float(engines[core].train_step(batch)["loss"])
+            profiled[core] = time.perf_counter() - start
+            tf.profiler.experimental.stop()
+            ops[core] = read_trace(logdir)
     load_after = os.getloadavg()
-
-    total = sum(ops.values())
-    by_cat: dict[str, float] = collections.Counter()
-    by_op: dict[tuple[str, str], float] = collections.Counter()
-    for (name, op_type), ms in ops.items():
-        by_cat[categorize(name, op_type)] += ms
-        by_op[(generic(name), op_type)] += ms
     flags = cpu_flags()
     interesting = [f for f in flags if f.startswith(("avx512", "amx", "avx_vnni", "avx2", "fma"))]
     from phalanx.models.gpt import num_params
 
     tokens = args.batch * args.seq_len
-    median = sorted(times)[len(times) // 2]
-    lines = [
-        f"## {args.policy}{' — ' + args.label if args.label else ''}",
-        "",
-        f"- date {datetime.datetime.now().isoformat(timespec='minutes')}; CPU {cpu_model()}, {os.cpu_count()} cores; "
-        f"flags: {' '.join(interesting)}",
-        f"- TF {tf.__version__}, TF_ENABLE_ONEDNN_OPTS={os.environ.get('TF_ENABLE_ONEDNN_OPTS', 'default')}, "
-        f"inter_op_parallelism_threads={args.inter_op or 'default'}, intra-op default",
-        f"- model: {args.layers} layers, d_model {args.d_model}, {args.heads} heads, ffn {args.ffn}, vocab "
-        f"{args.vocab}, seq_len {args.seq_len}, batch {args.batch}; {num_params(cfg.model) / 1e6:.1f}M parameters, "
-        f"AdamW",
-        f"- load average (1/5/15 min) before {'/'.join(f'{x:.1f}' for x in load_before)}, after "
-        f"{'/'.join(f'{x:.1f}' for x in load_after)}",
-        f"- timed steps {' '.join(f'{t:.2f}' for t in times)} s (median {median:.2f} s, "
-        f"{tokens / median:.0f} tokens/s); profiled step {profiled:.2f} s, op time summed {total / 1000:.2f} s",
-        "",
-        "| category | ms | share of op time |",
-        "|---|---|---|",
-    ]
-    for cat, ms in sorted(by_cat.items(), key=lambda kv: -kv[1]):
-        lines.append(f"| {cat} | {ms:.0f} | {ms / total:.1%} |")
-    lines += ["", f"Top {args.top} ops (all layers summed):", "", "| op | type | category | ms | share |",
-              "|---|---|---|---|---|"]
-    for (name, op_type), ms in sorted(by_op.items(), key=lambda kv: -kv[1])[: args.top]:
-        lines.append(f"| `{name}` | {op_type} | {categorize(name, op_type)} | {ms:.0f} | {ms / total:.1%} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    summary = {"policy": args.policy, "label": args.label, "date": datetime.datetime.now().isoformat(),
-               "step_s": times, "profiled_step_s": profiled, "op_ms": total, "categories_ms": dict(by_cat),
-               "load_before": load_before, "load_after": load_after, "inter_op": args.inter_op}
-    print(json.dumps(summary))
+    text = ""
+    for core in cores:
+        total = sum(ops[core].values())
+        by_cat: dict[str, float] = collections.Counter()
+        by_op: dict[tuple[str, str], float] = collections.Counter()
+        for (name, op_type), ms in ops[core].items():
+            by_cat[categorize(name, op_type)] += ms
+            by_op[(generic(name), op_type)] += ms
+        median = sorted(times[core])[len(times[core]) // 2]
+        label = ", ".join(x for x in (f"model.attention={core}" if len(cores) > 1 or core != "plain" else "",
+                                      args.label) if x)
+        lines = [
+            f"## {args.policy}{' — ' + label if label else ''}",
+            "",
+            f"- date {datetime.datetime.now().isoformat(timespec='minutes')}; CPU {cpu_model()}, {os.cpu_count()} "
+            f"cores; flags: {' '.join(interesting)}",
+            f"- TF {tf.__version__}, TF_ENABLE_ONEDNN_OPTS={os.environ.get('TF_ENABLE_ONEDNN_OPTS', 'default')}, "
+            f"inter_op_parallelism_threads={args.inter_op or 'default'}, intra-op default",
+            f"- model: {args.layers} layers, d_model {args.d_model}, {args.heads} heads, ffn {args.ffn}, vocab "
+            f"{args.vocab}, seq_len {args.seq_len}, batch {args.batch}; {num_params(cfg.model) / 1e6:.1f}M "
+            f"parameters, AdamW" + (f"; cores timed alternately in one run: {', '.join(cores)}" if len(cores) > 1
+                                    else ""),
+            f"- load average (1/5/15 min) before {'/'.join(f'{x:.1f}' for x in load_before)}, after "
+            f"{'/'.join(f'{x:.1f}' for x in load_after)}",
+            f"- timed steps {' '.join(f'{t:.2f}' for t in times[core])} s (median {median:.2f} s, "
+            f"{tokens / median:.0f} tokens/s); profiled step {profiled[core]:.2f} s, op time summed "
+            f"{total / 1000:.2f} s",
+            "",
+            "| category | ms | share of op time |",
+            "|---|---|---|",
+        ]
+        for cat, ms in sorted(by_cat.items(), key=lambda kv: -kv[1]):
+            lines.append(f"| {cat} | {ms:.0f} | {ms / total:.1%} |")
+        lines += ["", f"Top {args.top} ops (all layers summed):", "", "| op | type | category | ms | share |",
+                  "|---|---|---|---|---|"]
+        for (name, op_type), ms in sorted(by_op.items(), key=lambda kv: -kv[1])[: args.top]:
+            lines.append(f"| `{name}` | {op_type} | {categorize(name, op_type)} | {ms:.0f} | {ms / total:.1%} |")
+        section = "\n".join(lines) + "\n"
+        print(section)
+        summary = {"policy": args.policy, "attention": core, "label": args.label,
+                   "date": datetime.datetime.now().isoformat(), "step_s": times[core],
+                   "profiled_step_s": profiled[core], "op_ms": total, "categories_ms": dict(by_cat),
+                   "load_before": load_before, "load_after": load_after, "inter_op": args.inter_op}
+        print(json.dumps(summary))
+        text += section + "\n"
     if args.output != "-":
         out = Path(args.output)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -269,7 +292,7 @@ def main(argv=None) -> int:
             "# Per-op breakdown of the reference GPT step\n\nWritten by `benchmarks/profile_gpt.py` "
             "(see its docstring for the categories).\n\n")
         out.write_text(head + f"`python benchmarks/profile_gpt.py {' '.join(sys.argv[1:] if argv is None else argv)}`"
-                       f"\n\n" + text + "\n")
+                       f"\n\n" + text)
         print(f"wrote {out}")
     return 0
 

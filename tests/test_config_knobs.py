@@ -47,6 +47,7 @@ CHANGED = {
     "model.layers": 2, "model.d_model": 128, "model.heads": 8, "model.ffn": 512, "model.vocab": 512,
     "model.seq_len": 64, "model.dropout": 0.1, "model.tie_embeddings": False, "model.experts": 8,
     "model.top_k": 1, "model.moe_every": 2, "model.capacity_factor": 1.5, "model.aux_loss_coef": 0.1,
+    "model.attention": "blocked",
     "parallel.dp": 2, "parallel.tp": 2, "parallel.pp": 2, "parallel.microbatches": 4, "parallel.schedule": "gpipe",
     "parallel.virtual_stages": 2, "parallel.devices": "cpu:4", "parallel.strategy": "mesh", "parallel.zero": 1,
     "parallel.recompute": "full", "parallel.ep": 2, "parallel.sequence_parallel": True,
@@ -75,6 +76,8 @@ SCHEDULE = {"train.lr", "train.min_lr_ratio", "train.warmup", "train.steps"}
 ADAMW = {"train.clip_norm", "train.weight_decay", "train.beta1", "train.beta2", "train.eps"}
 # Keys whose effect a run shows, and the test that shows it.
 ELSEWHERE = {
+    "model.attention": "tests/test_blocked_attention.py: the blocked core runs in training and gives the plain "
+                       "core's numbers (the planner does not model its smaller attention memory: it errs safe)",
     "model.dropout": "tests/test_mesh_sp_dropout.py: dropout masks on every layout against one device",
     "model.tie_embeddings": "tests/test_weight_names.py, tests/test_transformer_gpt.py: an untied head has its own "
                             "weight (on a pipeline it replaces the last stage's mirror of the embedding: the same "

@@ -47,6 +47,7 @@ PRECISION_POLICIES = ("auto", "float32", "mixed_bfloat16", "mixed_float16")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 STRATEGIES = ("auto", "mirrored", "multi_worker", "parameter_server", "mesh")
 RECOMPUTE = ("none", "full", "selective")
+ATTENTION = ("plain", "blocked")  # phalanx.layers.ParallelSelfAttention's attention cores
 TOKENIZERS = ("bytes", "bpe")
 
 
@@ -74,6 +75,7 @@ class ModelConfig:
     moe_every: int = 1
     capacity_factor: float = 0.0
     aux_loss_coef: float = 0.01
+    attention: str = "plain"
 
     def is_moe_block(self, index: int) -> bool:
         return self.experts > 0 and (index + 1) % self.moe_every == 0
@@ -699,6 +701,7 @@ def validate(cfg: Config) -> None:
             elif isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"{prefix}.{key_of(f)}", f"expected a finite number, got {value}")
     check_model_shape(m)
+    _one_of("model.attention", m.attention, ATTENTION)
     _require(m.capacity_factor >= 0, "model.capacity_factor", f"must be >= 0 (0: no token dropped), got "
                                                               f"{m.capacity_factor}")
     _require(m.aux_loss_coef >= 0, "model.aux_loss_coef", f"must be >= 0, got {m.aux_loss_coef}")
@@ -1001,6 +1004,11 @@ MEANINGS: dict[str, str] = {
     "model.moe_every": "every N-th block is an MoE block",
     "model.capacity_factor": "expert capacity as a multiple of the even share of tokens (0: no token dropped)",
     "model.aux_loss_coef": "coefficient of the Switch load-balancing loss",
+    "model.attention": "attention core: plain (the [T, T] scores and softmax as whole matrices) or blocked (by "
+                       "query blocks of 128, causal blocks skipped, scores recomputed in the backward: no [T, T] "
+                       "tensor kept; same numbers within round-off). plain is the default: on an AMD Zen 4 CPU the "
+                       "blocked core alone ran at 0.86-1.02x plain's speed (benchmarks/results/attention_2026-11-27.md); "
+                       "blocked needs no dropout on attention probabilities",
     "parallel.dp": "data-parallel replicas (-1: whatever the device count leaves; not given: devices / (tp x pp) "
                    "when `parallel.devices` names a count)",
     "parallel.tp": "tensor-parallel degree: each split layer's weights over tp devices (divides heads, ffn, vocab; -1 as dp)",

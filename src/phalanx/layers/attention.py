@@ -24,11 +24,23 @@ import math
 import keras
 import tensorflow as tf
 
+from phalanx.config import ATTENTION
+from phalanx.layers import blocked_attention
 from phalanx.layers import kernels as kernels_lib
 from phalanx.layers.sharding import ShardedLayer, on_device_of
 from phalanx.layers.tensor_parallel import add_shards, dims, matmul, shard_scope, shard_values
 
 _MASKED = -1e9  # added to masked scores, as keras.layers.Softmax does (float32 here)
+
+
+
+def check_attention(value: str, owner: str = "attention_core") -> str:
+    """``value`` if it names an attention core (:data:`phalanx.config.ATTENTION`: ``plain`` forms
+    the [B, H, T, T] scores and probabilities, ``blocked`` is
+    :func:`phalanx.layers.blocked_attention.causal_attention`), else a ValueError naming ``owner``."""
+    if value not in ATTENTION:
+        raise ValueError(f"{owner}={value!r} is not valid; choose one of: {', '.join(ATTENTION)}")
+    return value
 
 
 # Below this many elements, swap_heads moves the head axis with Unpack + Pack (plain copies)
@@ -77,6 +89,11 @@ class ParallelSelfAttention(ShardedLayer):
     softmax runs in float32 whatever the compute dtype. With ``rope_max_wavelength`` set,
     queries and keys get rotary embeddings (:func:`rotary`, positions from 0: no cache).
     ``dropout`` drops attention probabilities in training, each shard with its own seed.
+    ``attention_core``: ``"plain"`` (the scores as one ``[B, H, T, T]`` matrix) or
+    ``"blocked"`` (:func:`phalanx.layers.blocked_attention.causal_attention`: by query blocks,
+    no full-size score matrix kept, the same numbers within round-off); the blocked core runs
+    for a causal layer called without ``attention_mask`` / ``padding_mask`` on a sequence length
+    known when traced, anything else runs the plain core. It takes no ``dropout``.
 
     Example:
         >>> import numpy as np
@@ -95,9 +112,11 @@ class ParallelSelfAttention(ShardedLayer):
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int | None = None, tp: int = 1,
                  use_bias: bool = True, causal: bool = True, rope_max_wavelength: float | None = None,
                  rope_scaling_factor: float = 1.0, dropout: float = 0.0, kernel_initializer="glorot_uniform",
-                 bias_initializer="zeros", seed: int | None = None, kernels=None, **kwargs):
+                 bias_initializer="zeros", seed: int | None = None, kernels=None, attention_core: str = "plain",
+                 **kwargs):
         super().__init__(tp=tp, **kwargs)
         self.kernels = kernels_lib.get(kernels)
+        self.attention_core = check_attention(attention_core, f"layer {self.name!r}: attention_core")
         self.num_heads, self.head_dim = int(num_heads), int(head_dim)
         self.num_kv_heads = self.num_heads if num_kv_heads is None else int(num_kv_heads)
         if self.num_heads % self.num_kv_heads:
@@ -110,6 +129,9 @@ class ParallelSelfAttention(ShardedLayer):
             raise ValueError(f"layer {self.name!r}: rotary embeddings need an even head_dim, got {self.head_dim}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"layer {self.name!r}: dropout {dropout!r} is not in [0, 1)")
+        if dropout and self.attention_core == "blocked":
+            raise ValueError(f"layer {self.name!r}: attention_core='blocked' does not drop attention probabilities "
+                             f"(dropout={dropout!r}); use attention_core='plain' or dropout=0")
         self.use_bias, self.causal, self.dropout, self.seed = use_bias, causal, float(dropout), seed
         self.rope_max_wavelength, self.rope_scaling_factor = rope_max_wavelength, float(rope_scaling_factor)
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
@@ -218,6 +240,10 @@ class ParallelSelfAttention(ShardedLayer):
             q = rotary(q, self.rope_max_wavelength, self.rope_scaling_factor)
             k = rotary(k, self.rope_max_wavelength, self.rope_scaling_factor)
 
+        def blocked(q, k, v):
+            o = blocked_attention.causal_attention(swap_heads(q, 2), swap_heads(k, 2), swap_heads(v, 2))
+            return tf.reshape(swap_heads(o, 1), [b, t, kv * groups * hd])
+
         def core(q, k, v):
             q = q * tf.cast(1.0 / math.sqrt(hd), q.dtype)
             # A group's query heads share one key/value head: fold them into the query
@@ -240,6 +266,9 @@ class ParallelSelfAttention(ShardedLayer):
             o = swap_heads(tf.reshape(tf.matmul(probs, v), [b, kv * groups, t, hd]), 1)
             return tf.reshape(o, [b, t, kv * groups * hd])
 
+        if (self.attention_core == "blocked" and self.causal and attention_mask is None and padding_mask is None
+                and seed is None and x.shape[1] is not None):
+            core = blocked
         o = (core if wrap_core is None else wrap_core(core))(q, k, v)
         return matmul(o, tf.reshape(w["output"], [kv * groups * hd, d]))
 
@@ -261,5 +290,6 @@ class ParallelSelfAttention(ShardedLayer):
                 "num_kv_heads": self.num_kv_heads, "use_bias": self.use_bias, "causal": self.causal,
                 "rope_max_wavelength": self.rope_max_wavelength, "rope_scaling_factor": self.rope_scaling_factor,
                 "dropout": self.dropout, "seed": self.seed, "kernels": kernels_lib.serialize(self.kernels),
+                "attention_core": self.attention_core,
                 "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
                 "bias_initializer": keras.initializers.serialize(self.bias_initializer)}

@@ -217,6 +217,8 @@ class TransformerBlock(ShardedLayer):
             activation (``"gelu"`` is exact; GPT-2's tanh form is :func:`gelu_approximate`).
         dropout: on the attention and MLP outputs before each residual add (training only).
         attention_dropout: on the attention probabilities.
+        attention_core: ``"plain"`` or ``"blocked"``, the attention's core
+            (:class:`~phalanx.layers.attention.ParallelSelfAttention`).
         moe: a :class:`~phalanx.layers.moe.MoE` layer, or a dict of its arguments
             (``num_experts`` required; ``hidden_dim``, ``activation``, ``gated`` and
             ``kernel_initializer`` default to the block's), replacing the MLP.
@@ -241,9 +243,10 @@ class TransformerBlock(ShardedLayer):
                  moe=None, sequence_parallel: bool = False, layer_norm_epsilon: float = 1e-5,
                  use_bias: bool = True, causal: bool = True, rope_max_wavelength: float | None = None,
                  kernel_initializer="glorot_uniform", bias_initializer="zeros", seed: int | None = None,
-                 kernels=None, **kwargs):
+                 kernels=None, attention_core: str = "plain", **kwargs):
         super().__init__(tp=tp, **kwargs)
         self.kernels = kernels_lib.get(kernels)
+        self.attention_core = attention_core
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"layer {self.name!r}: dropout {dropout!r} is not in [0, 1)")
         self.num_heads, self.head_dim, self.ffn_dim = int(num_heads), int(head_dim), int(ffn_dim)
@@ -260,7 +263,7 @@ class TransformerBlock(ShardedLayer):
             self.num_heads, self.head_dim, num_kv_heads=self.num_kv_heads, tp=tp, use_bias=use_bias, causal=causal,
             rope_max_wavelength=rope_max_wavelength, dropout=self.attention_dropout,
             kernel_initializer=self.kernel_initializer, bias_initializer=self.bias_initializer, seed=seed,
-            kernels=self.kernels, name="attention", dtype=policy)
+            kernels=self.kernels, attention_core=attention_core, name="attention", dtype=policy)
         self.ln2 = LayerNorm(layer_norm_epsilon, kernels=self.kernels, name="ln2", dtype=policy)
         self._moe_config = None
         if moe is None:
@@ -459,4 +462,4 @@ class TransformerBlock(ShardedLayer):
                 "use_bias": self.use_bias, "causal": self.causal, "rope_max_wavelength": self.rope_max_wavelength,
                 "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
                 "bias_initializer": keras.initializers.serialize(self.bias_initializer), "seed": self.seed,
-                "kernels": kernels_lib.serialize(self.kernels)}
+                "kernels": kernels_lib.serialize(self.kernels), "attention_core": self.attention_core}

@@ -30,24 +30,15 @@ Example:
 from __future__ import annotations
 
 import math
-import os
 
 import tensorflow as tf
+
+from phalanx.layers.kernels import fused as _fused
 
 LAYER_NORM_EPS = 1e-5
 _F32 = tf.float32
 _GELU_C = math.sqrt(2.0 / math.pi)
 _GELU_A = 0.044715
-
-
-# PHALANX_XLA_KERNELS=0 runs the same functions as ordinary TensorFlow ops (same math and
-# gradients, unfused): for a platform without XLA, or to measure what the fusion buys.
-XLA_KERNELS = os.environ.get("PHALANX_XLA_KERNELS", "1").strip().lower() not in ("0", "false", "no")
-
-
-def _fused(fn):
-    """``fn`` as one XLA kernel (compiled once per input shape and dtype)."""
-    return tf.function(fn, jit_compile=XLA_KERNELS, autograph=False)
 
 
 def _rows(x: tf.Tensor) -> tf.Tensor:

@@ -129,7 +129,7 @@ def _block(cfg: ModelConfig, i: int, tp: int, ep: int = 1, sequence_parallel: bo
                             dropout=cfg.dropout, moe=moe, sequence_parallel=sequence_parallel,
                             layer_norm_epsilon=LAYER_NORM_EPS,
                             kernel_initializer=keras.initializers.RandomNormal(stddev=INIT_STD), kernels=FUSED,
-                            name=f"block_{i}", dtype=dtype_policy)
+                            attention_core=cfg.attention, name=f"block_{i}", dtype=dtype_policy)
 
 
 def blocks(model) -> list[TransformerBlock]:
