@@ -57,6 +57,7 @@ from phalanx.core.loss_scale import LossScale
 from phalanx.engines.keras_model import KerasModelEngine, check_zero
 from phalanx.engines.strategy import JoinedVariable
 from phalanx.engines.task import GPTTask, _tf_variable, for_config
+from phalanx.layers import dropout as dropout_lib
 from phalanx.mesh import Mesh
 from phalanx.models import gpt as builtin
 from phalanx.models import transformer
@@ -308,7 +309,7 @@ class KerasGPTEngine:
         # (split_keras_model, as for phalanx.fit) and places each tensor shard on its rank.
         self.model = transformer.gpt(cfg.model, tp=self.tp, ep=self.ep, seed=None,
                                      dtype_policy=task.dtype_policy,
-                                     sequence_parallel=cfg.parallel.sequence_parallel)
+                                     sequence_parallel=cfg.parallel.sequence_parallel, dropout_seed=task.seed)
         self._convert = _Converter(self.model)
         # the built-in initial weights (gpt.initial_weights' values, drawn in seeded tiles), each
         # variable's part made alone: the host never holds the whole initial model
@@ -344,8 +345,16 @@ class KerasGPTEngine:
     def _sync(self) -> None:
         """Refresh the replicas' weight copies if the weights were assigned outside a step."""
         if self._stale:
-            self.engine.sync_copies()
+            self._restored()
             self._stale = False
+
+    def _restored(self) -> None:
+        """After state was assigned outside a step: the replicas' copies (and under ZeRO the
+        slices) from the weights, and the dropout layers' seed states at the steps run so far
+        (applied and skipped), so a resumed run draws the masks an uninterrupted one would."""
+        self.engine.sync_copies()
+        if self.cfg.model.dropout:
+            dropout_lib.set_calls(self.model, int(self.optimizer.step.numpy()) + int(self.loss_scale.skipped.numpy()))
 
     def train_step(self, batch) -> dict[str, tf.Tensor]:
         """One step on a global batch ``[b, seq_len + 1]`` of token ids."""
@@ -450,7 +459,7 @@ class KerasGPTEngine:
         self.optimizer.step.assign(int(values["optimizer/step"]))
         for key, var in self.loss_scale.state().items():
             var.assign(values[key].astype(var.dtype.as_numpy_dtype))
-        self.engine.sync_copies()  # the replicas' copies (and under ZeRO the slices) of what was loaded
+        self._restored()  # the replicas' copies (and under ZeRO the slices) of what was loaded
 
     def num_params(self) -> int:
         return builtin.num_params(self.cfg.model)

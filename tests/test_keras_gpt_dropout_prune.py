@@ -1,0 +1,119 @@
+"""Dropout and pruning of the built-in GPT on the engine ``phalanx train`` builds for it (the
+Keras-model engine, ``engines/keras_gpt.py``), on every layout.
+
+Oracle: Keras's own one-device ``train_on_batch`` of the same Keras GPT model
+(:func:`phalanx.models.transformer.gpt` at tp=1, the built-in initial weights, phalanx's AdamW
+as its Keras optimizer). Its positional dropout layers then draw their masks from the rows
+``0..B-1`` of the one call and the calls made so far: that is the definition every layout must
+reproduce. Pruning's oracle is the whole-tensor mask rule (:func:`phalanx.prune.compute_masks`).
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+from phalanx import checkpoint, prune
+from phalanx.config import Config
+from phalanx.engines.factory import build_engine
+from phalanx.engines.keras_gpt import KerasGPTEngine, PhalanxAdamW
+from phalanx.engines.task import GPTTask
+from phalanx.models import gpt, transformer
+
+STEPS = 3
+MODEL = dict(layers=2, d_model=32, heads=4, ffn=64, vocab=256, seq_len=16)
+# float32 throughout. Losses: the same sums in another order (micro-batches, tensor shards)
+# agree to ~1e-6 relative; a wrong mask moves a loss by ~1e-3. Weights: AdamW normalises each
+# element's gradient, so an element whose gradient is ~0 moves by float noise x lr (up to ~3e-5
+# after 3 steps at lr 1e-3), while a wrong gradient or mask moves it by ~lr = 1e-3 per step.
+RTOL, W_ATOL = 1e-5, 5e-5
+
+
+def make_cfg(dropout: float = 0.1, train: dict | None = None, **parallel) -> Config:
+    devices = parallel.get("dp", 1) * parallel.get("tp", 1) * parallel.get("pp", 1)
+    return Config().replace(model={**MODEL, "dropout": dropout}, precision={"policy": "float32"},
+                            train={"global_batch": 4, "warmup": 1, "steps": 10, "lr": 1e-3, **(train or {})},
+                            parallel={"devices": f"cpu:{devices}", **parallel})
+
+
+def batches(n: int = STEPS, rows: int = 4) -> list[np.ndarray]:
+    rng = np.random.default_rng(3)
+    return [rng.integers(0, 256, size=(rows, MODEL["seq_len"] + 1)).astype(np.int32) for _ in range(n)]
+
+
+def engine_of(cfg: Config) -> KerasGPTEngine:
+    engine = build_engine(cfg, GPTTask(cfg.model, "float32", cfg.train.seed))
+    assert isinstance(engine, KerasGPTEngine), type(engine)
+    return engine
+
+
+def train(engine, data=None) -> tuple[list[float], dict]:
+    losses = [float(engine.train_step(b)["loss"]) for b in (data or batches())]
+    return losses, engine.weights()
+
+
+def assert_same_run(got, want):
+    (losses, weights), (ref_losses, ref_weights) = got, want
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    assert set(weights) == set(ref_weights)
+    for name, w in weights.items():
+        np.testing.assert_allclose(w, ref_weights[name], rtol=RTOL, atol=W_ATOL, err_msg=name)
+
+
+def keras_model(cfg: Config):
+    """The Keras GPT at tp=1 with the built-in initial weights, compiled as Keras would train it."""
+    model = transformer.gpt(cfg.model, seed=cfg.train.seed, dropout_seed=cfg.train.seed)
+    decays = {id(p.variable): gpt.decays(name) for name, parts in transformer.weight_parts(model).items()
+              for p in parts}
+    model.compile(optimizer=PhalanxAdamW(cfg, decays, "/device:CPU:0"),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)
+    model.optimizer.build(model.trainable_variables)  # (its apply takes every variable it was built for)
+    return model
+
+
+# -- dropout --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def keras_run():
+    """Keras's own train_on_batch, step by step, and its evaluation of the first batch."""
+    cfg = make_cfg()
+    model = keras_model(cfg)
+    losses = [float(model.train_on_batch(b[:, :-1], b[:, 1:])) for b in batches()]
+    first = batches(1)[0]
+    evaluated = float(model.test_on_batch(first[:, :-1], first[:, 1:]))
+    return (losses, transformer.gpt_weights(model)), evaluated
+
+
+@pytest.fixture(scope="module")
+def one_device(keras_run):
+    engine = engine_of(make_cfg())
+    run = train(engine)
+    assert_same_run(run, keras_run[0])
+    first = batches(1)[0]
+    # evaluation drops nothing: the same loss twice, Keras's test_on_batch's
+    np.testing.assert_allclose([float(engine.eval_step(first))] * 2, [float(engine.eval_step(first)), keras_run[1]],
+                               rtol=RTOL)
+    return run
+
+
+def test_one_device_dropout_is_keras_train_on_batch(one_device):
+    cfg = make_cfg(dropout=0.0)
+    without = train(engine_of(cfg))[0]
+    assert not np.allclose(one_device[0], without, rtol=1e-4)  # the masks change the losses
+
+
+DROPOUT_LAYOUTS = {  # id: parallel / train keys
+    "dp2": dict(dp=2),
+    "tp2": dict(tp=2),
+    "pp2-1f1b": dict(pp=2, microbatches=2, schedule="1f1b"),
+    "grad_accum2": dict(train={"grad_accum": 2}),
+    "tp2-sp": dict(tp=2, sequence_parallel=True),
+}
+
+
+@pytest.mark.parametrize("name", list(DROPOUT_LAYOUTS))
+def test_dropout_layouts_match_one_device(name, one_device):
+    keys = dict(DROPOUT_LAYOUTS[name])
+    assert_same_run(train(engine_of(make_cfg(**keys))), one_device)
