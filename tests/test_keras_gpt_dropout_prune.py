@@ -117,3 +117,131 @@ DROPOUT_LAYOUTS = {  # id: parallel / train keys
 def test_dropout_layouts_match_one_device(name, one_device):
     keys = dict(DROPOUT_LAYOUTS[name])
     assert_same_run(train(engine_of(make_cfg(**keys))), one_device)
+
+
+# -- pruning --------------------------------------------------------------------------------
+
+PRUNE = {"target": 0.5, "start": 0, "end": 4, "every": 2}
+PRUNE_LAYOUTS = {"one": {}, "dp2": dict(dp=2), "tp2-pp2": dict(tp=2, pp=2, microbatches=2),
+                 "dp2-zero1": dict(dp=2, zero=1)}
+
+
+def pruning(layout: str, pattern: str = "unstructured"):
+    cfg = make_cfg(dropout=0.0, train={"prune": {**PRUNE, "pattern": pattern}}, **PRUNE_LAYOUTS[layout])
+    engine = engine_of(cfg)
+    return engine, prune.Pruner(cfg, engine)
+
+
+def assert_masked_zero(engine, masks) -> None:
+    """The masked weights and their AdamW moments are exactly zero."""
+    state = engine.state_dict()
+    for name, mask in masks.items():
+        for key in (name, f"optimizer/m/{name}", f"optimizer/v/{name}"):
+            assert np.all(state[key][mask == 0] == 0), key
+
+
+def pruned_run(layout: str, pattern: str = "unstructured"):
+    """6 steps with the masks updated before steps 0, 2 and 4 (sparsity 0, 0.4375, 0.5)."""
+    engine, pruner = pruning(layout, pattern)
+    losses = []
+    for step, batch in enumerate(batches(6)):
+        pruner.before_step(step)
+        losses.append(float(engine.train_step(batch)["loss"]))
+        assert_masked_zero(engine, pruner.whole_masks())
+    return engine, pruner, losses
+
+
+@pytest.fixture(scope="module")
+def pruned_one_device():
+    return pruned_run("one")
+
+
+def test_first_masks_are_the_whole_tensor_rule_on_every_layout():
+    """Before any step (the initial weights, the same on every layout) an update at sparsity
+    0.4375 installs exactly compute_masks of the whole logical weights, on every layout."""
+    want = None
+    for layout in ("one", "tp2-pp2"):
+        engine, pruner = pruning(layout)
+        weights = engine.weights()
+        assert pruner.before_step(2)
+        got = pruner.whole_masks()
+        if want is None:
+            sparsity = prune.scheduled_sparsity(2, PRUNE["target"], PRUNE["start"], PRUNE["end"])
+            want = prune.compute_masks({n: w for n, w in weights.items() if prune.prunable(n)}, sparsity,
+                                       "unstructured")
+        assert set(got) == set(want) and want
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"{layout}: {name}")
+        assert_masked_zero(engine, got)
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2-pp2", "dp2-zero1"])
+def test_pruned_layouts_match_one_device(layout, pruned_one_device):
+    ref_engine, ref_pruner, ref_losses = pruned_one_device
+    engine, pruner, losses = pruned_run(layout)
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    want = ref_pruner.whole_masks()
+    got = pruner.whole_masks()
+    assert set(got) == set(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    ref = ref_engine.weights()
+    for name, w in engine.weights().items():
+        np.testing.assert_allclose(w, ref[name], rtol=RTOL, atol=W_ATOL, err_msg=name)
+
+
+def test_sparsity_reaches_the_target_and_pruned_weights_are_zero(pruned_one_device):
+    engine, pruner, _ = pruned_one_device
+    weights = engine.weights()
+    for name, mask in pruner.whole_masks().items():
+        assert (mask == 0).mean() == pytest.approx(PRUNE["target"], abs=1e-3), name
+        assert np.all(weights[name][mask == 0] == 0), name
+    assert pruner.sparsity() == pytest.approx(PRUNE["target"], abs=1e-3)
+    assert not np.any(weights["embed/tokens"] == 0) and not np.any(weights["block_0/ln1/gamma"] == 0)
+
+
+def test_2_4_pattern_on_tp2_pp2():
+    engine, pruner = pruning("tp2-pp2", "2:4")
+    for step, batch in enumerate(batches(5)):
+        pruner.before_step(step)
+        engine.train_step(batch)
+    for name, w in engine.weights().items():
+        if prune.prunable(name):
+            groups = np.moveaxis(w, -2, -1).reshape(-1, 4)  # 4 consecutive along the input dimension
+            assert np.all((groups == 0).sum(axis=1) == 2), name
+
+
+def test_masks_survive_a_checkpoint_resume_on_another_layout(tmp_path, pruned_one_device):
+    """tp2 x pp2 stopped after 3 steps (between the updates before steps 2 and 4), saved, resumed
+    on one device: the masks are the saved ones, and steps 3-5 give the uninterrupted one-device
+    run's losses, masks and weights."""
+    ref_engine, ref_pruner, ref_losses = pruned_one_device
+    data = batches(6)
+    engine, pruner = pruning("tp2-pp2")
+    for step in range(3):
+        pruner.before_step(step)
+        engine.train_step(data[step])
+    saved = pruner.whole_masks()
+    sets = checkpoint.state_of(engine)
+    mask_slots = [slot for s in sets for slot in s.slots if slot.name.startswith(prune.MASK_PREFIX)]
+    assert mask_slots and all(slot.optional for slot in mask_slots)
+    path = checkpoint.save(tmp_path, 3, sets)
+
+    resumed, pruner = pruning("one")
+    checkpoint.load_into(resumed, checkpoint.restore(path))
+    got = pruner.whole_masks()
+    assert set(got) == set(saved) and all((m == 0).any() for m in got.values())
+    for name in saved:
+        np.testing.assert_array_equal(got[name], saved[name], err_msg=name)
+    losses = []
+    for step in range(3, 6):
+        pruner.before_step(step)
+        losses.append(float(resumed.train_step(data[step])["loss"]))
+        assert_masked_zero(resumed, pruner.whole_masks())
+    np.testing.assert_allclose(losses, ref_losses[3:], rtol=RTOL)
+    want = ref_pruner.whole_masks()
+    for name, mask in pruner.whole_masks().items():
+        np.testing.assert_array_equal(mask, want[name], err_msg=name)
+    ref = ref_engine.weights()
+    for name, w in resumed.weights().items():
+        np.testing.assert_allclose(w, ref[name], rtol=RTOL, atol=W_ATOL, err_msg=name)

@@ -148,7 +148,6 @@ OLD_ENGINE_ROWS: tuple = (
     ("parallel.zero", "zero", lambda r: r.zero >= 2, "ZeRO-2/3 (sharded gradients) runs on the mesh engine"),
     ("parallel.recompute", "recompute", lambda r: r.recompute != "none",
      "activation recomputation runs on the mesh engine"),
-    ("train.prune.target", "prune", lambda r: r.prune, "pruning masks run on the mesh and tf.distribute engines"),
     ("parallel.strategy", "cluster", lambda r: r.cluster in ("parameter_server", "mesh"),
      "parameter servers, and a mesh spanning the workers, run on their own engines"),
     ("parallel.strategy", "cluster", lambda r: r.cluster == "multi_worker",
