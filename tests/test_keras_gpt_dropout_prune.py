@@ -14,6 +14,7 @@ import keras
 import numpy as np
 import pytest
 
+from helpers import assert_same_run as same_run
 from phalanx import checkpoint, prune
 from phalanx.config import Config
 from phalanx.engines.factory import build_engine
@@ -54,11 +55,7 @@ def train(engine, data=None) -> tuple[list[float], dict]:
 
 
 def assert_same_run(got, want):
-    (losses, weights), (ref_losses, ref_weights) = got, want
-    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
-    assert set(weights) == set(ref_weights)
-    for name, w in weights.items():
-        np.testing.assert_allclose(w, ref_weights[name], rtol=RTOL, atol=W_ATOL, err_msg=name)
+    same_run(got, want, RTOL, W_ATOL)
 
 
 def keras_model(cfg: Config):
@@ -117,6 +114,19 @@ DROPOUT_LAYOUTS = {  # id: parallel / train keys
 def test_dropout_layouts_match_one_device(name, one_device):
     keys = dict(DROPOUT_LAYOUTS[name])
     assert_same_run(train(engine_of(make_cfg(**keys))), one_device)
+
+
+def test_a_resumed_dropout_run_draws_the_uninterrupted_masks(tmp_path, one_device):
+    """Two steps at tp2, saved, restored on one device: the third step's loss and the weights
+    after it are the uninterrupted one-device run's (the masks follow the steps run)."""
+    data = batches()
+    engine = engine_of(make_cfg(tp=2))
+    for batch in data[:2]:
+        engine.train_step(batch)
+    path = checkpoint.save(tmp_path, 2, checkpoint.state_of(engine))
+    resumed = engine_of(make_cfg())
+    checkpoint.load_into(resumed, checkpoint.restore(path))
+    assert_same_run(train(resumed, data[2:]), (one_device[0][2:], one_device[1]))
 
 
 # -- pruning --------------------------------------------------------------------------------

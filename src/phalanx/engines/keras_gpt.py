@@ -31,6 +31,17 @@ slices, sharing the step counter, loss scale and figures. What it cannot honour 
 before anything is built (:func:`refuse_unhonoured`): ``parallel.zero=2/3`` and recomputation
 among them.
 
+``model.dropout`` draws the positional masks of :mod:`phalanx.layers.dropout` (the model's
+dropout layers are seeded from the task's seed; the engine gives each call its global rows and
+the step's seed state: every layout draws Keras's one-device masks; after a restore the seed
+states follow the steps run). ``train.prune.*`` (driven by :class:`phalanx.prune.Pruner`):
+a 0/1 mask beside every variable holding a part of a prunable weight, chosen shard by shard
+over the whole logical weight (:meth:`KerasGPTEngine.weight_shards`,
+:func:`phalanx.prune.shards.shard_masks`); installing one zeroes the masked weights and their
+AdamW moments, and :class:`PhalanxAdamW` keeps them zero after every update (under ZeRO each
+slice with its piece of the mask); the masks are checkpointed as optional ``prune/mask/*``
+slots beside the weights'.
+
 Example:
     >>> from phalanx.config import Config
     >>> from phalanx.mesh import Mesh

@@ -1060,9 +1060,9 @@ class KerasModelEngine:
         per_replica = _rows(batch[0]) // replicas
         for d in range(replicas):
             for i, micro in enumerate(self._micro_batches(batch, d, per_replica, parts)):
-                carried = None
+                carried, row = None, d * per_replica + i * (per_replica // parts)
                 for s in range(self.chunks):
-                    carried = self._forward(d, s, carried, micro, state, mode, d * per_replica + i * (per_replica // parts))
+                    carried = self._forward(d, s, carried, micro, state, mode, row)
                 results.append(carried)
         self._casts, self._gathered = {}, {}
         return results

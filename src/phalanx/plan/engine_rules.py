@@ -95,8 +95,8 @@ class GPTRun:
 
     >>> GPTRun(zero=2).old_engine_reasons()
     ['parallel.zero=2: ZeRO-2/3 (sharded gradients) runs on the mesh engine']
-    >>> GPTRun(dp=2, tp=2).engine(), GPTRun(recompute="full").engine(), GPTRun(prune=True).engine()
-    ('keras', 'mesh', 'strategy')
+    >>> GPTRun(dp=2, tp=2).engine(), GPTRun(recompute="full").engine(), GPTRun(prune=True, dropout=0.1).engine()
+    ('keras', 'mesh', 'keras')
     """
 
     dp: int = 1
@@ -141,7 +141,7 @@ class GPTRun:
 #: What the Keras-model engine (``engines/keras_gpt.py``) does not run yet for the built-in GPT:
 #: ``(key, GPTRun field, applies, why)``. ``phalanx train`` builds an older engine for a run
 #: only when a row applies (:meth:`GPTRun.engine`); every other run (one device, dp, tp, pp
-#: with any schedule, grad accumulation, mixed precision, ZeRO-1, the MoE GPT) trains on the
+#: with any schedule, grad accumulation, mixed precision, ZeRO-1, dropout, pruning, the MoE GPT) trains on the
 #: Keras-model engine. Removing a row moves its runs over; with no rows left the older
 #: engines are dead code.
 OLD_ENGINE_ROWS: tuple = (
