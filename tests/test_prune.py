@@ -212,10 +212,12 @@ def test_nested_keys_from_yaml_and_overrides(tmp_path):
     assert load_config(None, []).train.prune.target == 0  # off by default
 
 
-def test_moe_experts_are_pruned_2_4_too():
+@pytest.mark.parametrize("layout", [[], ["parallel.dp=2", "parallel.ep=2", "parallel.devices=cpu:2"]])
+def test_moe_experts_are_pruned_2_4_too(layout):
+    """Whole experts, and with expert parallelism each replica's expert shard."""
     from phalanx.engines.factory import build_engine
     cfg = load_config(None, TINY + ["model.experts=2", "train.prune.target=0.5", "train.prune.pattern=2:4",
-                                    "train.prune.start=0", "train.prune.end=1", "train.prune.every=1"])
+                                    "train.prune.start=0", "train.prune.end=1", "train.prune.every=1", *layout])
     engine = build_engine(cfg, GPTTask(cfg.model, "float32", cfg.train.seed))
     pruner = prune.Pruner(cfg, engine)
     for step, batch in enumerate(_batches(2)):
