@@ -31,9 +31,9 @@ MODEL = dict(layers=2, d_model=32, heads=4, ffn=64, vocab=256, seq_len=16)
 RTOL, W_ATOL = 1e-5, 5e-5
 
 
-def make_cfg(dropout: float = 0.1, train: dict | None = None, **parallel) -> Config:
+def make_cfg(dropout: float = 0.1, train: dict | None = None, layers: int = MODEL["layers"], **parallel) -> Config:
     devices = parallel.get("dp", 1) * parallel.get("tp", 1) * parallel.get("pp", 1)
-    return Config().replace(model={**MODEL, "dropout": dropout}, precision={"policy": "float32"},
+    return Config().replace(model={**MODEL, "dropout": dropout, "layers": layers}, precision={"policy": "float32"},
                             train={"global_batch": 4, "warmup": 1, "steps": 10, "lr": 1e-3, **(train or {})},
                             parallel={"devices": f"cpu:{devices}", **parallel})
 
@@ -105,6 +105,7 @@ DROPOUT_LAYOUTS = {  # id: parallel / train keys
     "dp2": dict(dp=2),
     "tp2": dict(tp=2),
     "pp2-1f1b": dict(pp=2, microbatches=2, schedule="1f1b"),
+    "pp2-gpipe-dp2": dict(dp=2, pp=2, microbatches=2, schedule="gpipe"),
     "grad_accum2": dict(train={"grad_accum": 2}),
     "tp2-sp": dict(tp=2, sequence_parallel=True),
 }
@@ -114,6 +115,14 @@ DROPOUT_LAYOUTS = {  # id: parallel / train keys
 def test_dropout_layouts_match_one_device(name, one_device):
     keys = dict(DROPOUT_LAYOUTS[name])
     assert_same_run(train(engine_of(make_cfg(**keys))), one_device)
+
+
+def test_interleaved_dropout_is_keras_train_on_batch():
+    """The interleaved schedule (4 chunks: 4 blocks) against Keras's own train_on_batch directly."""
+    model = keras_model(make_cfg(layers=4))
+    want = ([float(model.train_on_batch(b[:, :-1], b[:, 1:])) for b in batches()], transformer.gpt_weights(model))
+    cfg = make_cfg(layers=4, pp=2, microbatches=2, schedule="interleaved", virtual_stages=2)
+    assert_same_run(train(engine_of(cfg)), want)
 
 
 def test_a_resumed_dropout_run_draws_the_uninterrupted_masks(tmp_path, one_device):
