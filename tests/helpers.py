@@ -130,3 +130,13 @@ def peak_numpy_bytes(fn, runs: int = 3, transient: bool = False) -> int:
     needed beyond what its result (e.g. variables that kept a NumPy buffer) still holds, the
     quantity to bound from above."""
     return min(peak - held if transient else peak for peak, held in numpy_peaks(fn, runs))
+
+
+def assert_same_run(got, want, rtol: float, atol: float) -> None:
+    """Two runs ``(losses, {weight name: array})`` agree: the losses to ``rtol``, every weight to
+    ``rtol`` and ``atol`` (the caller says why those bounds)."""
+    (losses, weights), (ref_losses, ref_weights) = got, want
+    np.testing.assert_allclose(losses, ref_losses, rtol=rtol)
+    assert set(weights) == set(ref_weights)
+    for name, w in weights.items():
+        np.testing.assert_allclose(w, ref_weights[name], rtol=rtol, atol=atol, err_msg=name)

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from helpers import assert_same_run as same_run
 from phalanx.config import Config, ConfigError
 from phalanx.engines.factory import build_engine, make_engine
 from phalanx.engines.keras_gpt import KerasGPTEngine
@@ -58,11 +59,7 @@ def train(engine) -> tuple[list[float], dict]:
 
 
 def assert_same_run(got, want):
-    (losses, weights), (ref_losses, ref_weights) = got, want
-    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
-    assert set(weights) == set(ref_weights)
-    for name, w in weights.items():
-        np.testing.assert_allclose(w, ref_weights[name], rtol=RTOL, atol=W_ATOL, err_msg=name)
+    same_run(got, want, RTOL, W_ATOL)
 
 
 # -- the positional masks against NumPy ------------------------------------------------------

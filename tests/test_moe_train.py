@@ -162,7 +162,6 @@ def test_the_engine_state_has_the_builtin_names_and_moments(devices):
     (["parallel.recompute=full"], "parallel.recompute"),
     (["parallel.strategy=parameter_server"], "parallel.strategy"),
     (["parallel.microbatches=2"], "parallel.microbatches"),
-    (["train.prune.target=0.5"], "train.prune.target"),
     (["model.experts=0"], "parallel.ep.*model.experts=0"),
     (["model.experts=6", "parallel.ep=4", "parallel.devices=cpu:4"], "parallel.ep.*divide model.experts=6"),
 ])

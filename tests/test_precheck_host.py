@@ -68,39 +68,16 @@ def test_the_keras_model_engine_moves_one_part_at_a_time():
     assert peak == precheck.COPIES_PER_WRITER * 4.0 * 51200 * 4096 and "per shard" in what
 
 
-def test_the_tf_distribute_engine_moves_one_variable_at_a_time():
-    # dropout trains on the tf.distribute engine (engine_rules.OLD_ENGINE_ROWS)
-    cfg = big("parallel.devices=gpu:1", "model.dropout=0.1")
-    whole = 4.0 * param_count(ModelSpec.from_config(cfg.model))
-    peak, what = precheck.host_peak(cfg, dp=1, pp=1, tp=1, devices=1)
-    embedding = 4.0 * 51200 * 4096  # the largest variable, whole
-    assert peak == 8 * precheck.COPIES_PER_WRITER * embedding  # 8 writer threads (120 GB of state), one each
-    host = 24 * GiB
-    assert peak < host < whole / 1.5 and "per variable" in what
-    precheck.check_fits(cfg, device_memory_bytes=ROOMY_GPU, host_memory_bytes=host)
-    with pytest.raises(ConfigError) as err:
-        precheck.check_fits(cfg, device_memory_bytes=ROOMY_GPU, host_memory_bytes=16 * GiB)
-    text = str(err.value)
-    assert "the host needs 18.75 GiB" in text and "largest variable 0.78 GiB" in text, text
-    assert "8 thread(s)" in text, text
-    # pruning masks are variables of the state, saved one at a time like the weights: no
-    # whole-mask term; the same 8 threads, each holding the largest variable
-    pruned = big("parallel.devices=gpu:1", "model.dropout=0.1", "train.prune.target=0.5")
-    assert precheck.host_peak(pruned, dp=1, pp=1, tp=1, devices=1)[0] == peak
-    precheck.check_fits(pruned, device_memory_bytes=ROOMY_GPU, host_memory_bytes=host)
-
-
-def test_pruning_masks_add_to_the_state_the_writer_threads_share():
-    """Masks (one element per pruned weight element) only count in the state's bytes, which
-    set the thread count: a dense state just under 64 MiB is one thread; with masks, two."""
-    small = ["model.layers=6", "model.d_model=256", "model.heads=4", "model.ffn=1024", "model.vocab=2048",
-             "parallel.devices=gpu:1"]
-    dense, pruned = load_config(None, small), load_config(None, [*small, "train.prune.target=0.5"])
-    spec = ModelSpec.from_config(dense.model)
-    assert 12 * param_count(spec) < 64 * 2**20 < 12 * param_count(spec) + 4 * precheck.pruned_elements(spec)
-    one, _ = precheck.host_peak(dense, dp=1, pp=1, tp=1, devices=1)
-    two, what = precheck.host_peak(pruned, dp=1, pp=1, tp=1, devices=1)
-    assert two == 2 * one and "2 thread(s)" in what and "pruning masks" in what
+def test_dropout_and_pruning_runs_move_one_part_at_a_time():
+    """Dropout and pruning train on the Keras-model engine too: per shard, the masks being slots
+    beside the weights' (one part each), written and computed one part at a time, so they add
+    no host term."""
+    one = precheck.host_peak(big("parallel.devices=gpu:1"), dp=1, pp=1, tp=1, devices=1)
+    for extra in (["model.dropout=0.1"], ["model.dropout=0.1", "train.prune.target=0.5"]):
+        cfg = big("parallel.devices=gpu:1", *extra)
+        peak, what = precheck.host_peak(cfg, dp=1, pp=1, tp=1, devices=1)
+        assert (peak, what) == one and "per shard" in what
+        precheck.check_fits(cfg, device_memory_bytes=ROOMY_GPU, host_memory_bytes=3 * GiB)
 
 
 @pytest.mark.parametrize("overrides", [[], ["model.experts=2", "model.moe_every=2"],

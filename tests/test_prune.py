@@ -212,10 +212,12 @@ def test_nested_keys_from_yaml_and_overrides(tmp_path):
     assert load_config(None, []).train.prune.target == 0  # off by default
 
 
-def test_moe_experts_are_pruned_2_4_too():
+@pytest.mark.parametrize("layout", [[], ["parallel.dp=2", "parallel.ep=2", "parallel.devices=cpu:2"]])
+def test_moe_experts_are_pruned_2_4_too(layout):
+    """Whole experts, and with expert parallelism each replica's expert shard."""
     from phalanx.engines.factory import build_engine
     cfg = load_config(None, TINY + ["model.experts=2", "train.prune.target=0.5", "train.prune.pattern=2:4",
-                                    "train.prune.start=0", "train.prune.end=1", "train.prune.every=1"])
+                                    "train.prune.start=0", "train.prune.end=1", "train.prune.every=1", *layout])
     engine = build_engine(cfg, GPTTask(cfg.model, "float32", cfg.train.seed))
     pruner = prune.Pruner(cfg, engine)
     for step, batch in enumerate(_batches(2)):
@@ -352,28 +354,26 @@ def test_mesh_masks_travel_in_the_device_shard_sets(devices, tmp_path):
     assert all((m == 1).all() for m in prune.Pruner(cfg, fresh).whole_masks().values())
 
 
-def _strategy_engine(layout: str, prune_on: bool = True):
+def _built_engine(layout: str, prune_on: bool = True):
     from phalanx.engines.factory import build_engine
-    from phalanx.engines.strategy import StrategyEngine
+    from phalanx.engines.keras_gpt import KerasGPTEngine
     overrides = ["train.prune.target=0.5", "train.prune.start=0", "train.prune.end=4", "train.prune.every=2"]
     cfg = load_config(None, TINY + LAYOUTS[layout] + (overrides if prune_on else []))
     engine = build_engine(cfg, GPTTask(cfg.model, "float32", cfg.train.seed))
-    # pruning runs on tf.distribute's engine; without it phalanx train routes the GPT to the
-    # Keras-model engine (plan/engine_rules.OLD_ENGINE_ROWS), whose checkpoint has the same names
-    assert type(engine) is StrategyEngine or not prune_on, type(engine)
+    assert type(engine) is KerasGPTEngine, type(engine)  # phalanx train's engine, pruning or not
     return cfg, engine
 
 
 @pytest.mark.parametrize("layout", ["one", "dp2"])
-def test_strategy_engine_masks_survive_save_and_resume(layout, tmp_path):
-    """A tf.distribute engine writes its masks as optional whole-variable slots (no 'extra'
-    set), one variable at a time; stopped after 3 steps (between the mask updates before steps
+def test_built_engine_masks_survive_save_and_resume(layout, tmp_path):
+    """The engine phalanx train builds writes its masks as optional slots beside the weights'
+    (no 'extra' set), one part at a time; stopped after 3 steps (between the mask updates before steps
     2 and 4), saved, and resumed in a new engine, its masks are the saved ones, and steps 3 to
     5 give the losses, masks and state of the uninterrupted run (start 0, end 4, every 2)."""
     from phalanx import checkpoint
     batches = _batches(6)
     _, _, full_pruner, full_losses = _train_layout(layout)
-    cfg, engine = _strategy_engine(layout)
+    cfg, engine = _built_engine(layout)
     pruner = prune.Pruner(cfg, engine)
     for step in range(3):
         pruner.before_step(step)
@@ -387,7 +387,7 @@ def test_strategy_engine_masks_survive_save_and_resume(layout, tmp_path):
     path = checkpoint.save(tmp_path, 3, sets)
     assert {prune.MASK_PREFIX + n for n in saved_masks} <= set(checkpoint.restore(path).tensors)
 
-    cfg, resumed = _strategy_engine(layout)
+    cfg, resumed = _built_engine(layout)
     checkpoint.load_into(resumed, checkpoint.restore(path))
     pruner = prune.Pruner(cfg, resumed)
     got = pruner.whole_masks()
@@ -407,16 +407,16 @@ def test_strategy_engine_masks_survive_save_and_resume(layout, tmp_path):
         np.testing.assert_allclose(value, full_state[key], rtol=1e-6, atol=1e-8, err_msg=key)
 
 
-def test_a_dense_checkpoint_resumes_into_a_pruning_strategy_engine(tmp_path):
+def test_a_dense_checkpoint_resumes_into_a_pruning_engine(tmp_path):
     """A checkpoint written without pruning (no prune/mask/* tensors) loads into a pruning
-    tf.distribute engine: every mask stays all ones and the weights are the checkpoint's; the
+    engine: every mask stays all ones and the weights are the checkpoint's; the
     first mask update then prunes them to the schedule."""
     from phalanx import checkpoint
-    _, dense = _strategy_engine("one", prune_on=False)
+    _, dense = _built_engine("one", prune_on=False)
     dense.train_step(_batches(1)[0])
     path = checkpoint.save(tmp_path, 1, checkpoint.state_of(dense))
     assert not any(n.startswith(prune.MASK_PREFIX) for n in checkpoint.restore(path).tensors)
-    cfg, fresh = _strategy_engine("one")
+    cfg, fresh = _built_engine("one")
     checkpoint.load_into(fresh, checkpoint.restore(path))
     pruner = prune.Pruner(cfg, fresh)
     masks = pruner.whole_masks()

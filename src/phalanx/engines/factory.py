@@ -7,13 +7,12 @@ The model code is written for one device; this step decides how it runs on the m
   set up by :func:`phalanx.cluster.strategies.setup_cluster`). The built-in GPT trains on
   :class:`~phalanx.engines.keras_gpt.KerasGPTEngine` (the Keras-model engine: one device, dp,
   tp, pp with any schedule, sequence parallelism, ep, grad accumulation, mixed precision,
-  ZeRO-1; across workers with ``parallel.strategy=multi_worker``, each worker's own layout,
+  ZeRO-1, dropout, pruning; across workers with ``parallel.strategy=multi_worker``, each worker's own layout,
   :func:`_keras_gpt_across_workers`). Only
   what that engine does not run yet goes to an older engine, decided in one place:
   :meth:`phalanx.plan.engine_rules.GPTRun.engine` with its table
   :data:`~phalanx.plan.engine_rules.OLD_ENGINE_ROWS` (the mesh engine for ZeRO-2 and
-  recomputation, tf.distribute's :class:`~phalanx.engines.strategy.StrategyEngine` or the mesh
-  engine for pruning and dropout, the parameter-server engine); a mesh spanning the workers
+  recomputation, the parameter-server engine); a mesh spanning the workers
   (``parallel.strategy=mesh``) is driven by the chief with the same choice.
   A Keras task of the Trainer trains on tf.distribute (data parallel; across workers with
   ``setup_cluster(cfg, strategy_step=True)``);

@@ -31,6 +31,17 @@ slices, sharing the step counter, loss scale and figures. What it cannot honour 
 before anything is built (:func:`refuse_unhonoured`): ``parallel.zero=2/3`` and recomputation
 among them.
 
+``model.dropout`` draws the positional masks of :mod:`phalanx.layers.dropout` (the model's
+dropout layers are seeded from the task's seed; the engine gives each call its global rows and
+the step's seed state: every layout draws Keras's one-device masks; after a restore the seed
+states follow the steps run). ``train.prune.*`` (driven by :class:`phalanx.prune.Pruner`):
+a 0/1 mask beside every variable holding a part of a prunable weight, chosen shard by shard
+over the whole logical weight (:meth:`KerasGPTEngine.weight_shards`,
+:func:`phalanx.prune.shards.shard_masks`); installing one zeroes the masked weights and their
+AdamW moments, and :class:`PhalanxAdamW` keeps them zero after every update (under ZeRO each
+slice with its piece of the mask); the masks are checkpointed as optional ``prune/mask/*``
+slots beside the weights'.
+
 Example:
     >>> from phalanx.config import Config
     >>> from phalanx.mesh import Mesh
@@ -57,10 +68,12 @@ from phalanx.core.loss_scale import LossScale
 from phalanx.engines.keras_model import KerasModelEngine, check_zero
 from phalanx.engines.strategy import JoinedVariable
 from phalanx.engines.task import GPTTask, _tf_variable, for_config
+from phalanx.layers import dropout as dropout_lib
 from phalanx.mesh import Mesh
 from phalanx.models import gpt as builtin
 from phalanx.models import transformer
 from phalanx.plan.engine_rules import GPTRun
+from phalanx.prune.shards import WeightShard
 
 
 def wants_keras_gpt(cfg: Config) -> bool:
@@ -111,10 +124,6 @@ def refuse_unhonoured(cfg: Config, mesh: Mesh | None = None) -> None:
     if p.microbatches != 1 and pp == 1:
         raise ConfigError("parallel.microbatches", f"{p.microbatches} splits a pipeline's batch, but parallel.pp=1; "
                                                    f"use train.grad_accum={p.microbatches} to split each step's batch")
-    if prune.enabled(cfg):
-        raise ConfigError("train.prune.target", f"{cfg.train.prune.target}: {why}, which has no pruning masks; "
-                                                f"train.prune.target=0 (or run it on the tf.distribute or mesh "
-                                                f"engine: phalanx train chooses them for pruning)")
 
 
 class PhalanxAdamW(keras.optimizers.Optimizer):
@@ -145,6 +154,9 @@ class PhalanxAdamW(keras.optimizers.Optimizer):
         self.m: list = []
         self.v: list = []
         self._by_path: dict[str, bool] | None = None
+        # pruning: id(variable applied on) -> its 0/1 mask's value (a function, read in the step):
+        # the masked weights and their moments are zeroed after every update
+        self.masks: dict = {}
 
     def zero_clone(self) -> "PhalanxAdamW":
         """The instance that applies on ZeRO slices (:mod:`phalanx.parallel.keras_zero`): a
@@ -181,8 +193,9 @@ class PhalanxAdamW(keras.optimizers.Optimizer):
         s = optim.step_scalars(optim.global_norm(dense), self.loss_scale.scale.read_value(), self.step, t)
         for var, grad, m, v in zip(variables, dense, self.m, self.v):
             with tf.device(var.value.device):
+                mask = self.masks.get(id(var))
                 optim.apply_adamw(var.value, m.value, v.value, grad, step=s.count, lr=s.lr, factor=s.factor, finite=s.finite,
-                                  cfg=t, decay=self._decays[id(var)])
+                                  cfg=t, decay=self._decays[id(var)], mask=None if mask is None else mask())
         for key, value in optim.finish_step(s, self.step, self.loss_scale).items():
             self.last[key].assign(tf.cast(value, tf.float32))
 
@@ -308,7 +321,7 @@ class KerasGPTEngine:
         # (split_keras_model, as for phalanx.fit) and places each tensor shard on its rank.
         self.model = transformer.gpt(cfg.model, tp=self.tp, ep=self.ep, seed=None,
                                      dtype_policy=task.dtype_policy,
-                                     sequence_parallel=cfg.parallel.sequence_parallel)
+                                     sequence_parallel=cfg.parallel.sequence_parallel, dropout_seed=task.seed)
         self._convert = _Converter(self.model)
         # the built-in initial weights (gpt.initial_weights' values, drawn in seeded tiles), each
         # variable's part made alone: the host never holds the whole initial model
@@ -330,9 +343,82 @@ class KerasGPTEngine:
         tokens = np.zeros([cfg.train.global_batch, cfg.model.seq_len], np.int32)
         self.engine = KerasModelEngine(self.model, cfg, mesh, (tokens, tokens, None), workers=workers)
         self._stale = False  # the replicas' weight copies are behind the weights (a restore)
+        self._whole = False  # under ZeRO: the whole state was gathered from the slices since the last step
+        # pruning (train.prune.*): logical name -> a 0/1 mask variable beside each variable holding a part
+        self._masks = self._make_masks() if prune.enabled(cfg) else {}
         if workers is not None:  # every worker holds the same model and starts from the chief's weights
             workers.start(self.model, None, {})
             self.engine.sync_copies()
+
+    # -- pruning ---------------------------------------------------------------------------------
+
+    def _make_masks(self) -> dict[str, list[tf.Variable]]:
+        """A mask (all ones) beside every variable holding a part of a prunable weight
+        (:func:`phalanx.prune.prunable`), and the optimizers reading them: each update zeroes the
+        masked weights and their AdamW moments (:func:`phalanx.core.optim.apply_adamw`), the whole
+        variables' or, under ZeRO, each slice's own piece of the mask."""
+        variables = self.model.trainable_variables
+        masks: dict[str, list[tf.Variable]] = {}
+        by_variable = {}
+        for name, (indices, _) in self._convert.parts.items():
+            if not prune.prunable(name):
+                continue
+            for i in indices:
+                var = variables[i]
+                with tf.init_scope(), tf.device(var.value.device):
+                    mask = tf.Variable(tf.ones(var.shape, tf.float32), trainable=False,
+                                       name=f"prune_mask/{var.path}")
+                masks.setdefault(name, []).append(mask)
+                by_variable[id(var)] = mask
+                self.optimizer.masks[id(var)] = mask.read_value
+        slices = self.engine.slices
+        if slices is not None:  # the optimizer that applies on the slices: each slice's piece of its mask
+            for var, layout, row in zip(slices.variables, slices.layouts, slices.slices):
+                if id(var) in by_variable:
+                    for k, piece in enumerate(row):
+                        slices.optimizer.masks[id(piece)] = \
+                            lambda m=by_variable[id(var)], layout=layout, k=k: layout.piece(m.read_value(), k)
+        return masks
+
+    def weight_shards(self, prunable) -> dict[str, list]:
+        """The prunable weights as :class:`~phalanx.prune.shards.WeightShard` objects for
+        :class:`phalanx.prune.Pruner`: one per variable holding a part (its box of the logical
+        weight), read from the variable; installing a mask zeroes the part's weights and AdamW
+        moments now (the optimizer keeps them zero)."""
+        if not self._masks:
+            raise ConfigError("train.prune.target", "the engine was built without train.prune.target > 0; set it "
+                                                    "to prune")
+        variables = self.model.trainable_variables
+        out: dict[str, list] = {}
+        for name, masks in self._masks.items():
+            if not prunable(name):
+                continue
+            indices, joined = self._convert.parts[name]
+            shape = tuple(int(n) for n in joined.shape)
+            for i, mask, (_, box) in zip(indices, masks, joined.parts):
+                local = boxes.shape_of(box)
+
+                def fetch(var=variables[i], local=local):
+                    return np.reshape(var.numpy(), local)
+
+                def install(array, i=i, mask=mask):
+                    self._install(i, mask, array)
+                out.setdefault(name, []).append(WeightShard(name, shape, [(boxes.full(local), box)], fetch=fetch,
+                                                          install=install))
+        return out
+
+    def _install(self, i: int, mask: tf.Variable, array) -> None:
+        """Install ``array`` as the mask of trainable variable ``i``: zero its masked weights and
+        moments (under ZeRO in the whole state gathered from the slices, cut again before the
+        next step)."""
+        if self.engine.slices is not None and not self._whole:
+            self.engine.gather_state()
+            self._whole = True
+        var = self.model.trainable_variables[i]
+        mask.assign(np.reshape(np.asarray(array, np.float32), tuple(var.shape)))
+        for target in (var, self.optimizer.m[i], self.optimizer.v[i]):
+            target.assign(target.value * mask)
+        self._stale = True  # the replicas' copies (and the slices) of the masked weights
 
     # -- steps ---------------------------------------------------------------------------------
 
@@ -344,13 +430,22 @@ class KerasGPTEngine:
     def _sync(self) -> None:
         """Refresh the replicas' weight copies if the weights were assigned outside a step."""
         if self._stale:
-            self.engine.sync_copies()
+            self._restored()
             self._stale = False
+
+    def _restored(self) -> None:
+        """After state was assigned outside a step: the replicas' copies (and under ZeRO the
+        slices) from the weights, and the dropout layers' seed states at the steps run so far
+        (applied and skipped), so a resumed run draws the masks an uninterrupted one would."""
+        self.engine.sync_copies()
+        if self.cfg.model.dropout:
+            dropout_lib.set_calls(self.model, int(self.optimizer.step.numpy()) + int(self.loss_scale.skipped.numpy()))
 
     def train_step(self, batch) -> dict[str, tf.Tensor]:
         """One step on a global batch ``[b, seq_len + 1]`` of token ids."""
         self._sync()
         loss = self.engine.train_step(self._xy(batch))["loss"]
+        self._whole = False
         out = {key: tf.identity(var) for key, var in self.optimizer.last.items()}
         out["loss"] = loss
         return out
@@ -372,6 +467,9 @@ class KerasGPTEngine:
                 raise RuntimeError("keras_gpt: the optimizer's moments are not built yet")
             moments = self._convert.joined(slots)
             state.update({f"optimizer/{slot}/{name}": moments[name] for name in self.names})
+        for name, masks in self._masks.items():  # laid out as the weight's variables
+            _, joined = self._convert.parts[name]
+            state[prune.MASK_PREFIX + name] = JoinedVariable([(m, box) for m, (_, box) in zip(masks, joined.parts)])
         return state
 
     def checkpoint_slots(self) -> list[checkpoint.ShardSet]:
@@ -410,6 +508,10 @@ class KerasGPTEngine:
             key = _canonical(device)
             name = names.get(key) or "dev-" + "".join(c if c.isalnum() else "-" for c in key).strip("-")
             sets.setdefault(name, checkpoint.ShardSet(name)).slots.append(slot)
+        for _, slot in slots:
+            # a mask is only assigned on restore: the weights and moments saved beside it are zero where
+            # it is; a checkpoint written without pruning leaves the masks as they are (all ones)
+            slot.optional = slot.name.startswith(prune.MASK_PREFIX)
         order = {name: i for i, name in enumerate(names.values())}
         return sorted(sets.values(), key=lambda s: (order.get(s.name, len(order)), s.name))
 
@@ -450,7 +552,7 @@ class KerasGPTEngine:
         self.optimizer.step.assign(int(values["optimizer/step"]))
         for key, var in self.loss_scale.state().items():
             var.assign(values[key].astype(var.dtype.as_numpy_dtype))
-        self.engine.sync_copies()  # the replicas' copies (and under ZeRO the slices) of what was loaded
+        self._restored()  # the replicas' copies (and under ZeRO the slices) of what was loaded
 
     def num_params(self) -> int:
         return builtin.num_params(self.cfg.model)

@@ -69,7 +69,10 @@ compiled metrics. The engine only decides *where* things run:
   the replicas' results are combined once per step as MirroredStrategy does (moving
   statistics averaged, MoE step totals summed, integer seed state equal on every replica, so
   the replicas of a step draw the same dropout masks). With one replica and one micro-batch
-  this is exactly Keras's own step.
+  this is exactly Keras's own step. phalanx's positional dropout layers
+  (:mod:`phalanx.layers.dropout`) are the exception: their per-call context is given, not
+  threaded: every call of a step reads the step's starting seed state and its micro-batch's
+  first row in the global batch, so every layout draws the masks of one device's one call.
 * **Recomputation** (``parallel.recompute``): ``full`` runs each stage's forward on a
   micro-batch as blocks whose activations are recomputed in the backward (a Functional or
   Sequential stage cut into about ``sqrt(n)`` blocks, a subclassed model as one);
@@ -104,6 +107,7 @@ from keras.src.backend import get_keras_mask  # Keras's loss reads y_pred's mask
 from keras.src.losses.loss import reduce_weighted_values  # Keras's own reduction, so the vocab-parallel loss is its
 
 from phalanx.config import Config, ConfigError
+from phalanx.layers import dropout as dropout_lib
 from phalanx.layers.moe import MoE, attach_compute_copy, is_step_total
 from phalanx.layers.sharding import placement_of
 from phalanx.layers.tensor_parallel import VocabParallelEmbedding, shard_logits_cross_entropy, vocab_logit_shards
@@ -563,6 +567,11 @@ class KerasModelEngine:
         self.regularized = [v for v in model.trainable_variables if getattr(v, "regularizer", None) is not None] \
             if self.split is not None else []
         self._custom_loss = type(model).compute_loss is not keras.Model.compute_loss
+        # per stage: the positions of the dropout layers' per-call context among its non-trainable
+        # variables (_call_state), and while a training step is traced the state it started from
+        self._contexts = [[k for k, v in enumerate(stage.non_trainable_variables)
+                           if dropout_lib.is_row_offset(v) or dropout_lib.is_step_seed(v)] for stage in self.stages]
+        self._step_start = None
         # id(variable read for an expert shard) -> the traced step's compute-dtype copy (_expert_casts)
         self._casts: dict[int, tf.Tensor] = {}
         # ZeRO-3: (replica, stage, id(variable)) -> the traced step's gathered weight (_stage_values)
@@ -690,9 +699,23 @@ class KerasModelEngine:
             state.append(values)
         return state
 
-    def _forward(self, replica: int, s: int, carried, micro, state, mode: str):
+    def _call_state(self, s: int, state: list, row: int) -> list:
+        """Stage ``s``'s non-trainable values for one call: the threaded ``state``, with the
+        positional dropout layers' context (:func:`phalanx.layers.dropout.call_context`) in place:
+        the call's first row in the global batch and the seed state the step started from, so
+        that every layout draws the one-device masks."""
+        if not self._contexts[s]:
+            return state
+        call = list(state)
+        for k in self._contexts[s]:
+            call[k] = dropout_lib.call_context(self.stages[s].non_trainable_variables[k], row,
+                                               self._step_start[s][k] if self._step_start else state[k])
+        return call
+
+    def _forward(self, replica: int, s: int, carried, micro, state, mode: str, row: int = 0):
         """Stage ``s`` on one micro-batch: the tensors handed on, or at the last stage the
-        float32 loss (``train``/``test``) or the flat predictions (``predict``)."""
+        float32 loss (``train``/``test``) or the flat predictions (``predict``). ``row``: the
+        micro-batch's first row in the global batch (the dropout masks' rows)."""
         stage = self.stages[s]
         x, y, sw = micro
         training = mode == "train"
@@ -713,10 +736,14 @@ class KerasModelEngine:
                         flat_x = flat_x if flat_x is not None else self.split.flatten_inputs(x)
                         available[key] = flat_x[int(key[3:])]
             inputs = {k: available[k] for k in stage.input_keys}
-            outputs, new_state, losses = self.runners[s].apply(values, state[s], inputs, training,
+            call_state = self._call_state(s, state[s], row)
+            outputs, new_state, losses = self.runners[s].apply(values, call_state, inputs, training,
                                                                self.stage_device(replica, s)) if training \
-                else stage.apply(values, state[s], inputs, training)
+                else stage.apply(values, call_state, inputs, training)
             if training:
+                for k in self._contexts[s]:  # a row offset is never written back
+                    if dropout_lib.is_row_offset(stage.non_trainable_variables[k]):
+                        new_state[k] = state[s][k]
                 state[s] = new_state
             available.update(outputs)
             for extra in losses:  # Keras's _aggregate_additional_loss
@@ -909,11 +936,15 @@ class KerasModelEngine:
         self._reg_value, reg_grads = self._regularization() if self.regularized else (None, {})
         self._casts = self._expert_casts(self.dp)
         start = self._initial_state(training=True)
+        self._step_start = start
         ends = []  # each replica's state after its micro-batches (parallel.replica_state)
         self._gathered = {}
         acc = [[[] for _ in stage.trainable_variables] for stage in self.stages]
         losses = []
         first = 0
+        # this worker's first row in the global batch (the workers take consecutive rows: local_rows)
+        base = 0 if self.workers is None or global_rows is None else \
+            sum(sum(map(sum, steps)) for steps in row_plan(global_rows, self.world, 1, 1)[:self.workers.rank])
         for d in range(self.dp):
             state = [list(values) for values in start]  # every replica from the step's starting state
             ends.append(state)
@@ -922,14 +953,15 @@ class KerasModelEngine:
                 if not plan[d][a]:
                     continue
                 with tf.device(self.stage_device(d, 0)):
-                    group = []
+                    group, rows_at = [], []
                     for n in plan[d][a]:
                         group.append(_slice(batch, first, n))
+                        rows_at.append(base + first)
                         first += n
                 grads, loss_sum = run_schedule(
                     self._schedule_of(len(group)),
-                    lambda s, i, h, _d=d, _g=group, _w=share[d][a], _st=state: self._weighted(
-                        self._forward(_d, s, h, _g[i], _st, "train"), s, _w[i]),
+                    lambda s, i, h, _d=d, _g=group, _w=share[d][a], _st=state, _r=rows_at: self._weighted(
+                        self._forward(_d, s, h, _g[i], _st, "train", _r[i]), s, _w[i]),
                     params, scale / float(total * self.world), prefix=f"dp{d}_acc{a}", keep_sparse=True)
                 losses.append(loss_sum)
                 for s, stage_grads in enumerate(grads):
@@ -993,7 +1025,7 @@ class KerasModelEngine:
             for v, new, old in zip(stage.non_trainable_variables, state[s], start[s]):
                 if new is not old or is_step_total(v):  # totals: this step's, even if never added to
                     v.value.assign(tf.cast(new, v.value.dtype))
-        self._reg_value, self._casts, self._gathered = None, {}, {}
+        self._reg_value, self._casts, self._gathered, self._step_start = None, {}, {}, None
         with tf.device(self.stage_device(0, self.chunks - 1)):
             return {"loss": loss_sum / float(total * self.world)}
 
@@ -1025,11 +1057,12 @@ class KerasModelEngine:
         state = self._initial_state()
         self._casts, self._gathered = self._expert_casts(replicas), {}
         results = []
+        per_replica = _rows(batch[0]) // replicas
         for d in range(replicas):
-            for micro in self._micro_batches(batch, d, _rows(batch[0]) // replicas, parts):
-                carried = None
+            for i, micro in enumerate(self._micro_batches(batch, d, per_replica, parts)):
+                carried, row = None, d * per_replica + i * (per_replica // parts)
                 for s in range(self.chunks):
-                    carried = self._forward(d, s, carried, micro, state, mode)
+                    carried = self._forward(d, s, carried, micro, state, mode, row)
                 results.append(carried)
         self._casts, self._gathered = {}, {}
         return results

@@ -225,7 +225,8 @@ class TransformerBlock(ShardedLayer):
         sequence_parallel: run LayerNorm, dropout and the residual on sequence chunks
             (``tp > 1``).
         layer_norm_epsilon, use_bias, causal, rope_max_wavelength, kernel_initializer,
-        bias_initializer, seed: as named (``seed`` seeds the dropout generators).
+        bias_initializer, seed: as named (``seed`` seeds the dropout masks: the block's positional
+            masks, :mod:`phalanx.layers.dropout`, and the attention's).
 
     ``call(x, padding_mask=None, attention_mask=None, training=None)``: ``[B, T, D] -> [B, T, D]``.
 
@@ -275,7 +276,8 @@ class TransformerBlock(ShardedLayer):
         else:
             self.mlp = None
             self.moe = self._make_moe(moe, policy)
-        self.seed_generator = keras.random.SeedGenerator(seed) if self.dropout else None
+        # the dropout masks' seed state and row offset (layers/dropout.py: an engine's per-call context)
+        self.dropout_context = dropout_lib.DropoutContext(self, seed) if self.dropout else None
 
     def _make_moe(self, moe, policy):
         if isinstance(moe, MoE):
@@ -343,12 +345,12 @@ class TransformerBlock(ShardedLayer):
     def _site_keys(self, training, dropout_key) -> list:
         """The keys of the block's two dropout sites (attention, MLP) for this call: folded from
         ``dropout_key`` (an engine's, e.g. from the seed, the step and the layer) or from the
-        block's seed generator (one draw per call); None when nothing is dropped."""
+        block's seed state (:class:`~phalanx.layers.dropout.DropoutContext`: one call per step);
+        None when nothing is dropped."""
         if not (training and self.dropout):
             return [None, None]
         if dropout_key is None:
-            seed = self.seed_generator.next()
-            dropout_key = dropout_lib.fold(seed[0], seed[1])
+            dropout_key = self.dropout_context.key()
         return [dropout_lib.fold(dropout_key, site) for site in (0, 1)]
 
     def own_weights(self) -> dict:
@@ -367,7 +369,9 @@ class TransformerBlock(ShardedLayer):
         return shard_values(layer, [layer.whole_variable(name)])[0] if layer.use_bias else None
 
     def call(self, inputs, padding_mask=None, attention_mask=None, training=None):
-        return self.forward(inputs, self.own_weights(), padding_mask, attention_mask, training)
+        # the rows of this call in the whole batch (0: a plain call; an engine's micro-batch: its own)
+        rows = self.dropout_context.row_offset() if training and self.dropout else 0
+        return self.forward(inputs, self.own_weights(), padding_mask, attention_mask, training, row_offset=rows)
 
     def forward(self, x, weights: dict, padding_mask=None, attention_mask=None, training=None, devices=None,
                 kernels=None, wrap_core=None, dropout_key=None, row_offset=0):

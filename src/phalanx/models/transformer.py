@@ -48,6 +48,7 @@ import tensorflow as tf
 from phalanx.checkpoint import boxes
 from phalanx.config import ModelConfig
 from phalanx.layers import dropout as dropout_lib
+from phalanx.layers.dropout import PositionalDropout
 from phalanx.layers.attention import ParallelSelfAttention
 from phalanx.layers.kernels import Kernels
 from phalanx.layers.sharding import Split
@@ -88,7 +89,7 @@ FUSED = FusedKernels()
 
 
 def gpt(cfg: ModelConfig, tp: int = 1, ep: int = 1, sequence_parallel: bool = False, seed: int | None = 0,
-        dtype_policy: str | None = None, name: str = "gpt") -> keras.Model:
+        dtype_policy: str | None = None, name: str = "gpt", dropout_seed: int = 0) -> keras.Model:
     """phalanx's GPT for ``cfg`` as a Keras Functional model on token ids ``[B, T]`` (``T <=
     cfg.seq_len``) returning logits ``[B, T, vocab]``, its weights cut for ``tp`` tensor shards
     and ``ep`` expert shards.
@@ -96,16 +97,19 @@ def gpt(cfg: ModelConfig, tp: int = 1, ep: int = 1, sequence_parallel: bool = Fa
     ``seed``: start from :func:`phalanx.models.gpt.initial_weights` ``(cfg, seed)`` — the
     weights every phalanx engine starts from — or, with ``None``, from the layers' Keras
     initialisers (the same distributions). ``dtype_policy``: a Keras policy name for every layer.
+    ``dropout_seed`` (``cfg.dropout > 0``): the seed of the positional dropout masks
+    (:mod:`phalanx.layers.dropout`; each dropping layer's own from it: :func:`dropout_seeds`).
     """
     d, policy = cfg.d_model, dtype_policy
     normal = keras.initializers.RandomNormal(stddev=INIT_STD)
     tokens = keras.Input((None,), dtype="int32", name="tokens")
     embed = VocabParallelEmbedding(cfg.vocab, d, tp=tp, embeddings_initializer=normal, name="embed", dtype=policy)
     x = PositionEmbedding(cfg.seq_len, initializer=normal, name="positions", dtype=policy)(embed(tokens))
+    seeds = dropout_seeds(dropout_seed, cfg.layers)
     if cfg.dropout:
-        x = keras.layers.Dropout(cfg.dropout, name="embed_dropout", dtype=policy)(x)
+        x = PositionalDropout(cfg.dropout, seed=seeds[-1], name="embed_dropout", dtype=policy)(x)
     for i in range(cfg.layers):
-        x = _block(cfg, i, tp, ep, sequence_parallel, policy)(x)
+        x = _block(cfg, i, tp, ep, sequence_parallel, policy, seed=seeds[i])(x)
     x = LayerNorm(LAYER_NORM_EPS, kernels=FUSED, name="final_ln", dtype=policy)(x)
     if cfg.tie_embeddings:
         logits = embed(x, reverse=True)
@@ -118,9 +122,19 @@ def gpt(cfg: ModelConfig, tp: int = 1, ep: int = 1, sequence_parallel: bool = Fa
     return model
 
 
+def dropout_seeds(seed: int, layers: int) -> dict[int, int]:
+    """The dropout seed of each dropping layer of the GPT: block ``i``'s at ``i``, the embedding's at
+    -1, distinct for every (run seed, layer).
+
+    >>> dropout_seeds(0, 2)
+    {-1: 0, 0: 1, 1: 2}
+    """
+    return {i: (int(seed) * 1_000_003 + i + 1) & 0x7FFFFFFF for i in range(-1, layers)}
+
+
 def _block(cfg: ModelConfig, i: int, tp: int, ep: int = 1, sequence_parallel: bool = False,
-           dtype_policy: str | None = None) -> TransformerBlock:
-    """Block ``i`` of the GPT (unbuilt)."""
+           dtype_policy: str | None = None, seed: int | None = None) -> TransformerBlock:
+    """Block ``i`` of the GPT (unbuilt); ``seed``: its dropout masks' seed."""
     moe = None
     if cfg.is_moe_block(i):
         moe = {"num_experts": cfg.experts, "top_k": cfg.top_k, "capacity_factor": cfg.capacity_factor,
@@ -129,7 +143,7 @@ def _block(cfg: ModelConfig, i: int, tp: int, ep: int = 1, sequence_parallel: bo
                             dropout=cfg.dropout, moe=moe, sequence_parallel=sequence_parallel,
                             layer_norm_epsilon=LAYER_NORM_EPS,
                             kernel_initializer=keras.initializers.RandomNormal(stddev=INIT_STD), kernels=FUSED,
-                            attention_core=cfg.attention, name=f"block_{i}", dtype=dtype_policy)
+                            attention_core=cfg.attention, seed=seed, name=f"block_{i}", dtype=dtype_policy)
 
 
 def blocks(model) -> list[TransformerBlock]:

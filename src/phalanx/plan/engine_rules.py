@@ -96,8 +96,8 @@ class GPTRun:
 
     >>> GPTRun(zero=2).old_engine_reasons()
     ['parallel.zero=2: ZeRO-2/3 (sharded gradients) runs on the mesh engine']
-    >>> GPTRun(dp=2, tp=2).engine(), GPTRun(recompute="full").engine(), GPTRun(prune=True).engine()
-    ('keras', 'mesh', 'strategy')
+    >>> GPTRun(dp=2, tp=2).engine(), GPTRun(recompute="full").engine(), GPTRun(prune=True, dropout=0.1).engine()
+    ('keras', 'mesh', 'keras')
     """
 
     dp: int = 1
@@ -143,7 +143,7 @@ class GPTRun:
 #: What the Keras-model engine (``engines/keras_gpt.py``) does not run yet for the built-in GPT:
 #: ``(key, GPTRun field, applies, why)``. ``phalanx train`` builds an older engine for a run
 #: only when a row applies (:meth:`GPTRun.engine`); every other run (one device, dp, tp, pp
-#: with any schedule, grad accumulation, mixed precision, ZeRO-1, the MoE GPT, and across workers
+#: with any schedule, grad accumulation, mixed precision, ZeRO-1, dropout, pruning, the MoE GPT, and across workers
 #: with ``parallel.strategy=multi_worker``, each worker's own layout) trains on the Keras-model engine
 #: (across workers, a run a row applies to is refused: ``engines/factory.py`` refuse_before_build). Removing a row moves its runs over; with no rows left the older
 #: engines are dead code.
@@ -151,9 +151,6 @@ OLD_ENGINE_ROWS: tuple = (
     ("parallel.zero", "zero", lambda r: r.zero >= 2, "ZeRO-2/3 (sharded gradients) runs on the mesh engine"),
     ("parallel.recompute", "recompute", lambda r: r.recompute != "none",
      "activation recomputation runs on the mesh engine"),
-    ("train.prune.target", "prune", lambda r: r.prune, "pruning masks run on the mesh and tf.distribute engines"),
-    ("model.dropout", "dropout", lambda r: r.dropout > 0,
-     "layout-independent dropout masks run on the mesh engine"),
     ("parallel.strategy", "cluster", lambda r: r.cluster == "parameter_server",
      "parameter servers run on their own engine"),
 )

@@ -26,7 +26,8 @@ host NumPy memory besides the devices' own state, at its largest moment:
   slot (``checkpoint/sharded.py``), pruning masks are computed shard by shard
   (``phalanx.prune``). Its peak is a few copies of the largest shard (one device's part
   of the largest weight) per writer thread, never the model;
-* the tf.distribute engines (pruning or dropout without tp/pp, parameter_server) hold whole variables, but move them one at a time: initial weights are assigned one tensor at a
+* the tf.distribute engine (parameter_server) holds whole variables, but moves
+  them one at a time: initial weights are assigned one tensor at a
   time (``engines/task.py``), checkpoints are written and restored by up to
   ``MAX_THREADS`` threads each holding one variable (``checkpoint.variable_sets``; pruning
   masks are such variables too, ``prune/mask/*``, and masks are computed one weight at a

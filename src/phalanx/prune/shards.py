@@ -61,8 +61,12 @@ def weight_shards(engine, prunable: Callable[[str], bool]) -> dict[str, list[Wei
     ``set_shard_mask``): one shard per tensor-parallel part, read from replica 0's primary
     copy, installed in every copy and replica. The tf.distribute engines (``engine.masks``,
     ``engine.variables``, ``engine.apply_masks``): one whole tensor per weight, which each
-    replica holds anyway. Anything else: ConfigError naming ``train.prune.target``.
+    replica holds anyway. An engine with a ``weight_shards(prunable)`` method (the Keras GPT
+    engine: one shard per variable holding a part of a weight) gives its own.
+    Anything else: ConfigError naming ``train.prune.target``.
     """
+    if hasattr(engine, "weight_shards"):
+        return engine.weight_shards(prunable)
     params, optimizer = getattr(engine, "params", None), getattr(engine, "optimizer", None)
     out: dict[str, list[WeightShard]] = {}
     if params is not None and hasattr(optimizer, "set_shard_mask"):
