@@ -90,6 +90,10 @@ def refuse_unhonoured(cfg: Config, mesh: Mesh | None = None) -> None:
     why = ("the expert-parallel GPT (parallel.ep > 1) trains through the Keras-model engine" if p.ep > 1 else
            "the built-in GPT trains here through the Keras-model engine")
     tp = mesh.tp if mesh is not None else p.tp
+    try:  # (the layers would refuse it too, naming their own arguments)
+        transformer.check_tp(m, max(tp, 1))
+    except ValueError as err:
+        raise ConfigError("parallel.tp", str(err)) from None
     if p.sequence_parallel and (m.experts or tp < 2 or m.seq_len % tp):
         raise ConfigError("parallel.sequence_parallel", f"true: sequence parallelism cuts the dense GPT's sequence "
                                                         f"into the tensor ranks' chunks: it needs parallel.tp > 1 "
