@@ -1,7 +1,7 @@
 """Per-op breakdown of one phalanx training step of the reference GPT (issue 14, item 1).
 
-Builds the step the trainer runs (:class:`phalanx.engines.strategy.StrategyEngine` on one
-device, :class:`phalanx.engines.task.GPTTask`, AdamW) with the shapes of
+Builds the step the trainer runs (the engine ``phalanx train`` builds for one device,
+:func:`phalanx.engines.factory.build_engine` with :class:`phalanx.engines.task.GPTTask`, AdamW) with the shapes of
 ``benchmarks/bench_gpt.py``, runs warm-up steps, times a few steps, then records one
 step with the TensorFlow profiler and sums the executed ops' times by category:
 
@@ -194,14 +194,14 @@ def main(argv=None) -> int:
         tf.config.threading.set_inter_op_parallelism_threads(args.inter_op)
     from phalanx.config import Config
     from phalanx.plan.hardware import cpu_model
-    from phalanx.engines.strategy import StrategyEngine
+    from phalanx.engines.factory import build_engine
     from phalanx.engines.task import GPTTask
 
     model = {"layers": args.layers, "d_model": args.d_model, "heads": args.heads, "ffn": args.ffn,
              "vocab": args.vocab, "seq_len": args.seq_len}
     cfg = Config().replace(model=model, train={"global_batch": args.batch, "lr": 1e-4, "warmup": 0},
-                           precision={"policy": args.policy})
-    engine = StrategyEngine(cfg, GPTTask(cfg.model, args.policy))
+                           precision={"policy": args.policy}, parallel={"devices": "cpu:1"})
+    engine = build_engine(cfg, GPTTask(cfg.model, args.policy))
     batch = tf.constant(np.random.default_rng(0).integers(0, args.vocab, [args.batch, args.seq_len + 1]), tf.int32)
     load_before = os.getloadavg()
     for _ in range(args.warmup):

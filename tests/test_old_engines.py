@@ -321,3 +321,27 @@ def test_strategy_engine_gradients_start_the_moe_totals_at_zero_as_a_step(device
     for got, want in zip(totals(), seen[0]):
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w, rtol=1e-6)
+
+
+# -- the mesh engine's sharded parameters (phalanx.parallel.params) ---------------------------
+
+from phalanx.checkpoint import boxes  # noqa: E402
+from phalanx.layers.sharding import Split  # noqa: E402
+from phalanx.parallel.params import restrict, shard_shape, split_regions  # noqa: E402
+
+
+@pytest.mark.parametrize("split", [Split("replicated"), Split("axis", 0), Split("axis", 1), Split("qkv")],
+                         ids=["replicated", "rows", "columns", "qkv"])
+def test_split_regions_are_the_shards_of_split_shard(split):
+    w = np.arange(8 * 24, dtype=np.float32).reshape(8, 24)
+    for tp in (1, 2, 4):
+        for t, want in enumerate(split.shard(w, tp)):
+            got = np.full(shard_shape(split, w.shape, tp), np.nan, np.float32)
+            for local, logical in split_regions(split, w.shape, t, tp):
+                got[boxes.index(local)] = w[boxes.index(logical)]
+            np.testing.assert_array_equal(got, want)
+            sub = ((got.shape[0] // 2, got.shape[0]), (2, got.shape[1] - 1))  # part of the shard (ZeRO)
+            part = np.full(boxes.shape_of(sub), np.nan, np.float32)
+            for local, logical in restrict(split_regions(split, w.shape, t, tp), sub):
+                part[boxes.index(local)] = w[boxes.index(logical)]
+            np.testing.assert_array_equal(part, want[boxes.index(sub)])

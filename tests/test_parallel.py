@@ -10,6 +10,8 @@ time). The pipeline executor's 1F1B order is tested on its own in tests/test_pip
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -133,6 +135,36 @@ def test_checkpoint_moves_between_layouts(trained, reference, devices, tmp_path)
         assert int(again["optimizer/step"]) == STEPS + MORE
     with pytest.raises(KeyError, match="lacks"):
         target.load_state_dict({k: v for k, v in state.items() if not k.startswith("optimizer/m/")})
+
+
+#: a checkpoint the mesh engine wrote at dp2 x tp2 with ZeRO-1 (tests/data/mesh_checkpoint/README.md)
+MESH_CHECKPOINT = Path(__file__).parent / "data" / "mesh_checkpoint" / "step-00000002"
+
+
+@pytest.mark.parametrize("dp, tp", [(1, 1), (1, 2)])
+def test_a_mesh_engine_checkpoint_resumes_on_the_engine_phalanx_train_builds(devices, dp, tp):
+    """The mesh engine's per-device slices (its ZeRO-1 moment pieces included) restore into the
+    engine phalanx train builds now, in another layout: every tensor as written, and the next
+    step's loss is Keras's own one-device loss of the restored weights."""
+    restored = checkpoint.restore(MESH_CHECKPOINT)
+    assert restored.meta["engine"] == "MeshEngine" and restored.step == 2
+    cfg = Config().replace(model=dict(layers=2, d_model=16, heads=2, ffn=32, vocab=256, seq_len=8),
+                           train={"global_batch": 4, "warmup": 1, "steps": 10, "lr": 1e-2},
+                           precision={"policy": "float32"}, parallel={"dp": dp, "tp": tp})
+    target = make_engine(cfg.model, mesh_of(devices, dp=dp, tp=tp), cfg)
+    assert isinstance(target, KerasGPTEngine)
+    checkpoint.load_into(target, restored)
+    state = target.state_dict()
+    assert set(state) == set(restored.tensors)
+    for name in state:
+        np.testing.assert_array_equal(state[name], restored.tensors[name], err_msg=name)
+    batch = np.random.default_rng(5).integers(0, 256, (4, 9)).astype(np.int32)
+    oracle = gpt_oracle.KerasGPT(cfg)
+    oracle.load_weights({n: restored.tensors[n] for n in oracle.weights()})
+    want = oracle.eval_loss(batch)
+    out = target.train_step(batch)
+    np.testing.assert_allclose(float(out["loss"]), want, rtol=1e-5)
+    assert int(target.state_dict()["optimizer/step"]) == 3
 
 
 # -- small pieces -----------------------------------------------------------------------
