@@ -27,6 +27,7 @@ from phalanx.config import Config
 from phalanx.engines.keras_gpt import PhalanxAdamW
 from phalanx.models import gpt as builtin
 from phalanx.models import transformer
+from phalanx.train.moe_stats import moe_layers
 
 
 class KerasGPT:
@@ -59,6 +60,8 @@ class KerasGPT:
         """One step of Keras's ``train_on_batch`` on ``batch`` ``[B, T+1]``: loss (before the
         update) and the optimizer's figures."""
         batch = np.asarray(batch)
+        for layer in moe_layers(self.gpt):  # a step's MoE totals start at zero, as the engines' do
+            layer.reset_statistics()
         loss = self.model.train_on_batch(batch[:, :-1], batch[:, 1:], return_dict=True)["loss"]
         out = {key: float(var.numpy()) for key, var in self.optimizer.last.items()}
         out["loss"] = float(loss)

@@ -21,85 +21,22 @@ import pytest
 import tensorflow as tf
 
 from phalanx import checkpoint
+from phalanx.checkpoint import boxes
 from phalanx.config import Config
 from phalanx.engines.factory import make_engine
 from phalanx.engines.keras_gpt import KerasGPTEngine
 from phalanx.engines.mesh import MeshEngine
 from phalanx.engines.strategy import StrategyEngine
 from phalanx.engines.task import GPTTask
+from phalanx.layers.sharding import Split
 from phalanx.mesh import Mesh
+from phalanx.parallel.params import restrict, shard_shape, split_regions
 from phalanx.parallel.pipeline import check_graph_order
 from phalanx.parallel.schedules import peak_in_flight
 from phalanx.parallel.trace import executed_order, measured_bubble, profile_actions
 
-STEPS, MORE = 3, 2
-MODEL = dict(layers=4, d_model=32, heads=4, ffn=64, vocab=256, seq_len=16)
-# Adam normalises each element's gradient, so an element whose true gradient is ~0
-# (a cancellation sum, e.g. the key bias) moves by float noise x lr. A wrong
-# gradient moves weights by ~lr = 1e-3 per step: 5e-5 still catches every real bug.
-W_RTOL, W_ATOL = 1e-4, 5e-5
-
-
-def make_cfg(layers: int = 4, **parallel) -> Config:
-    return Config().replace(model={**MODEL, "layers": layers},
-                            train={"global_batch": 8, "warmup": 1, "steps": 10, "lr": 1e-3}, parallel=parallel)
-
-
-def batches(n: int, rows: int = 8) -> list[np.ndarray]:
-    rng = np.random.default_rng(1)
-    return [rng.integers(0, 256, size=(rows, 17)).astype(np.int32) for _ in range(n)]
-
-
-def mesh_of(devices, dp=1, pp=1, tp=1) -> Mesh:
-    return Mesh.from_devices(devices[: dp * pp * tp], dp, pp, tp)
-
-
-@pytest.fixture(scope="module")
-def reference():
-    """Single-device StrategyEngine per depth: losses of STEPS + MORE steps, weights after STEPS."""
-    cache = {}
-
-    def get(layers):
-        if layers not in cache:
-            cfg = make_cfg(layers)
-            engine = StrategyEngine(cfg, GPTTask(cfg.model))
-            data = batches(STEPS + MORE)
-            losses = [float(engine.train_step(b)["loss"]) for b in data[:STEPS]]
-            weights = engine.weights()
-            losses += [float(engine.train_step(b)["loss"]) for b in data[STEPS:]]
-            cache[layers] = (losses, weights)
-        return cache[layers]
-
-    return get
-
-
-# Tracing dominates the run time and grows with layers x micro-batches, so each layout
-# gets the fewest layers its pipeline needs (pp x virtual_stages chunks).
-LAYOUTS = {  # id: (dp, tp, pp, layers, extra parallel keys)
-    "dp2": (2, 1, 1, 2, {}),
-    "tp2": (1, 2, 1, 2, {}),
-    "tp4": (1, 4, 1, 2, {}),
-    "pp2-gpipe": (1, 1, 2, 2, {"schedule": "gpipe", "microbatches": 2}),
-    "pp4-1f1b": (1, 1, 4, 4, {"schedule": "1f1b", "microbatches": 4}),
-    "pp4-interleaved": (1, 1, 4, 8, {"schedule": "interleaved", "virtual_stages": 2, "microbatches": 4}),
-    "dp2-tp2-pp2-1f1b": (2, 2, 2, 2, {"schedule": "1f1b", "microbatches": 2}),
-    "dp2-pp4-1f1b-zero1": (2, 1, 4, 4, {"schedule": "1f1b", "microbatches": 2, "zero": 1}),
-}
-
-
-def _trained_fixture(devices, build):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            dp, tp, pp, layers, extra = LAYOUTS[name]
-            cfg = make_cfg(layers, dp=dp, tp=tp, pp=pp, **extra)
-            engine = build(cfg, mesh_of(devices, dp, pp, tp))
-            losses = [float(engine.train_step(b)["loss"]) for b in batches(STEPS)]
-            cache[name] = (engine, losses, layers)
-        return cache[name]
-
-    return get
+# the layouts, data and Keras oracle of tests/test_parallel.py
+from test_parallel import STEPS, MORE, _trained_fixture, batches, make_cfg, mesh_of, reference  # noqa: F401
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +46,7 @@ def mesh_trained(devices):
 
 
 def test_gradients_match_single_device(mesh_trained):
-    engine, _, layers = mesh_trained("tp4")
+    engine, _, _, layers = mesh_trained("tp4")
     cfg = make_cfg(layers)
     ref = StrategyEngine(cfg, GPTTask(cfg.model))
     ref.load_state_dict(engine.state_dict())
@@ -121,7 +58,7 @@ def test_gradients_match_single_device(mesh_trained):
 
 
 def test_1f1b_runs_in_1f1b_order(mesh_trained):
-    engine, _, _ = mesh_trained("pp4-1f1b")
+    engine, _, _, _ = mesh_trained("pp4-1f1b")
     trace = engine.traces[0]
     expected = [[str(a) for a in rank] for rank in engine.schedule.per_stage]
     assert trace.order == expected
@@ -141,7 +78,7 @@ def test_1f1b_runs_in_1f1b_order(mesh_trained):
 
 def test_1f1b_order_at_run_time_from_the_profiler(mesh_trained, tmp_path):
     """The TensorFlow executor's own record (profiler trace) shows the 1F1B order per rank."""
-    engine, _, _ = mesh_trained("pp4-1f1b")
+    engine, _, _, _ = mesh_trained("pp4-1f1b")
     tf.profiler.experimental.start(str(tmp_path))
     try:
         engine.train_step(batches(1)[0])
@@ -154,7 +91,7 @@ def test_1f1b_order_at_run_time_from_the_profiler(mesh_trained, tmp_path):
 
 
 def test_graph_order_check_detects_a_missing_dependency(mesh_trained):
-    engine, _, _ = mesh_trained("pp4-1f1b")
+    engine, _, _, _ = mesh_trained("pp4-1f1b")
     trace = engine.traces[0]
     graph = engine._train_fn.get_concrete_function(tf.TensorSpec([8, 17], tf.int32)).graph
     broken = type(trace)(order=trace.order, scopes=trace.scopes, markers=trace.markers,
@@ -165,7 +102,7 @@ def test_graph_order_check_detects_a_missing_dependency(mesh_trained):
 
 
 def test_zero1_shards_optimizer_state_over_data(mesh_trained):
-    engine, _, _ = mesh_trained("dp2-pp4-1f1b-zero1")
+    engine, _, _, _ = mesh_trained("dp2-pp4-1f1b-zero1")
     opt = engine.optimizer
     per_device = opt.state_bytes_per_device()
     assert len(per_device) == 8
@@ -184,8 +121,8 @@ def test_a_mesh_engine_checkpoint_resumes_on_the_keras_model_engine(mesh_trained
     """A checkpoint the mesh engine wrote (its per-device slices by logical name) restores into
     the engine phalanx train now builds, in another layout, which continues with the
     single-device losses; and the Keras-model engine's own per-device checkpoint goes back."""
-    engine, _, layers = mesh_trained("tp4")  # (no other test steps it)
-    ref_losses, _ = reference(layers)
+    engine, _, _, layers = mesh_trained("tp4")  # (no other test steps it)
+    ref_losses, _, _ = reference(layers)
     saved = checkpoint.save(tmp_path / "mesh", STEPS, checkpoint.state_of(engine))
     more = batches(STEPS + MORE)[STEPS:]
     cfg = make_cfg(layers, dp=2, tp=2)
@@ -324,11 +261,6 @@ def test_strategy_engine_gradients_start_the_moe_totals_at_zero_as_a_step(device
 
 
 # -- the mesh engine's sharded parameters (phalanx.parallel.params) ---------------------------
-
-from phalanx.checkpoint import boxes  # noqa: E402
-from phalanx.layers.sharding import Split  # noqa: E402
-from phalanx.parallel.params import restrict, shard_shape, split_regions  # noqa: E402
-
 
 @pytest.mark.parametrize("split", [Split("replicated"), Split("axis", 0), Split("axis", 1), Split("qkv")],
                          ids=["replicated", "rows", "columns", "qkv"])
