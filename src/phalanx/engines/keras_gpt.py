@@ -268,7 +268,8 @@ def _part_slot(name: str, shape: tuple, var: tf.Variable, box) -> checkpoint.Slo
     dtype = var.dtype.as_numpy_dtype
     return checkpoint.Slot(name, shape, dtype, local, [(boxes.full(local), box)],
                            fetch=lambda: tf.reshape(var.read_value(), local),
-                           assign=lambda x: var.assign(np.reshape(np.asarray(x).astype(dtype), tuple(var.shape))))
+                           # (np.asarray: no copy of a piece already in the dtype; the host holds one)
+                           assign=lambda x: var.assign(np.reshape(np.asarray(x, dtype), tuple(var.shape))))
 
 
 def _joined_slot(name: str, shape: tuple, parts: list, bound) -> checkpoint.Slot:
@@ -277,7 +278,7 @@ def _joined_slot(name: str, shape: tuple, parts: list, bound) -> checkpoint.Slot
     local = boxes.shape_of(bound)
     dtype = joined.dtype.as_numpy_dtype
     return checkpoint.Slot(name, shape, dtype, local, [(boxes.full(local), bound)], fetch=joined.read_value,
-                           assign=lambda x: joined.assign(np.asarray(x).astype(dtype)))
+                           assign=lambda x: joined.assign(np.asarray(x, dtype)))
 
 
 class KerasGPTEngine:
