@@ -250,7 +250,9 @@ def test_dropout_layouts_match_one_device(name, devices, one_device_dropout):
 
 
 def test_sequence_parallel_errors_name_the_key(devices):
-    cfg = make_cfg(sequence_parallel=True)
+    with pytest.raises(ConfigError, match=r"parallel.sequence_parallel.*tp > 1"):
+        make_cfg(sequence_parallel=True)
+    cfg = make_cfg(tp=2, sequence_parallel=True)  # on a mesh without tensor ranks: refused at build
     with pytest.raises(ConfigError, match=r"parallel.sequence_parallel.*tp > 1"):
         make_engine(cfg.model, Mesh.from_devices(devices[:1], 1, 1, 1), cfg)
     with pytest.raises(ConfigError, match=r"parallel.sequence_parallel.*tp > 1"):  # refused as the config is read
