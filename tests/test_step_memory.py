@@ -81,6 +81,9 @@ def test_pipeline_gradients_do_not_grow_with_micro_batches(devices):
     many = _peaks_above_state(many_engine)
     grad_set = _state_bytes(many_engine, weights_only=True)  # one float32 gradient per weight
     print("pp2 step peaks above state: m=2", few, "m=8", many, "gradient set", grad_set)
+    # (the same model state is subtracted on both sides: the bound is on the peaks' difference; on
+    # the Keras-model engine the figures above state measured negative, -0.4 to -0.9 MB, and m=8
+    # within 12 bytes of m=2 on CPU:0, 0.24 MB lower on CPU:1)
     for dev in grad_set:
         assert many[dev] <= few[dev] + 0.25 * grad_set[dev], (dev, many, few, grad_set)
 
