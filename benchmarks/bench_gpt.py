@@ -3,8 +3,9 @@
 The reference GPT (issue 2, item 12): 12 layers, d_model 768, 12 heads, ffn 3072,
 vocab 8192, seq_len 512, batch 8, AdamW. For each precision policy it builds
 
-* phalanx: :class:`phalanx.engines.strategy.StrategyEngine` on one device with
-  :class:`phalanx.engines.task.GPTTask` (the step the trainer runs), and
+* phalanx: the engine ``phalanx train`` builds for one device
+  (:func:`phalanx.engines.factory.build_engine` with :class:`phalanx.engines.task.GPTTask`:
+  the step the trainer runs), and
 * the peer a user would otherwise pick: keras-hub ``GPT2CausalLM`` (same shapes,
   random init, ``preprocessor=None``, dropout 0) trained with ``model.fit`` and
   Keras AdamW, under the same dtype policy,
@@ -74,7 +75,7 @@ import tensorflow as tf  # noqa: E402
 
 from phalanx.config import Config, ConfigError, validate  # noqa: E402
 from phalanx.precision import describe as describe_precision  # noqa: E402
-from phalanx.engines.strategy import StrategyEngine  # noqa: E402
+from phalanx.engines.factory import build_engine  # noqa: E402
 from phalanx.core.costs import gpt_training_flops_per_token
 from phalanx.engines.task import GPTTask  # noqa: E402
 
@@ -108,9 +109,10 @@ class PhalanxRunner:
 
     def __init__(self, model_cfg: dict, batch: int, policy: str, lr: float, batch_data: np.ndarray,
                  attention: str = "plain"):
-        self.cfg = Config().replace(model={**model_cfg, "attention": attention}, train={"global_batch": batch, "lr": lr, "warmup": 0},
-                                    precision={"policy": policy})
-        self.engine = StrategyEngine(self.cfg, GPTTask(self.cfg.model, policy))
+        self.cfg = Config().replace(model={**model_cfg, "attention": attention},
+                                    train={"global_batch": batch, "lr": lr, "warmup": 0},
+                                    precision={"policy": policy}, parallel={"devices": "cpu:1"})
+        self.engine = build_engine(self.cfg, GPTTask(self.cfg.model, policy))
         self.batch = tf.constant(batch_data, tf.int32)
         self.last_loss = float("nan")
 

@@ -1,4 +1,5 @@
-"""Parallel overhead, pipeline bubble and memory of the mesh engine on logical CPUs.
+"""Parallel overhead, pipeline bubble and memory of the engine ``phalanx train`` builds for
+each layout (engines/factory.py: the Keras-model engine) on logical CPUs.
 
 Run by hand (it takes minutes: every layout is traced once):
 
@@ -9,27 +10,26 @@ Run by hand (it takes minutes: every layout is traced once):
 On ``cpu:8`` all logical devices share the host's cores (ARCHITECTURE.md), so a layout
 cannot be faster than one device: the figure of merit is the step time of the layout
 divided by the one-device step time of the same model, global batch and precision (1.0
-is ideal). There are two one-device steps: the StrategyEngine's (what ``phalanx train``
-runs on one device: the Keras GPT on ``tf.distribute``) and the mesh engine's on a 1 x 1 x 1
-mesh. Both are timed next to every layout, one step each in turn (the machine's load
-changes during a run of minutes), and the table gives the ratio over each. The honest
-figure is the ratio over the *faster* of the two (column "x best one device").
-Both engines run ``--policy`` (default float32): comparing a bfloat16 step with a float32
-one measures the precision, not the layout (precision.policy=auto is bfloat16 on a CPU
-with bfloat16 units, so it is pinned here).
+is ideal), the one-device step being the same factory's for ``parallel.dp=1``. It is timed
+next to every layout, one step each in turn (the machine's load changes during a run of
+minutes). Every engine runs ``--policy`` (default float32): comparing a bfloat16 step with a
+float32 one measures the precision, not the layout (precision.policy=auto is bfloat16 on a
+CPU with bfloat16 units, so it is pinned here).
 
 The pipeline bubble is measured from a profiler trace of one step (the span of each
 executed action, per rank) and printed beside the ideal ``(p-1)/(v*m+p-1)``; on shared
 cores a rank also waits for the other ranks' ops, so it is far above the ideal.
-"CPU time x best one device": the process's CPU seconds per step (all threads, medians) over the
-faster one-device engine's. On a loaded machine (other processes on the same cores) the wall
+"CPU time x one device": the process's CPU seconds per step (all threads, medians) over the
+one-device engine's. On a loaded machine (other processes on the same cores) the wall
 ratios favour the layouts with more runnable threads, which get a larger share of the cores;
 CPU time is steadier there, but it also counts the thread pools' spin-waiting, so on a quiet
 machine the wall ratio is the figure.
 Memory: the process's peak bytes during one step of the layout alone, less what was
 allocated before the layout's engine was built (``get_memory_info``; logical CPUs share
-one allocator, so it is the sum over devices), and the optimizer-state bytes each device
-holds (exact, from the variables) with and without ZeRO-1.
+one allocator, so it is the sum over devices), and the optimizer-state bytes the most loaded
+device holds (exact, from the optimizer's slot variables) with and without ZeRO-1.
+Layouts ``phalanx train`` still routes to an older engine (plan/engine_rules.py
+``OLD_ENGINE_ROWS``: recomputation today) are timed on that engine, whichever it is.
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 LAYOUTS = [  # name, dp, tp, pp, extra
-    ("mesh 1 device", 1, 1, 1, {}),
     ("dp2", 2, 1, 1, {}),
     ("tp2", 1, 2, 1, {}),
     ("tp4", 1, 4, 1, {}),
@@ -93,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     from machine_report import load, machine
 
     from phalanx.config import Config
-    from phalanx.engines.mesh import MeshEngine
-    from phalanx.engines.strategy import StrategyEngine
+    from phalanx.engines.factory import make_engine
     from phalanx.engines.task import GPTTask
     from phalanx.mesh import Mesh
     from phalanx.parallel.schedules import bubble_formula
@@ -118,6 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         return Config().replace(model=model, train={"global_batch": gb, "warmup": 1},
                                 precision={"policy": args.policy}, parallel={"dp": dp, "tp": tp, "pp": pp, **extra})
 
+    def build(cfg, dp=1, tp=1, pp=1):
+        """The engine phalanx train builds for the layout (engines/factory.py)."""
+        return make_engine(GPTTask(cfg.model, args.policy, cfg.train.seed),
+                           Mesh.from_devices(devices[: dp * tp * pp], dp, pp, tp), cfg)
+
     def step_time(engine) -> tuple[float, float]:
         """Wall and process CPU seconds of one step."""
         t0, c0 = time.perf_counter(), time.process_time()
@@ -132,48 +135,49 @@ def main(argv: list[str] | None = None) -> int:
         float(engine.train_step(batch)["loss"])
         return tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
 
+    def optimizer_state_bytes(engine) -> int:
+        """The most loaded device's optimizer-state bytes: every slot variable of the engine's
+        optimizers (the Keras-model engine's ZeRO slices and the whole moments), by device."""
+        if hasattr(engine.optimizer, "state_bytes_per_device"):  # an older engine's sharded optimizer
+            return max(engine.optimizer.state_bytes_per_device().values())
+        slots = {}
+        for opt in {id(o): o for o in (engine.optimizer, getattr(engine.engine, "optimizer", None)) if o}.values():
+            for v in opt.m + opt.v:
+                slots[id(v)] = v.value if hasattr(v, "value") else v
+        per_device: dict[str, int] = {}
+        for v in slots.values():
+            per_device[v.device] = per_device.get(v.device, 0) + v.shape.num_elements() * v.dtype.size
+        return max(per_device.values())
+
     t_start, load_start = time.perf_counter(), load()
     info = machine()
     cfg = cfg_for()
     before = in_use()
-    strategy = StrategyEngine(cfg, GPTTask(cfg.model, args.policy, cfg.train.seed))
+    one = build(cfg)
     for _ in range(2):
-        step_time(strategy)
-    strategy_peak = peak_of_step(strategy, before)
-    before = in_use()
-    mesh_one = MeshEngine(cfg, Mesh.from_devices(devices[:1], 1, 1, 1), GPTTask(cfg.model, args.policy, cfg.train.seed))
-    for _ in range(2):
-        step_time(mesh_one)
-    mesh_one_peak = peak_of_step(mesh_one, before)
+        step_time(one)
+    one_peak = peak_of_step(one, before)
 
-    rows, all_strategy, all_mesh = [], [], []
+    rows, all_one = [], []
     for name, dp, tp, pp, extra in layouts:
         cfg = cfg_for(dp, tp, pp, **extra)
-        if (dp, tp, pp, extra) == (1, 1, 1, {}):
-            engine, peak = mesh_one, mesh_one_peak
-        else:
-            before = in_use()
-            engine = MeshEngine(cfg, Mesh.from_devices(devices[: dp * tp * pp], dp, pp, tp),
-                                GPTTask(cfg.model, args.policy, cfg.train.seed))
-            for _ in range(2):
-                step_time(engine)
-            peak = peak_of_step(engine, before)
-        # the layout and the two one-device engines, one step each in turn (order rotated)
-        times = {"layout": [], "strategy": [], "mesh": []}
-        cpu = {"layout": [], "strategy": [], "mesh": []}
-        engines = [("strategy", strategy), ("mesh", mesh_one)]
-        engines += [("layout", engine)] if engine is not mesh_one else []
+        before = in_use()
+        engine = build(cfg, dp, tp, pp)
+        for _ in range(2):
+            step_time(engine)
+        peak = peak_of_step(engine, before)
+        # the layout and the one-device engine, one step each in turn (order rotated)
+        times = {"layout": [], "one": []}
+        cpu = {"layout": [], "one": []}
+        engines = [("one", one), ("layout", engine)]
         for r in range(steps):
             for key, e in engines[r % len(engines):] + engines[:r % len(engines)]:
                 wall, used = step_time(e)
                 times[key].append(wall)
                 cpu[key].append(used)
-        if engine is mesh_one:
-            times["layout"], cpu["layout"] = times["mesh"], cpu["mesh"]
-        step, s_one, m_one = (statistics.median(times[k]) for k in ("layout", "strategy", "mesh"))
-        step_cpu = statistics.median(cpu["layout"]) / min(statistics.median(cpu[k]) for k in ("strategy", "mesh"))
-        all_strategy += times["strategy"]
-        all_mesh += times["mesh"]
+        step, s_one = (statistics.median(times[k]) for k in ("layout", "one"))
+        step_cpu = statistics.median(cpu["layout"]) / statistics.median(cpu["one"])
+        all_one += times["one"]
         bubble = ideal = None
         if pp > 1:
             with tempfile.TemporaryDirectory() as logdir:
@@ -181,41 +185,33 @@ def main(argv: list[str] | None = None) -> int:
                 engine.train_step(batch)
                 tf.profiler.experimental.stop()
                 bubble = measured_bubble(profile_actions(logdir), pp)
-            ideal = bubble_formula(pp, engine.microbatches, engine.schedule.virtual_stages)
-        state = engine.optimizer.state_bytes_per_device()
-        rows.append((name, step / min(s_one, m_one), step / s_one, step / m_one, step, step_cpu, bubble, ideal, peak,
-                     max(state.values())))
-        print(f"{name}: {step * 1000:.1f} ms/step (StrategyEngine {s_one * 1000:.1f}, mesh 1 device "
-              f"{m_one * 1000:.1f}), load {load()}", file=sys.stderr)
-        if engine is not mesh_one:
-            del engine
+            ideal = bubble_formula(pp, cfg.parallel.microbatches, cfg.parallel.virtual_stages)
+        rows.append((name, type(engine).__name__, step / s_one, step, step_cpu, bubble, ideal, peak,
+                     optimizer_state_bytes(engine)))
+        print(f"{name}: {step * 1000:.1f} ms/step (one device {s_one * 1000:.1f}), load {load()}", file=sys.stderr)
+        del engine
 
-    s_med, m_med = statistics.median(all_strategy), statistics.median(all_mesh)
-    faster = "StrategyEngine" if s_med <= m_med else "mesh engine"
     lines = [
         f"GPT layers={model['layers']} d_model={model['d_model']} heads={model['heads']} ffn={model['ffn']} "
         f"seq={model['seq_len']}, global batch {gb}, {args.policy}, logical cpu:8 on the same cores; "
         f"{time.strftime('%Y-%m-%d %H:%M %Z')}; median of {steps} steps per layout, each layout's steps "
-        f"interleaved with the two one-device engines'.",
+        f"interleaved with the one-device engine's.",
         "",
         f"Machine: {info['model']}, {info['cores']} cores, flags {info['flags']}; TF {info['tf']}, "
         f"Keras {info['keras']}; TF_ENABLE_ONEDNN_OPTS={info['onednn']}; threads {info['threads']}; "
         f"load (1/5/15 min) {load_start} at the start, {load()} at the end.",
         "",
-        f"One device, median over the run: StrategyEngine {s_med * 1000:.0f} ms/step (peak "
-        f"{strategy_peak / 2**20:.0f} MiB), mesh engine {m_med * 1000:.0f} ms/step (peak "
-        f"{mesh_one_peak / 2**20:.0f} MiB). The honest ratio is over the faster one-device step, "
-        f"here the {faster}'s (\"x best one device\", taken per layout over the interleaved steps).",
+        f"One device ({type(one).__name__}), median over the run: {statistics.median(all_one) * 1000:.0f} ms/step "
+        f"(peak {one_peak / 2**20:.0f} MiB).",
         "",
-        "| layout | x best one device | x StrategyEngine 1 device | x mesh 1 device | ms/step | CPU time x best "
-        "one device | bubble measured | bubble (p-1)/(vm+p-1) | peak MiB (all devices) | optimizer state MiB, "
-        "largest device |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| layout | engine | x one device | ms/step | CPU time x one device | bubble measured | bubble "
+        "(p-1)/(vm+p-1) | peak MiB (all devices) | optimizer state MiB, largest device |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, best, over_s, over_m, step, step_cpu, bubble, ideal, peak, state in rows:
+    for name, kind, over, step, step_cpu, bubble, ideal, peak, state in rows:
         b = f"{bubble:.2f}" if bubble is not None else "-"
         i = f"{ideal:.2f}" if ideal is not None else "-"
-        lines.append(f"| {name} | {best:.2f} | {over_s:.2f} | {over_m:.2f} | {step * 1000:.0f} | {step_cpu:.2f} "
+        lines.append(f"| {name} | {kind} | {over:.2f} | {step * 1000:.0f} | {step_cpu:.2f} "
                      f"| {b} | {i} | {peak / 2**20:.0f} | {state / 2**20:.2f} |")
     text = "\n".join(lines) + "\n"
     print("\n" + text)

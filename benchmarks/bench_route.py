@@ -9,6 +9,9 @@ first step of the engine built second profits from the process's warm caches, so
 Run by hand, one layout per process (a d_model 256 GPT, 4 layers, seq 128, batch 8, float32):
 
     .venv/bin/python benchmarks/bench_route.py one|dp2|tp2|pp2
+
+It compares the two engines, so it goes when the older engines are deleted (its figures stay in
+benchmarks/results as the record of the switch).
 """
 
 from __future__ import annotations

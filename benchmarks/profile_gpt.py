@@ -1,7 +1,7 @@
 """Per-op breakdown of one phalanx training step of the reference GPT (issue 14, item 1).
 
-Builds the step the trainer runs (:class:`phalanx.engines.strategy.StrategyEngine` on one
-device, :class:`phalanx.engines.task.GPTTask`, AdamW) with the shapes of
+Builds the step the trainer runs (the engine ``phalanx train`` builds for one device,
+:func:`phalanx.engines.factory.build_engine` with :class:`phalanx.engines.task.GPTTask`, AdamW) with the shapes of
 ``benchmarks/bench_gpt.py``, runs warm-up steps, times a few steps, then records one
 step with the TensorFlow profiler and sums the executed ops' times by category:
 
@@ -201,7 +201,7 @@ def main(argv=None) -> int:
         tf.config.threading.set_inter_op_parallelism_threads(args.inter_op)
     from phalanx.config import Config, validate
     from phalanx.plan.hardware import cpu_model
-    from phalanx.engines.strategy import StrategyEngine
+    from phalanx.engines.factory import build_engine
     from phalanx.engines.task import GPTTask
 
     cores = [c.strip() for c in args.attention.split(",") if c.strip()]
@@ -211,9 +211,9 @@ def main(argv=None) -> int:
     for core in cores:
         cfg = Config().replace(model={**model, "attention": core},
                                train={"global_batch": args.batch, "lr": 1e-4, "warmup": 0},
-                               precision={"policy": args.policy})
+                               precision={"policy": args.policy}, parallel={"devices": "cpu:1"})
         validate(cfg)
-        engines[core] = StrategyEngine(cfg, GPTTask(cfg.model, args.policy))
+        engines[core] = build_engine(cfg, GPTTask(cfg.model, args.policy))
     batch = tf.constant(np.random.default_rng(0).integers(0, args.vocab, [args.batch, args.seq_len + 1]), tf.int32)
     load_before = os.getloadavg()
     for engine in engines.values():

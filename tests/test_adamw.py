@@ -12,8 +12,8 @@ computed in float64 from the same float32 inputs; phalanx's float32 result must 
 rtol 1e-6, relative to the size of the terms each update adds (where theta - eta_t u or
 beta1 m + (1 - beta1) g cancel to almost zero, no float32 computation of them can be
 closer than a few float32 ulps of the terms, ~1e-7 of them). Also: a non-finite step changes nothing, a mask keeps pruned entries at zero,
-and both engines that use phalanx's AdamW (StrategyEngine and the mesh engine's
-ShardedAdamW, ZeRO 0/1/2) go through the one apply.
+and the engine that uses phalanx's AdamW (the Keras-model engine's PhalanxAdamW, a Keras
+optimizer) goes through the one apply.
 """
 
 import inspect
@@ -119,9 +119,7 @@ def test_non_finite_step_changes_nothing_and_mask_keeps_zeros():
 
 
 def test_every_engine_uses_the_one_apply():
-    from phalanx.parallel import zero
-    from phalanx.engines import strategy
+    from phalanx.engines import keras_gpt
 
     assert not hasattr(optim, "adamw_update")  # the tensor-op version is gone
-    assert "optim.apply_adamw(" in inspect.getsource(strategy.StrategyEngine._apply_one)
-    assert "optim.apply_adamw(" in inspect.getsource(zero.ShardedAdamW._adam)
+    assert "optim.apply_adamw(" in inspect.getsource(keras_gpt.PhalanxAdamW.apply)

@@ -3,8 +3,7 @@
 A task that names no policy (``GPTTask(cfg.model)``, ``KerasTask(...)``) takes the config's
 (:func:`phalanx.engines.task.for_config`); one built for another policy is refused with a
 ConfigError naming ``precision.policy`` and both values, by every engine that takes a config
-and a task (StrategyEngine and the parameter-server engine built on it, MeshEngine,
-KerasGPTEngine, and ``build_engine`` choosing among them). The policy that ran is read off
+and a task (KerasGPTEngine, and ``build_engine`` choosing the engine ``phalanx train`` runs). The policy that ran is read off
 the step's own ops: the dtype of the matrix products TensorFlow executed.
 """
 
@@ -16,12 +15,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from phalanx.cluster.strategies import local_strategy
 from phalanx.config import Config, ConfigError
 from phalanx.engines.factory import build_engine
 from phalanx.engines.keras_gpt import KerasGPTEngine
-from phalanx.engines.mesh import MeshEngine
-from phalanx.engines.strategy import StrategyEngine
 from phalanx.engines import task as task_module
 from phalanx.engines.task import GPTTask, KerasTask
 from phalanx.mesh import Mesh
@@ -59,15 +55,16 @@ def batch(rows: int = 4) -> np.ndarray:
 
 @pytest.mark.parametrize("policy, compute", [("mixed_bfloat16", "bfloat16"), ("float32", "float32")])
 def test_a_gpt_task_without_a_policy_trains_in_the_configs(monkeypatch, devices, policy, compute):
-    """The bug: precision.policy=auto picked mixed_bfloat16 and StrategyEngine(cfg, GPTTask(cfg.model))
-    trained float32. Now the task takes the config's policy: every matrix product of the step
-    runs in its compute dtype, and the weights stay float32."""
+    """The bug: precision.policy=auto picked mixed_bfloat16 and the engine built from
+    GPTTask(cfg.model) trained float32. Now the task takes the config's policy: every matrix
+    product of the step runs in its compute dtype, and the weights stay float32."""
     cfg = auto_config(monkeypatch, policy)
     task = GPTTask(cfg.model)
-    engine = StrategyEngine(cfg, task, local_strategy(devices[:1]))
+    engine = build_engine(cfg, task)
+    assert isinstance(engine, KerasGPTEngine)
     counts = matmul_dtypes(lambda: float(engine.train_step(batch())["loss"]))
     assert counts[compute] > 0 and set(counts) == {compute}, counts
-    assert {v.dtype for v in engine._vars} == {tf.float32}
+    assert {v.dtype for v in engine.model.trainable_variables} == {"float32"}
     assert task.dtype_policy is None  # the caller's task is left as it was
 
 
@@ -78,8 +75,7 @@ def test_a_task_built_for_another_policy_is_refused_by_every_engine(monkeypatch,
                          parallel={"devices": "cpu:2", "dp": 2, "ep": 2})
     one = Mesh.from_devices(devices[:1], 1, 1, 1)
     engines = {
-        "StrategyEngine": lambda: StrategyEngine(cfg, GPTTask(cfg.model, other), local_strategy(devices[:1])),
-        "MeshEngine": lambda: MeshEngine(cfg, one, GPTTask(cfg.model, other)),
+        "KerasGPTEngine (one device)": lambda: KerasGPTEngine(cfg, GPTTask(cfg.model, other), one),
         "build_engine": lambda: build_engine(cfg, GPTTask(cfg.model, other)),
         "build_engine (ep)": lambda: build_engine(expert, GPTTask(expert.model, other)),
         "KerasGPTEngine": lambda: KerasGPTEngine(expert, GPTTask(expert.model, other),
@@ -95,9 +91,8 @@ def test_a_task_built_for_another_policy_is_refused_by_every_engine(monkeypatch,
 
 def test_the_same_policy_named_twice_is_fine(monkeypatch, devices):
     cfg = auto_config(monkeypatch, "float32")
-    engine = StrategyEngine(cfg, GPTTask(cfg.model, "float32"), local_strategy(devices[:1]))
+    engine = build_engine(cfg, GPTTask(cfg.model, "float32"))
     assert np.isfinite(float(engine.train_step(batch())["loss"]))
-    MeshEngine(cfg, Mesh.from_devices(devices[:1], 1, 1, 1), GPTTask(cfg.model, "float32"))
 
 
 def test_expert_parallel_gpt_without_a_policy_computes_in_the_configs(monkeypatch, devices):
@@ -121,17 +116,17 @@ def _dense_task(inner_policy=None):
 
 def test_a_keras_task_computes_in_the_configs_policy_or_is_refused(monkeypatch, devices):
     cfg = auto_config(monkeypatch, "mixed_bfloat16")
-    engine = StrategyEngine(cfg, _dense_task(), local_strategy(devices[:1]))
+    engine = build_engine(cfg, _dense_task())  # (the Trainer's Keras task: the engine phalanx train builds)
     assert [layer.compute_dtype for layer in engine.model.layers] == ["bfloat16", "bfloat16"]
     x, y = np.ones([4, 3], "float32"), np.zeros([4, 1], "float32")
     counts = matmul_dtypes(lambda: float(engine.train_step((x, y))["loss"]))
     assert counts["bfloat16"] > 0 and set(counts) == {"bfloat16"}, counts
     # a layer the user put on another mixed policy: refused, naming both
     with pytest.raises(ConfigError, match="precision.policy: mixed_bfloat16, but layer .* computes in mixed_float16"):
-        StrategyEngine(cfg, _dense_task("mixed_float16"), local_strategy(devices[:1]))
+        build_engine(cfg, _dense_task("mixed_float16"))
     cfg = auto_config(monkeypatch, "float32")
     with pytest.raises(ConfigError, match="precision.policy: float32, but layer .* computes in mixed_bfloat16"):
-        StrategyEngine(cfg, _dense_task("mixed_bfloat16"), local_strategy(devices[:1]))
+        build_engine(cfg, _dense_task("mixed_bfloat16"))
 
 
 def test_doctests():

@@ -116,15 +116,17 @@ def test_attention_matches_plain_ops():
 
 
 def test_gpt_step_in_a_distributed_graph_on_logical_devices(devices):
-    """The fused kernels run inside tf.function under a MirroredStrategy over two logical CPUs."""
+    """The fused kernels run inside the traced step of the engine phalanx train builds for two
+    data replicas on two logical CPUs, in bfloat16."""
     from phalanx.config import Config
-    from phalanx.cluster.strategies import local_strategy
-    from phalanx.engines.strategy import StrategyEngine
+    from phalanx.engines.factory import make_engine
     from phalanx.engines.task import GPTTask
+    from phalanx.mesh import Mesh
 
     cfg = Config().replace(model={"layers": 1, "d_model": 32, "heads": 4, "ffn": 64, "vocab": 256, "seq_len": 8},
-                           train={"global_batch": 4}, precision={"policy": "mixed_bfloat16"})
-    engine = StrategyEngine(cfg, GPTTask(cfg.model, "mixed_bfloat16"), local_strategy(devices[:2]))
+                           train={"global_batch": 4}, precision={"policy": "mixed_bfloat16"}, parallel={"dp": 2})
+    engine = make_engine(GPTTask(cfg.model, "mixed_bfloat16"), Mesh.from_devices(devices[:2], 2, 1, 1), cfg)
+    assert engine.dp == 2
     batch = np.random.default_rng(0).integers(0, 256, [4, 9]).astype(np.int32)
     first = float(engine.train_step(batch)["loss"])
     assert abs(first - math.log(256)) < 0.1

@@ -12,9 +12,8 @@ import keras
 import numpy as np
 import pytest
 
-from phalanx.cluster.strategies import local_strategy
 from phalanx.config import Config
-from phalanx.engines.strategy import StrategyEngine
+from phalanx.engines.factory import build_engine
 from phalanx.engines.task import KerasTask
 
 CFG = Config().replace(train={"global_batch": 8, "lr": 0.05, "warmup": 0, "weight_decay": 0.0, "eps": 1e-12,
@@ -54,7 +53,10 @@ def test_keras_task_adds_the_models_own_losses_as_keras_fit(devices, replicas):
     reference.compile(optimizer=keras.optimizers.AdamW(learning_rate=t.lr, weight_decay=0.0, beta_1=t.beta1,
                                                        beta_2=t.beta2, epsilon=t.eps),
                       loss=keras.losses.MeanSquaredError())
-    ours = StrategyEngine(CFG, KerasTask(build, keras.losses.MeanSquaredError()), local_strategy(devices[:replicas]))
+    # the engine phalanx train builds for the Trainer's Keras task on `replicas` data replicas
+    cfg = CFG.replace(parallel={"dp": replicas, "devices": f"cpu:{replicas}"})
+    ours = build_engine(cfg, KerasTask(build, keras.losses.MeanSquaredError()))
+    assert ours.dp == replicas
     data = batches()
     x, y = data[0]
     plain = float(keras.losses.MeanSquaredError()(y, reference(x)))

@@ -1,7 +1,8 @@
 """Sequence parallelism and dropout of the built-in GPT: sequence parallelism on the engine
 ``phalanx train`` builds for it (the Keras-model engine), dropout on the mesh engine.
 
-Oracles: without dropout, the single-device StrategyEngine (as in tests/test_parallel.py).
+Oracles: without dropout, Keras's own one-device ``train_on_batch`` of the same Keras model
+(tests/gpt_oracle.py, as in tests/test_parallel.py).
 With dropout, a plain one-device GPT written here in TensorFlow ops, its masks drawn over
 the whole ``[batch, seq, d]`` tensor by the positional scheme of :mod:`phalanx.layers.dropout`
 (itself checked against a NumPy implementation of its hash): it gives the loss and the
@@ -20,14 +21,15 @@ import pytest
 import tensorflow as tf
 
 from helpers import assert_same_run as same_run
+import gpt_oracle
 from phalanx.config import Config, ConfigError
 from phalanx.engines.factory import build_engine, make_engine
 from phalanx.engines.keras_gpt import KerasGPTEngine
-from phalanx.engines.mesh import MeshEngine
-from phalanx.engines.strategy import StrategyEngine
+from phalanx.engines.mesh import MeshEngine  # (dropout: the row still on the mesh engine)
 from phalanx.engines.task import GPTTask
 from phalanx.layers import dropout as dropout_lib
 from phalanx.mesh import Mesh
+from phalanx.models import gpt
 
 STEPS = 3
 MODEL = dict(layers=2, d_model=32, heads=4, ffn=64, vocab=256, seq_len=16)
@@ -93,13 +95,13 @@ def test_keep_mask_is_the_documented_hash_and_slices_like_the_whole():
     assert abs((big == other).mean() - 0.82) < 0.01  # another step: an independent mask
 
 
-# -- sequence parallelism (no dropout): the single-device StrategyEngine is the oracle ---------
+# -- sequence parallelism (no dropout): Keras's one-device step is the oracle ------------------
 
 
 @pytest.fixture(scope="module")
 def single_device():
-    cfg = make_cfg()
-    return train(StrategyEngine(cfg, GPTTask(cfg.model)))
+    losses, _, weights = gpt_oracle.run(make_cfg(), batches())
+    return losses, weights
 
 
 SP_LAYOUTS = {  # id: (dp, tp, pp, extra parallel keys)
@@ -198,9 +200,9 @@ def reference_grads(weights: dict, tokens, seed: int, step: int, rate: float):
 
 
 def test_reference_without_dropout_is_the_single_device_engine(single_device):
-    """The plain reference is the GPT: without dropout its loss is the StrategyEngine's."""
+    """The plain reference is the GPT: without dropout its loss is Keras's one-device step's."""
     cfg = make_cfg()
-    weights = StrategyEngine(cfg, GPTTask(cfg.model)).weights()
+    weights = gpt.initial_weights(cfg.model, cfg.train.seed)
     loss, _ = reference_grads(weights, batches(1)[0], 0, 0, 0.0)
     np.testing.assert_allclose(loss, single_device[0][0], rtol=RTOL)
 
@@ -246,7 +248,10 @@ def test_dropout_layouts_match_one_device(name, devices, one_device_dropout):
 
 def test_sequence_parallel_errors_name_the_key(devices):
     with pytest.raises(ConfigError, match=r"parallel.sequence_parallel.*tp > 1"):
-        mesh_engine(devices, sequence_parallel=True)
+        make_cfg(sequence_parallel=True)
+    cfg = make_cfg(tp=2, sequence_parallel=True)  # on a mesh without tensor ranks: refused at build
+    with pytest.raises(ConfigError, match=r"parallel.sequence_parallel.*tp > 1"):
+        make_engine(cfg.model, Mesh.from_devices(devices[:1], 1, 1, 1), cfg)
     with pytest.raises(ConfigError, match=r"parallel.sequence_parallel.*tp > 1"):  # refused as the config is read
         make_cfg(sequence_parallel=True, devices="cpu:1")
     cfg = make_cfg(sequence_parallel=True, tp=-1, devices="cpu:1")  # tp=-1 fills one device: refused at build
@@ -254,4 +259,4 @@ def test_sequence_parallel_errors_name_the_key(devices):
         build_engine(cfg, GPTTask(cfg.model))
     cfg = Config().replace(model={**MODEL, "seq_len": 18}, parallel={"tp": 4, "sequence_parallel": True})
     with pytest.raises(ConfigError, match=r"parallel.sequence_parallel.*seq_len=18"):
-        MeshEngine(cfg, Mesh.from_devices(devices[:4], 1, 1, 4))
+        make_engine(cfg.model, Mesh.from_devices(devices[:4], 1, 1, 4), cfg)

@@ -189,29 +189,27 @@ def test_plan_counts_the_parameters_train_builds():
 
 
 def test_moe_gpt_trains_data_parallel_and_refuses_what_is_not_built(devices):
+    import gpt_oracle
     from phalanx.config import ConfigError, load_config
     from phalanx.mesh import Mesh
-    from phalanx.engines.mesh import MeshEngine
-    from phalanx.cluster.strategies import local_strategy
-    from phalanx.engines.strategy import StrategyEngine
+    from phalanx.engines.factory import make_engine
     from phalanx.engines.task import GPTTask
 
-    # Without the balancing loss (which depends on the batch a replica sees), dp2 = one device.
+    # Without the balancing loss (which depends on the batch a replica sees), one device and dp2
+    # on the engine phalanx train builds equal Keras's one-device train_on_batch of the same model.
     cfg = load_config(None, MOE_GPT + ["model.aux_loss_coef=0"])
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, 256, (4, 17)).astype("int32") for _ in range(4)]
-    runs = []
-    for devs in (devices[:1], devices[:2]):
-        engine = StrategyEngine(cfg, GPTTask(cfg.model), local_strategy(devs))
-        runs.append([float(engine.train_step(b)["loss"]) for b in batches])
-    np.testing.assert_allclose(runs[1], runs[0], rtol=1e-5)
+    want, _, _ = gpt_oracle.run(cfg, batches)
+    for dp in (1, 2):
+        one = cfg.replace(parallel={"dp": dp})
+        engine = make_engine(GPTTask(one.model), Mesh.from_devices(devices[:dp], dp, 1, 1), one)
+        np.testing.assert_allclose([float(engine.train_step(b)["loss"]) for b in batches], want, rtol=1e-5)
     # With it, the loss includes the balancing loss and still falls on a repeated batch.
     cfg = load_config(None, MOE_GPT + ["model.aux_loss_coef=0.1"])
-    engine = StrategyEngine(cfg, GPTTask(cfg.model), local_strategy(devices[:1]))
+    engine = make_engine(GPTTask(cfg.model), Mesh.from_devices(devices[:1], 1, 1, 1), cfg)
     losses = [float(engine.train_step(batches[0])["loss"]) for _ in range(8)]
     assert losses[-1] < losses[0] - 0.5
-    with pytest.raises(ConfigError, match="model.experts"):
-        MeshEngine(cfg.replace(parallel={"pp": 2}), Mesh.from_devices(devices[:2], 1, 2, 1), GPTTask(cfg.model))
     with pytest.raises(ConfigError, match="model.top_k"):
         load_config(None, MOE_GPT + ["model.top_k=5"])
     with pytest.raises(ConfigError, match="model.experts"):

@@ -1,14 +1,15 @@
 """``phalanx train`` with expert parallelism (issue 11's "Done when"): the MoE GPT of
-configs/moe.yaml at dp4 x ep2 on 4 logical CPUs, against the run of the same config on the
-built-in GPT's own engine (the oracle: a different model implementation, optimizer loop and
-engine), checkpoints that cross between the two, and the refusals.
+configs/moe.yaml at dp4 x ep2 on 4 logical CPUs, against the run of the same config on one
+device, checkpoints that cross between the two, and the refusals; layouts step for step against
+Keras's own one-device ``train_on_batch`` of the same Keras model (tests/gpt_oracle.py).
 
 The balancing loss is a product of two means over the tokens a replica sees (Switch eq. 4),
 so with ``aux_loss_coef > 0`` a data-parallel run (ep or not) balances each replica's rows and
 its loss is not the one-device loss of the whole batch (7e-4 relative apart after 6 steps
 here). Hence: without the balancing loss, dp4 x ep2 = one device; with it (moe.yaml's 0.01),
 dp4 x ep2 = one device with ``train.grad_accum=4``, whose four micro-batches are the four
-replicas' rows, each balanced by itself."""
+replicas' rows, each balanced by itself (the Keras oracle cuts its batch alike:
+``helpers.ghost_batches``)."""
 
 from __future__ import annotations
 
@@ -120,12 +121,11 @@ def test_a_checkpoint_crosses_between_ep2_and_one_device(runs):
 
 
 def test_the_engine_state_has_the_builtin_names_and_moments(devices):
-    """The state of the ep2 engine: the built-in engine's names and shapes, and after the same
-    steps its values (weights and AdamW moments, whole experts joined from the shards)."""
-    from phalanx.cluster.strategies import local_strategy
+    """The state of the ep2 engine: the built-in names and shapes, and after the same steps the
+    values of Keras's one-device train_on_batch (weights and AdamW moments, whole experts joined from the shards)."""
+    import gpt_oracle
     from phalanx.engines.factory import build_engine
     from phalanx.engines.keras_gpt import KerasGPTEngine
-    from phalanx.engines.strategy import StrategyEngine
     from phalanx.engines.task import GPTTask
 
     cfg = load_config(None, ["model.layers=2", "model.d_model=16", "model.heads=2", "model.ffn=16",
@@ -137,7 +137,7 @@ def test_the_engine_state_has_the_builtin_names_and_moments(devices):
     ours = build_engine(cfg, GPTTask(cfg.model, "float32", cfg.train.seed))
     assert isinstance(ours, KerasGPTEngine) and ours.dp == 2 and ours.num_params() == sum(
         int(np.prod(v.shape)) for v in ours.model.trainable_variables)
-    ref = StrategyEngine(cfg, GPTTask(cfg.model, "float32", cfg.train.seed), local_strategy(devices[:1]))
+    ref = gpt_oracle.KerasGPT(cfg)  # Keras's one-device train_on_batch of the same model
     for b in batches:
         ours.train_step(b)
         ref.train_step(b)
@@ -197,10 +197,9 @@ def test_impossible_expert_layouts_are_config_errors():
 def test_mixed_float16_loss_scale_skips_and_halves_as_the_builtin_engine(devices, layout):
     """An overflowing loss scale (1e30 x the loss in float16): every step is skipped, the scale
     halves, the optimizer step (and so the learning rate) stays and no weight moves, as on the
-    built-in engine; with the pipeline's and the tensor shards' gradients too."""
-    from phalanx.cluster.strategies import local_strategy
+    one-device Keras oracle; with the pipeline's and the tensor shards' gradients too."""
+    import gpt_oracle
     from phalanx.engines.factory import build_engine
-    from phalanx.engines.strategy import StrategyEngine
     from phalanx.engines.task import GPTTask
 
     cfg = load_config(None, ["model.layers=2", "model.d_model=32", "model.heads=2", "model.ffn=32",
@@ -208,18 +207,16 @@ def test_mixed_float16_loss_scale_skips_and_halves_as_the_builtin_engine(devices
                              "precision.policy=mixed_float16", "precision.loss_scale_init=1e30", "train.warmup=4",
                              *layout])
     ours = build_engine(cfg, GPTTask(cfg.model, cfg.precision.policy, cfg.train.seed))
-    ref = StrategyEngine(cfg.replace(parallel={"devices": "cpu:1", "dp": 1, "ep": 1, "tp": 1, "pp": 1,
-                                               "microbatches": 1}),
-                         GPTTask(cfg.model, cfg.precision.policy, cfg.train.seed), local_strategy(devices[:1]))
+    ref = gpt_oracle.KerasGPT(cfg, cfg.precision.policy)  # Keras's one-device train_on_batch
     before = ours.weights()
     rng = np.random.default_rng(0)
     for _ in range(3):
         batch = rng.integers(0, 256, (8, 17)).astype("int32")
         a, b = ours.train_step(batch), ref.train_step(batch)
         for key in ("skipped", "loss_scale", "lr"):
-            assert float(a[key]) == pytest.approx(float(b[key]), rel=1e-6), key
+            assert float(a[key]) == pytest.approx(b[key], rel=1e-6), key
         assert float(a["skipped"]) == 1.0
-        assert float(a["loss"]) == pytest.approx(float(b["loss"]), rel=1e-3)  # float16 compute, two models
+        assert float(a["loss"]) == pytest.approx(b["loss"], rel=1e-3)  # float16 compute, two models
     state = ours.state_dict()
     assert int(state["loss_scale/skipped"]) == 3 and int(state["optimizer/step"]) == 0
     assert float(state["loss_scale/scale"]) == pytest.approx(1e30 / 8, rel=1e-6)
@@ -262,27 +259,26 @@ def assert_same_state(mine: dict, want: dict) -> None:
 ])
 def test_expert_parallelism_composes_with_pp_and_tp_as_one_device(devices, name, layout, accum):
     """What ``phalanx train`` builds for ep x pp and ep x tp (the factory's engine) against the
-    built-in GPT's own one-device engine with the balancing loss on (``train.grad_accum`` =
-    the number of micro-batches the layout balances separately): loss, lr and clipped
+    Keras's one-device train_on_batch of the same model with the balancing loss on, its batch
+    cut into the micro-batches the layout balances separately (``chunks``): loss, lr and clipped
     gradient norm step for step, then every weight and AdamW moment."""
-    from phalanx.cluster.strategies import local_strategy
+    import gpt_oracle
     from phalanx.engines.factory import build_engine
     from phalanx.engines.keras_gpt import KerasGPTEngine
-    from phalanx.engines.strategy import StrategyEngine
     from phalanx.engines.task import GPTTask
 
     cfg = load_config(None, TINY + ["model.aux_loss_coef=0.1", *layout])
     one = load_config(None, TINY + ["model.aux_loss_coef=0.1", f"train.grad_accum={accum}"])
     ours = build_engine(cfg, GPTTask(cfg.model, "float32", cfg.train.seed))
-    ref = StrategyEngine(one, GPTTask(one.model, "float32", one.train.seed), local_strategy(devices[:1]))
+    ref = gpt_oracle.KerasGPT(one, chunks=accum)  # Keras's train_on_batch, each micro-batch balanced alone
     assert isinstance(ours, KerasGPTEngine) and (ours.dp, ours.tp, ours.pp, ours.ep) == (
         2, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep)
     norms = []
     for batch in tiny_batches():
         a, b = ours.train_step(batch), ref.train_step(batch)
         for key in ("loss", "lr", "grad_norm", "skipped"):
-            np.testing.assert_allclose(float(a[key]), float(b[key]), rtol=1e-4, err_msg=key)
-        norms.append(float(b["grad_norm"]))
+            np.testing.assert_allclose(float(a[key]), b[key], rtol=1e-4, err_msg=key)
+        norms.append(b["grad_norm"])
     assert max(norms) > 0.5  # train.clip_norm=0.5 clipped
     assert_same_state(ours.state_dict(), ref.state_dict())
     blocks = [ours.model.get_layer(f"block_{i}").moe for i in range(2)]
@@ -302,33 +298,32 @@ def test_expert_parallelism_composes_with_pp_and_tp_as_one_device(devices, name,
     ("dp2_tp2_ep2", ["parallel.devices=cpu:4", "parallel.dp=2", "parallel.tp=2", "parallel.ep=2"], 2),
 ])
 def test_expert_parallelism_with_pp_and_tp_under_mixed_precision(devices, name, layout, accum, policy):
-    """ep x pp and ep x tp under a mixed policy against the built-in GPT's one-device engine
-    under the same policy (with train.grad_accum as in the float32 test): the losses and
+    """ep x pp and ep x tp under a mixed policy against Keras's one-device train_on_batch under
+    the same policy (micro-batches as in the float32 test): the losses and
     clipped norms to the tolerances of the other mixed-precision tests (bfloat16 keeps 8 bits
     of mantissa: rtol 1e-2 on the loss, 5e-2 on the norm, as tests/test_parallel.py), the same
     schedule, loss scale and skipped steps (mixed_float16: phalanx's LossScale, at its default
     2^15 no step overflows), and weights that moved as the reference's did: each tensor's
     distance to the reference's is a small part of how far the reference moved it (a wrong
     mapping or sign would be as far as the move itself)."""
-    from phalanx.cluster.strategies import local_strategy
+    import gpt_oracle
     from phalanx.engines.factory import build_engine
-    from phalanx.engines.strategy import StrategyEngine
     from phalanx.engines.task import GPTTask
 
     cfg = load_config(None, TINY + ["model.aux_loss_coef=0.1", f"precision.policy={policy}", *layout])
     one = load_config(None, TINY + ["model.aux_loss_coef=0.1", f"precision.policy={policy}",
                                     f"train.grad_accum={accum}"])
     ours = build_engine(cfg, GPTTask(cfg.model, policy, cfg.train.seed))
-    ref = StrategyEngine(one, GPTTask(one.model, policy, one.train.seed), local_strategy(devices[:1]))
+    ref = gpt_oracle.KerasGPT(one, policy, chunks=accum)  # Keras's train_on_batch, micro-batches balanced alone
     block = ours.model.get_layer("block_0")
     assert block.moe.compute_dtype == policy.split("_")[1] and block.moe.w_in[0].dtype == "float32"
     start = ref.weights()
     for batch in tiny_batches():
         a, b = ours.train_step(batch), ref.train_step(batch)
-        np.testing.assert_allclose(float(a["loss"]), float(b["loss"]), rtol=1e-2)
-        np.testing.assert_allclose(float(a["grad_norm"]), float(b["grad_norm"]), rtol=5e-2)
+        np.testing.assert_allclose(float(a["loss"]), b["loss"], rtol=1e-2)
+        np.testing.assert_allclose(float(a["grad_norm"]), b["grad_norm"], rtol=5e-2)
         for key in ("lr", "loss_scale", "skipped"):
-            assert float(a[key]) == pytest.approx(float(b[key]), rel=1e-6), key
+            assert float(a[key]) == pytest.approx(b[key], rel=1e-6), key
         assert float(a["skipped"]) == 0.0
     mine, want, d = ours.weights(), ref.weights(), cfg.model.d_model
     assert sorted(mine) == sorted(want)

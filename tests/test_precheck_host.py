@@ -99,30 +99,33 @@ def test_the_planner_counts_the_weights_the_pruner_masks(overrides):
                                        ["model.dropout=0.1"], ["parallel.dp=2", "train.prune.target=0.5"]])
 def test_the_planner_picks_the_engine_the_factory_builds(overrides, devices):
     from phalanx.engines.factory import build_engine
-    from phalanx.engines.strategy import StrategyEngine
     from phalanx.engines.task import GPTTask
+    from phalanx.plan.engine_rules import GPTRun
 
     cfg = load_config(None, ["model.layers=2", "model.d_model=16", "model.heads=2", "model.ffn=32", "model.vocab=256",
                              "model.seq_len=8", "train.global_batch=4", *overrides])
     engine = build_engine(cfg, GPTTask(cfg.model))
-    assert precheck.runs_on_mesh(cfg, cfg.parallel.tp, cfg.parallel.pp) == (not isinstance(engine, StrategyEngine))
+    # by class name: the rule names the engine without importing it
+    names = {"keras": "KerasGPTEngine", "mesh": "MeshEngine", "strategy": "StrategyEngine"}
+    which = GPTRun.of(cfg).engine()
+    assert type(engine).__name__ == names[which], (which, type(engine).__name__)
+    assert precheck.runs_on_mesh(cfg, cfg.parallel.tp, cfg.parallel.pp) == (which != "strategy")
 
 
 @pytest.mark.memory_peak
 def test_the_host_figure_bounds_what_a_real_mesh_engine_holds(devices, tmp_path):
-    """Save, restore and a pruning step of a tp=2 mesh engine whose largest shard is half the
-    token embedding: measured NumPy transients (peak less what the variables keep) <= the
-    pre-check's figure <= 4 x the largest peak."""
+    """Save, restore and a pruning step of the tp=2 engine phalanx train builds (engines/factory.py),
+    whose largest shard is half the token embedding: measured NumPy transients (peak less what the
+    variables keep) <= the pre-check's figure <= 4 x the largest peak."""
     from phalanx import checkpoint, prune
+    from phalanx.engines.factory import build_engine
     from phalanx.engines.task import GPTTask
-    from phalanx.mesh import Mesh
-    from phalanx.engines.mesh import MeshEngine
 
     overrides = ["model.layers=2", "model.d_model=128", "model.heads=4", "model.ffn=256", "model.vocab=8192",
                  "model.seq_len=16", "train.global_batch=4", "parallel.tp=2", "parallel.devices=cpu:2",
                  "train.prune.target=0.5", "train.prune.start=0", "train.prune.end=10", "train.prune.every=1"]
     cfg = load_config(None, overrides)
-    engine = MeshEngine(cfg, Mesh.from_devices(devices[:2], 1, 1, 2), GPTTask(cfg.model))
+    engine = build_engine(cfg, GPTTask(cfg.model))
     pruner = prune.Pruner(cfg, engine)
     measured = {  # (peak, held) of each measured call
         "prune": numpy_peaks(lambda: pruner.before_step(5), runs=2),

@@ -1,12 +1,13 @@
-"""The MoE GPT on the tf.distribute engine at dp > 1: each replica's loss has its own
-balancing loss, and the MoE statistics are the whole batch's.
+"""The MoE GPT data parallel (dp > 1) on the engine ``phalanx train`` builds: each replica's
+loss has its own balancing loss, and the MoE statistics are the whole batch's.
 
 The balancing loss is a product of two means over the tokens a call sees (Switch eq. 4), so
 a data-parallel step's loss is the mean over replicas of ``cross-entropy + balancing loss of
 that replica's rows``. The oracles: (1) the one-device model called on each replica's rows,
 its balancing loss read from the MoE layers' ``balance`` of that call (not from the losses
-the task adds); (2) the one-device engine with ``train.grad_accum=dp``, whose micro-batches
-are the replicas' rows, run one after the other (no replica can see another's losses).
+the task adds); (2) Keras's own one-device ``train_on_batch`` of the same model with each batch
+cut into the replicas' rows x micro-batches, each balanced alone (tests/gpt_oracle.py with
+``chunks``: no replica can see another's losses).
 The batch is skewed (one replica's rows use 4 token ids) so the replicas' balancing losses
 differ, and ``aux_loss_coef`` is large so a mix-up is far above float32 noise."""
 
@@ -15,11 +16,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from phalanx.cluster.strategies import local_strategy
+import gpt_oracle
 from phalanx.config import Config
-from phalanx.engines.strategy import StrategyEngine
+from phalanx.engines.factory import make_engine
 from phalanx.engines.task import GPTTask
 from phalanx.layers.moe import MoE
+from phalanx.mesh import Mesh
 from phalanx.models import gpt, transformer
 from phalanx.train.moe_stats import MoEStats
 
@@ -55,11 +57,20 @@ def random_weights(cfg: Config) -> dict[str, np.ndarray]:
     return {n: (rng.standard_normal(s) * 0.3).astype(np.float32) for n, s in gpt.weight_shapes(cfg.model).items()}
 
 
-def engine(cfg: Config, devices: list[str], weights: dict[str, np.ndarray]) -> StrategyEngine:
-    e = StrategyEngine(cfg, GPTTask(cfg.model, "float32", 0), local_strategy(devices))
-    for name, var in e.variables.items():
-        var.assign(weights[name])
+def engine(cfg: Config, devices: list[str], weights: dict[str, np.ndarray]):
+    """The engine phalanx train builds for ``cfg`` data parallel over ``devices``, from ``weights``."""
+    cfg = cfg.replace(parallel={"dp": len(devices)})
+    e = make_engine(GPTTask(cfg.model, "float32", 0), Mesh.from_devices(list(devices), len(devices), 1, 1), cfg)
+    state = e.state_dict()
+    state.update(weights)
+    e.load_state_dict(state)
     return e
+
+
+def oracle(cfg: Config, weights: dict[str, np.ndarray], chunks: int) -> gpt_oracle.KerasGPT:
+    ref = gpt_oracle.KerasGPT(cfg, chunks=chunks)
+    ref.load_weights(weights)
+    return ref
 
 
 def moe_layers(model) -> list[MoE]:
@@ -89,15 +100,15 @@ def test_dp2_loss_is_the_mean_of_each_replicas_own_loss(devices):
 
 @pytest.mark.parametrize("accum", [1, 2])
 def test_dp2_trains_as_one_device_with_grad_accum_dp(devices, accum):
-    """dp2 x accum = one device x (2 accum): losses, weights and the MoE statistics (of the
-    whole step: every replica's micro-batches) step for step; capacity drops assignments."""
+    """dp2 x accum = one device with its batch cut into 2 x accum micro-batches: losses, weights
+    and the MoE statistics (of the whole step: every replica's micro-batches) step for step;
+    capacity drops assignments."""
     weights = random_weights(config())
     two = engine(config(accum, capacity_factor=0.5), devices[:2], weights)
-    one = engine(config(2 * accum, capacity_factor=0.5), devices[:1], weights)
-    stats_two, stats_one = MoEStats(two.model), MoEStats(one.model)
+    one = oracle(config(capacity_factor=0.5), weights, chunks=2 * accum)
+    stats_two, stats_one = MoEStats(two.model), MoEStats(one.gpt)
     for batch in skewed_batches():
-        np.testing.assert_allclose(float(two.train_step(batch)["loss"]), float(one.train_step(batch)["loss"]),
-                                   rtol=1e-5)
+        np.testing.assert_allclose(float(two.train_step(batch)["loss"]), one.train_step(batch)["loss"], rtol=1e-5)
         row_two, row_one = stats_two.read(), stats_one.read()
         assert row_two.keys() == row_one.keys() and row_one["moe_dropped"] > 0
         for key in row_one:
@@ -129,7 +140,7 @@ def test_dropout_state_still_advances_under_the_moe_loss(devices):
 
 def test_phalanx_train_dp2_rows_equal_one_device_with_grad_accum_2(tmp_path):
     """Through ``phalanx train`` (configs/moe.yaml, small): the logged loss and MoE figures of
-    dp2 on the tf.distribute engine equal one device with train.grad_accum=2."""
+    dp2 equal one device with train.grad_accum=2."""
     from pathlib import Path
 
     from phalanx.cli import main
@@ -150,29 +161,3 @@ def test_phalanx_train_dp2_rows_equal_one_device_with_grad_accum_2(tmp_path):
         assert want["moe_dropped"] > 0 and want["moe_aux_loss"] > 0
         for key in ("loss", "grad_norm", "moe_aux_loss", "moe_balance", "moe_dropped", "moe_load_min", "moe_load_max"):
             np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
-
-
-def test_gradients_start_the_moe_totals_at_zero_as_a_step(devices):
-    """``gradients()`` counts only its own batch in the MoE statistics totals (zeroed first,
-    the replicas' copies summed after), as a train step does, and moves no weight: twice in a
-    row, each call's totals are one batch's: 2 calls (one per replica) and 8 rows x 8 tokens x
-    top_k 2 assignments per MoE layer; then a step on the same weights and batch has the same."""
-    cfg, batch = config(), skewed_batches(1)[0]
-    weights = random_weights(cfg)
-    two = engine(cfg, devices[:2], weights)
-
-    def totals():
-        return [[np.asarray(v.numpy()).copy() for v in m.statistics_totals()] for m in moe_layers(two.model)]
-
-    seen = []
-    for _ in range(2):
-        two.gradients(batch)
-        seen.append(totals())
-        for calls, _, assignments, _ in seen[-1]:
-            assert (float(calls), float(assignments)) == (2.0, 8 * 8 * 2)
-    for name, value in two.weights().items():
-        np.testing.assert_array_equal(value, weights[name], err_msg=name)
-    two.train_step(batch)
-    for got, want in zip(totals(), seen[0]):
-        for g, w in zip(got, want):
-            np.testing.assert_allclose(g, w, rtol=1e-6)

@@ -103,6 +103,10 @@ def refuse_unhonoured(cfg: Config, mesh: Mesh | None = None) -> None:
     why = ("the expert-parallel GPT (parallel.ep > 1) trains through the Keras-model engine" if p.ep > 1 else
            "the built-in GPT trains here through the Keras-model engine")
     tp = mesh.tp if mesh is not None else p.tp
+    try:  # (the layers would refuse it too, naming their own arguments)
+        transformer.check_tp(m, max(tp, 1))
+    except ValueError as err:
+        raise ConfigError("parallel.tp", str(err)) from None
     if p.sequence_parallel and (m.experts or tp < 2 or m.seq_len % tp):
         raise ConfigError("parallel.sequence_parallel", f"true: sequence parallelism cuts the dense GPT's sequence "
                                                         f"into the tensor ranks' chunks: it needs parallel.tp > 1 "
@@ -277,7 +281,8 @@ def _part_slot(name: str, shape: tuple, var: tf.Variable, box) -> checkpoint.Slo
     dtype = var.dtype.as_numpy_dtype
     return checkpoint.Slot(name, shape, dtype, local, [(boxes.full(local), box)],
                            fetch=lambda: tf.reshape(var.read_value(), local),
-                           assign=lambda x: var.assign(np.reshape(np.asarray(x).astype(dtype), tuple(var.shape))))
+                           # (np.asarray: no copy of a piece already in the dtype; the host holds one)
+                           assign=lambda x: var.assign(np.reshape(np.asarray(x, dtype), tuple(var.shape))))
 
 
 def _joined_slot(name: str, shape: tuple, parts: list, bound) -> checkpoint.Slot:
@@ -286,7 +291,7 @@ def _joined_slot(name: str, shape: tuple, parts: list, bound) -> checkpoint.Slot
     local = boxes.shape_of(bound)
     dtype = joined.dtype.as_numpy_dtype
     return checkpoint.Slot(name, shape, dtype, local, [(boxes.full(local), bound)], fetch=joined.read_value,
-                           assign=lambda x: joined.assign(np.asarray(x).astype(dtype)))
+                           assign=lambda x: joined.assign(np.asarray(x, dtype)))
 
 
 class KerasGPTEngine:
