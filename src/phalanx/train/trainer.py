@@ -309,6 +309,9 @@ class Trainer:
                 # metrics.jsonl (one row per step) whatever train.log_every is.
                 if step % t.log_every == 0 or step == t.steps or evaluating or stopping:
                     losses = [float(x) for x in window_losses]  # syncs the device
+                    # a parameter-server step whose worker died before its results were read has none
+                    # (its update was applied: phalanx.engines.ps.StepResult): the mean is over the others
+                    losses = [v for v, x in zip(losses, window_losses) if not getattr(x, "lost", False)] or [np.nan]
                     elapsed = time.monotonic() - window_start
                     only_build = not window_steps
                     if only_build:  # the window holds only the building step: time that one
