@@ -16,6 +16,10 @@ vocab 8192, seq_len 512, batch 8, AdamW. For each precision policy it builds
   ``tf.Variable`` operands with its result read back (:class:`MatmulTimer`), summed. A
   step cannot be faster; phalanx's tokens/s over the ceiling's is the share of the step
   spent in matmuls,
+* the same matmuls the way the step runs them (:class:`StepMatmulsRunner`): all in one
+  traced function, each instance on its own operands, inputs changing every call, one call
+  per step (timed alone, each product pays set-up the step does not, so on fast-matmul
+  CPUs the ceiling above can be slower than the step's own matmuls),
 
 then times them in alternating rounds (the order flips every round) on the same
 synthetic random token batch, so all see the same machine load. The numbers
@@ -323,6 +327,88 @@ class CeilingRunner:
                 for mm in self.matmuls]
 
 
+class StepMatmulsRunner:
+    """The matmul-only time of a step measured the way the step runs its products: every
+    matmul of :func:`step_matmuls`, each as many times as the step runs it, in ONE
+    ``tf.function`` (one graph, one call per step: no per-matmul dispatch or read-back), one
+    product after the other as the step's chain of layers runs them, on inputs that change
+    every call.
+
+    The operands are the function's arguments (never constants to fold), a few random tensors
+    per shape; every instance of a matmul gets its own pair of them (Grappler merges identical
+    products of one graph), and call ``k`` rotates each shape's tensors, so no product sees the
+    inputs it saw the call before. Each product's corner is summed into the result (nothing is
+    pruned) and read back once per call. Unlike :class:`CeilingRunner` (each product timed
+    alone, paying set-up the step does not), this is no upper bound: it is what the step's own
+    matmuls cost when nothing else runs, to set beside the step's matmul time in a profile.
+    """
+
+    def __init__(self, model_cfg: dict, batch: int, policy: str, lr: float = 0.0, batch_data=None):
+        import math
+        from collections import defaultdict
+
+        self.matmuls = step_matmuls(model_cfg, batch)
+        dtype = tf.as_dtype(COMPUTE_DTYPE[policy])
+        # instances per kind of product (shapes and transposes): each needs its own operand pair
+        kinds: dict = defaultdict(int)
+        for mm in self.matmuls:
+            kinds[(mm.a, mm.b, mm.transpose_a, mm.transpose_b)] += mm.count
+        copies: dict = defaultdict(int)  # tensors per shape: k x k distinct pairs cover k^2 instances
+        for (a, b, _, _), n in kinds.items():
+            k = math.ceil(math.sqrt(n))
+            copies[a], copies[b] = max(copies[a], k), max(copies[b], k)
+        self.shapes = sorted(copies)
+        rng = tf.random.Generator.from_seed(0)
+        self.tensors = {s: [tf.cast(rng.normal(s, stddev=0.5), dtype) for _ in range(copies[s])] for s in self.shapes}
+        slots = []  # (argument index of a, argument index of b, transpose_a, transpose_b)
+        first = {}
+        i = 0
+        for s in self.shapes:
+            first[s], i = i, i + copies[s]
+        for (a, b, ta, tb), n in kinds.items():
+            pairs = [(x, y) for x in range(copies[a]) for y in range(copies[b]) if a != b or x != y]
+            pairs += [(x, x) for x in range(copies[a])] if a == b else []
+            slots += [(first[a] + x, first[b] + y, ta, tb) for x, y in pairs[:n]]
+        if len(set(slots)) != sum(kinds.values()):
+            raise RuntimeError("two instances of one product share operands: Grappler would merge them")
+
+        @tf.function
+        def step(*args):
+            acc, previous = tf.zeros([], tf.float32), []
+            for ia, ib, ta, tb in slots:
+                # one after the other, as the step's chain of layers runs them (independent
+                # products run side by side would share the cores and each take longer)
+                with tf.control_dependencies(previous):
+                    y = tf.matmul(args[ia], args[ib], transpose_a=ta, transpose_b=tb)
+                previous = [y]
+                acc += tf.reduce_sum(tf.cast(y[..., :1, :1], tf.float32))
+            return acc
+
+        self._step, self._calls = step, 0
+        self.flops = sum(mm.flops() * mm.count for mm in self.matmuls)
+        self.last_loss = float("nan")  # (no loss: the column shows the products' checksum's finiteness)
+
+    def _args(self) -> list:
+        k, out = self._calls, []
+        for s in self.shapes:  # rotate each shape's tensors: call k's pairs are not call k-1's
+            ts = self.tensors[s]
+            out += ts[k % len(ts):] + ts[:k % len(ts)]
+        return out
+
+    def run(self, steps: int):
+        times, cpu = [], []
+        for _ in range(steps):
+            args = self._args()
+            self._calls += 1
+            start, cpu0 = time.perf_counter(), time.process_time()
+            value = float(self._step(*args))  # float(): waits for every product
+            times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - cpu0)
+            if not np.isfinite(value):
+                raise RuntimeError(f"the step's matmuls gave {value}: the timed work is not real")
+        return times, cpu
+
+
 # ---------------------------------------------------------------------------
 # Measurement
 
@@ -351,6 +437,7 @@ def measure_policy(policy: str, args, model_cfg: dict, batch_data: np.ndarray, l
         contenders["keras-hub"] = PeerRunner
     if not args.no_ceiling:
         contenders["ceiling"] = CeilingRunner
+        contenders["one-graph"] = StepMatmulsRunner  # the step's matmuls as the step runs them
     runners, timings = {}, {}
     for name, cls in contenders.items():
         start = time.perf_counter()
@@ -502,6 +589,20 @@ def build_table(results: dict, args, model_cfg: dict, peaks: dict, loads: list[s
         for mm, sec in ceiling.detail:
             lines.append(f"| {mm.name} | {mm.describe()} | {mm.count} | {sec * 1e3:.1f} | "
                          f"{mm.flops() / sec / 1e9:.0f} | {sec * mm.count / total_time:.1%} |")
+    rows = [(policy, timings["one-graph"], timings["phalanx"]) for policy, timings in results.items()
+            if "one-graph" in timings]
+    if rows:
+        lines += ["", "The step's matmuls in one traced function (:class:`StepMatmulsRunner`: the same products, "
+                  "each instance on its own operands, inputs changing every call, one call per step), beside "
+                  "the step. Set it beside the step's own matmul time in `benchmarks/profile_gpt.py`'s "
+                  "profile; unlike the ceiling above it pays no per-product set-up.", "",
+                  "| dtype | matmuls in one function, s per step | tokens/s | GFLOP/s | phalanx step s | "
+                  "phalanx / it |", "|---|---|---|---|---|---|"]
+        for policy, graph, ours in rows:
+            flops = sum(mm.flops() * mm.count for mm in step_matmuls(model_cfg, args.batch))
+            lines.append(f"| {policy} | {graph.median():.3f} | {tokens / graph.median():.0f} | "
+                         f"{flops / graph.median() / 1e9:.0f} | {ours.median():.3f} | "
+                         f"{statistics.median(round_ratios(ours, graph)):.2f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -19,6 +19,10 @@ times add up to the step (with TensorFlow's default two inter-op threads on 2 co
 ops share the cores and each one's duration is inflated); the timed steps before it use
 the same threading, and the file records both.
 
+Beside the step's matmul time the file gives the same products run alone the way the step
+runs them: every matmul of the step in one traced function, inputs changing every call
+(``benchmarks/bench_gpt.py``'s ``StepMatmulsRunner``), timed with the same threading.
+
 Usage::
 
     python benchmarks/profile_gpt.py --policy mixed_bfloat16            # writes benchmarks/results/profile_gpt.md
@@ -234,6 +238,17 @@ def main(argv=None) -> int:
             profiled[core] = time.perf_counter() - start
             tf.profiler.experimental.stop()
             ops[core] = read_trace(logdir)
+    # The same products alone, the way the step runs them (one traced function, inputs changing
+    # every call; benchmarks/bench_gpt.py StepMatmulsRunner), with the same threading: the
+    # matmul time the step could have, beside the step's own matmul time below.
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_gpt import StepMatmulsRunner
+
+    matmuls = StepMatmulsRunner(model, args.batch, args.policy)
+    matmuls.run(max(args.warmup, 1))  # trace + warm up
+    alone_s = sorted(matmuls.run(args.steps)[0])[args.steps // 2]
+    alone_flops = matmuls.flops
+    del matmuls
     load_after = os.getloadavg()
     flags = cpu_flags()
     interesting = [f for f in flags if f.startswith(("avx512", "amx", "avx_vnni", "avx2", "fma"))]
@@ -268,6 +283,10 @@ def main(argv=None) -> int:
             f"{tokens / median:.0f} tokens/s); profiled step {profiled[core]:.2f} s, op time summed "
             f"{total / 1000:.2f} s",
             "",
+            f"- matmuls: {by_cat.get('matmul', 0.0):.0f} ms in the profiled step; the same products alone in one "
+            f"traced function (inputs changing every call, median of {args.steps} calls): {alone_s * 1e3:.0f} ms, "
+            f"{alone_flops / alone_s / 1e9:.0f} GFLOP/s ({tokens / alone_s:.0f} tokens/s if the step were only them)",
+            "",
             "| category | ms | share of op time |",
             "|---|---|---|",
         ]
@@ -282,7 +301,8 @@ def main(argv=None) -> int:
         summary = {"policy": args.policy, "attention": core, "label": args.label,
                    "date": datetime.datetime.now().isoformat(), "step_s": times[core],
                    "profiled_step_s": profiled[core], "op_ms": total, "categories_ms": dict(by_cat),
-                   "load_before": load_before, "load_after": load_after, "inter_op": args.inter_op}
+                   "load_before": load_before, "load_after": load_after, "inter_op": args.inter_op,
+                   "matmuls_alone_ms": alone_s * 1e3}
         print(json.dumps(summary))
         text += section + "\n"
     if args.output != "-":

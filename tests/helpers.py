@@ -8,6 +8,21 @@ from pathlib import Path
 
 import numpy as np
 
+# Adam's epsilon for tests that compare weights after several Adam/AdamW steps across layouts,
+# CPUs or implementations (Keras's default is 1e-7, phalanx's train.eps 1e-8). Adam divides a
+# gradient by sqrt(v_hat) + eps, so a gradient error d moves a step by at most ~(1 + r) x lr x d / eps,
+# r the largest |m_hat / sqrt(v_hat)| (Cauchy-Schwarz over the bias-corrected weights: 1.001 for
+# the first few steps with betas 0.9 / 0.95-0.999). Summed in another order (replicas,
+# micro-batches, shards, another CPU's kernels: AVX2, AVX512, AMX) a gradient differs by float32
+# round-off, ~1e-7 absolute for these tiny models (a relative error only rescales Adam's step by
+# the same fraction): with eps 1e-4 and lr 1e-3 that is < 2e-6 a step, so a few steps stay inside
+# atol 1e-5 on any CPU. With a tiny eps an element whose gradient is itself near round-off (a sum
+# that cancels, such as an attention key bias, which softmax ignores) turns that round-off into a
+# step of up to lr in either direction: up to 2 x lr apart per step (an AMX machine moved one
+# element of 2,048 by 1.2e-5 in three steps while every layout agreed with the others). Gradients
+# of ordinary elements (~1e-3-1e-2) stay far above 1e-4, so the runs are still Adam's.
+ADAM_EPS = 1e-4
+
 TINY_MODEL = ["model.layers=2", "model.d_model=32", "model.heads=2", "model.ffn=64", "model.seq_len=32"]
 
 

@@ -181,6 +181,66 @@ MULTI_WORKER_SCRIPT = textwrap.dedent('''
 
 # A Keras linear regression through the ParameterServerEngine: variables on the ps task,
 # 20 steps scheduled on the workers by the chief (asynchronously), fed by the chief.
+def test_a_step_whose_worker_died_after_running_it_is_lost_not_fatal(capsys, monkeypatch):
+    """A step's results stay on its worker until the chief copies them: when a worker dies
+    the copy can fail though the step ran (its update is on the ps). A copy cancelled while
+    TensorFlow handled the failure is tried again; one that keeps failing loses that step's
+    values (NaN, ``lost``, said once on stderr), and the run goes on; a step's own error, or
+    a step aborted before it ran, is raised. TensorFlow's own RemoteValue, its state set as
+    the coordinator sets it; only the copy to the chief is made to fail as it does then."""
+    import tensorflow as tf
+    from tensorflow.python.distribute.coordinator import values
+
+    from phalanx.engines import ps
+    from phalanx.engines.ps import RemoteScalar, StepResult, _LostSteps
+
+    monkeypatch.setattr(ps, "FETCH_RETRY_S", 0.0)
+
+    class CancelledOnce(values.RemoteValueImpl):
+        tries = 0
+
+        def _copy_to_local(self):
+            self.tries += 1
+            if self.tries == 1:
+                raise tf.errors.CancelledError(None, None, "RecvFromRemoteAsync is cancelled.")
+            return self._values
+
+    again = CancelledOnce(None, None)
+    again._set_values({"loss": np.float32(0.5)})
+    assert float(RemoteScalar(StepResult(again, _LostSteps()), "loss")) == 0.5 and again.tries == 2
+
+    class WorkerGone(values.RemoteValueImpl):
+        def _copy_to_local(self):  # TensorFlow's copies with an Identity placed on the chief
+            raise tf.errors.CancelledError(None, None, "RecvFromRemoteAsync is cancelled. 0 successful operations.")
+
+    class WorkerThere(values.RemoteValueImpl):
+        def _copy_to_local(self):  # (no cluster here to copy from)
+            return self._values
+
+    ran = WorkerGone(None, None)
+    ran._set_values({"loss": tf.constant(1.5)})
+    lost_steps = _LostSteps()
+    result = StepResult(ran, lost_steps)
+    loss, lr = RemoteScalar(result, "loss"), RemoteScalar(result, "lr")
+    assert np.isnan(float(loss)) and np.isnan(float(lr)) and loss.lost and result.lost
+    assert lost_steps.count == 1 and result.done()
+    assert capsys.readouterr().err.count("a worker died holding the results of a step") == 1
+
+    fine = WorkerThere(None, None)
+    fine._set_values({"loss": np.float32(2.5)})
+    assert float(RemoteScalar(StepResult(fine, lost_steps), "loss")) == 2.5 and lost_steps.count == 1
+
+    failed = WorkerGone(None, None)
+    failed._set_error(tf.errors.InvalidArgumentError(None, None, "the step's own error"))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="the step's own error"):
+        float(RemoteScalar(StepResult(failed, lost_steps), "loss"))
+    aborted = WorkerGone(None, None)
+    aborted._set_aborted(tf.errors.UnavailableError(None, None, "worker gone before the step ran"))
+    with pytest.raises(tf.errors.CancelledError, match="aborted"):
+        float(RemoteScalar(StepResult(aborted, lost_steps), "loss"))
+    assert lost_steps.count == 1
+
+
 PARAMETER_SERVER_SCRIPT = textwrap.dedent('''
     import json
     import numpy as np

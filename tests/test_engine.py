@@ -13,6 +13,8 @@ from phalanx.engines.keras_gpt import KerasGPTEngine
 from phalanx.engines.task import GPTTask
 from phalanx.mesh import Mesh
 
+from helpers import ADAM_EPS
+
 TINY = {"layers": 2, "d_model": 32, "heads": 4, "ffn": 64, "vocab": 256, "seq_len": 16}
 
 
@@ -44,18 +46,9 @@ def assert_weights_close(a, b, rtol=1e-4, atol=1e-5):
         np.testing.assert_allclose(a[k], b[k], rtol=rtol, atol=atol, err_msg=k)
 
 
-# Several AdamW steps compared at atol 1e-5 run with train.eps=1e-4 (default 1e-8). Adam
-# divides a gradient by sqrt(v_hat) + eps, so a gradient error d moves a step by at most
-# ~(1 + r) x lr x d / eps, r the largest |m_hat / sqrt(v_hat)| (Cauchy-Schwarz over the
-# bias-corrected weights: 1.001 for AdamW's first three steps with betas 0.9 / 0.95). Summed in
-# another order (replicas, micro-batches, another CPU's kernels) a gradient differs by float32
-# round-off, ~1e-7 absolute for these sums of ~1e-2 terms (the gradient norms below agree to 1e-5; a relative
-# error only rescales Adam's step by the same fraction): with eps 1e-4 and lr 1e-3 that is
-# < 2e-6 a step, 6e-6 in three, inside atol 1e-5 on any CPU. With
-# eps 1e-8, an element whose gradient is itself near round-off (a near-zero sum, e.g. one of
-# 2,048 of block_1/mlp/fc/kernel) turns that round-off into a large part of a full step: an
-# AMX machine moved one by 1.2e-5 while every layout agreed with the others.
-ADAM_EPS = 1e-4
+# Several AdamW steps compared at atol 1e-5 run with train.eps=ADAM_EPS (1e-4; default 1e-8): the
+# gradient round-off bounded by test_gradients_equal_one_device_big_batch (1e-7 absolute) then moves a
+# step by < 2e-6 at lr 1e-3, 6e-6 in three, inside atol 1e-5 on any CPU (derivation: tests/helpers.py).
 
 
 @pytest.fixture(scope="module")

@@ -77,7 +77,7 @@ def build(kind, seed, optimizer="adam"):
 def compile_model(model):
     # Adam epsilon 1e-2 in Keras's fit and the workers alike (Keras's default 1e-7): a gradient's
     # float32 round-off d (~1e-7: sums in another order) moves a step by at most ~2 x lr x d / eps
-    # (derivation: tests/test_engine.py ADAM_EPS): 2e-7 a step at lr 0.01, so 1.2e-6 in the 6 steps
+    # (derivation: tests/helpers.py ADAM_EPS): 2e-7 a step at lr 0.01, so 1.2e-6 in the 6 steps
     # compared with Keras at atol 1e-5 and 8e-7 in the 4 compared with one process at atol 1e-6.
     model.compile(optimizer=keras.optimizers.Adam(0.01, epsilon=1e-2),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])

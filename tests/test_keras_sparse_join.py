@@ -134,7 +134,7 @@ MODELS = {
 # Adam epsilon 1e-3 in Keras's fit and the run under test alike (Keras's default 1e-7): a gradient's
 # float32 round-off d (~1e-7: the layouts reorder sums; the attention's key bias, which softmax
 # ignores, has nothing else) moves a step by at most ~2 x lr x d / eps (derivation:
-# tests/test_engine.py ADAM_EPS): 4 x 2 x 1e-2 x 1e-7 / 1e-3 = 8e-6 in the 4 steps, inside atol 1e-5.
+# tests/helpers.py ADAM_EPS): 4 x 2 x 1e-2 x 1e-7 / 1e-3 = 8e-6 in the 4 steps, inside atol 1e-5.
 # Still Adam, and the embedding rows' gradients (~1e-2) stay well above epsilon, so a join that
 # squared concatenated position rows would still move them far outside it.
 ADAM_EPS = 1e-3

@@ -26,7 +26,7 @@ N, BATCH = 16, 8
 # Adam epsilon 2e-2 (Keras's default 1e-7) in the reference and the run under test alike: the
 # weights after up to 6 steps are compared at atol 1e-6, and Adam moves a step by at most
 # ~2 x lr x d / epsilon for a gradient round-off d (~1e-7: sums in another order on another
-# layout or CPU): 6 x 2 x 0.01 x 1e-7 / 2e-2 = 6e-7 (derivation: tests/test_engine.py ADAM_EPS).
+# layout or CPU): 6 x 2 x 0.01 x 1e-7 / 2e-2 = 6e-7 (derivation: tests/helpers.py ADAM_EPS).
 ADAM_EPS = 2e-2
 
 

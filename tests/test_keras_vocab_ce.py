@@ -43,7 +43,7 @@ def build(kind: str, metrics=(), **loss_kwargs):
     loss = loss_kwargs.pop("loss", None) or keras.losses.SparseCategoricalCrossentropy(from_logits=True, **loss_kwargs)
     # Adam epsilon 1e-4 on both sides (Keras's default 1e-7): 2 steps at lr 1e-3 move an element by
     # at most 2 x 2 x 1e-3 x 1e-7 / 1e-4 = 4e-6 for gradient round-off of 1e-7, inside atol 1e-5
-    # (derivation: tests/test_engine.py ADAM_EPS).
+    # (derivation: tests/helpers.py ADAM_EPS).
     model.compile(optimizer=keras.optimizers.Adam(1e-3, epsilon=1e-4), loss=loss, weighted_metrics=list(metrics))
     return model
 

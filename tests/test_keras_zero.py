@@ -29,7 +29,7 @@ from helpers import ghost_batches
 N, BATCH, EPOCHS = 16, 8, 2
 # Adam epsilon 1e-2 in Keras's fit and the run under test alike (Keras's default 1e-7): a gradient's
 # float32 round-off d (~1e-7: sums in another order on another layout or CPU) moves a step by at
-# most ~2 x lr x d / eps (derivation: tests/test_engine.py ADAM_EPS): 2e-7 a step at lr 0.01, 8e-7
+# most ~2 x lr x d / eps (derivation: tests/helpers.py ADAM_EPS): 2e-7 a step at lr 0.01, 8e-7
 # in the 4 steps whose weights are compared at atol 1e-6.
 ADAM_EPS = 1e-2
 
@@ -573,7 +573,7 @@ def test_keras_hub_gpt2_zero3_dp2_tp2_pp2_equals_keras_fit(tmp_path):
     for its forward; per-step losses and every weight (after unparallelize) equal Keras's
     one-device fit to 1e-4 (tests/test_keras_hub_tp.py's tolerances)."""
     from test_keras_hub import StepLosses as HubSteps, data
-    from test_keras_hub_tp import build  # Adam epsilon 1e-4 on both sides: see its docstring
+    from test_keras_hub import build  # Adam epsilon 1e-4 on both sides: see its comment
 
     x, y = data()
     reference, ref_steps = build("gpt2"), HubSteps()

@@ -31,18 +31,23 @@ from phalanx.layers import dropout as dropout_lib
 from phalanx.mesh import Mesh
 from phalanx.models import gpt
 
+from helpers import ADAM_EPS
+
 STEPS = 3
 MODEL = dict(layers=2, d_model=32, heads=4, ffn=64, vocab=256, seq_len=16)
-# Weights: AdamW normalises each element's gradient, so an element whose gradient is ~0
-# moves by float noise x lr (measured up to 2.8e-5 here, 1 element in 2048); a wrong gradient
-# moves it by ~lr = 1e-3 per step, so atol 5e-5 (as tests/test_parallel.py) still catches every
-# real bug, and the losses (rtol 1e-5) catch a wrong mask (it moves them by ~1e-3).
+# Weights: AdamW with train.eps=ADAM_EPS (1e-4; default 1e-8). With a tiny eps an element whose
+# gradient is ~0 turns float round-off into a step of up to lr either way (measured 2.8e-5 here, 1
+# element in 2048, with eps 1e-8: more on another CPU); with 1e-4 a gradient round-off d (~1e-7)
+# moves a step by at most ~2 x lr x d / eps = 2e-6, 6e-6 in the STEPS compared (derivation:
+# tests/helpers.py ADAM_EPS). A wrong gradient moves a weight by ~lr = 1e-3 per step, so atol 5e-5
+# (as tests/test_parallel.py) still catches every real bug, and the losses (rtol 1e-5) catch a
+# wrong mask (it moves them by ~1e-3).
 RTOL, W_ATOL = 1e-5, 5e-5
 
 
 def make_cfg(dropout: float = 0.0, **parallel) -> Config:
     return Config().replace(model={**MODEL, "dropout": dropout}, precision={"policy": "float32"},
-                            train={"global_batch": 4, "warmup": 1, "steps": 10, "lr": 1e-3}, parallel=parallel)
+                            train={"global_batch": 4, "warmup": 1, "steps": 10, "lr": 1e-3, "eps": ADAM_EPS}, parallel=parallel)
 
 
 def batches(n: int = STEPS) -> list[np.ndarray]:

@@ -50,7 +50,7 @@ def build(seed, ep):
 def compile_model(model):
     # Adam epsilon 1e-3 on both sides: 4 steps at lr 0.01 move an element by at most
     # 4 x 2 x 0.01 x 1e-7 / 1e-3 = 8e-6 for gradient round-off of 1e-7, inside atol 1e-5
-    # (derivation: tests/test_engine.py ADAM_EPS).
+    # (derivation: tests/helpers.py ADAM_EPS).
     model.compile(optimizer=keras.optimizers.Adam(0.01, epsilon=1e-3),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
@@ -155,7 +155,7 @@ SMALL_MOE = ["model.layers=2", "model.d_model=32", "model.heads=2", "model.ffn=6
              "train.eval_every=8", "train.eval_batches=2", "checkpoint.every=4", "precision.policy=float32",
              # AdamW epsilon 5e-3 in the oracle and the cluster alike (default 1e-8): 8 steps at lr 3e-3
              # move an element by at most 8 x 2 x 3e-3 x 1e-7 / 5e-3 < 1e-6 for gradient round-off of
-             # 1e-7, inside the checkpoint's atol 1e-6 (derivation: tests/test_engine.py ADAM_EPS).
+             # 1e-7, inside the checkpoint's atol 1e-6 (derivation: tests/helpers.py ADAM_EPS).
              "train.eps=5e-3"]
 ROW_KEYS = ("loss", "grad_norm", "lr", "moe_aux_loss", "moe_balance", "moe_dropped", "moe_load_min", "moe_load_max")
 

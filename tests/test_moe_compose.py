@@ -34,7 +34,7 @@ def build(ep: int = 1, tp: int = 0):
 # Adam epsilon 1e-3 (Keras's default 1e-7) in the reference and the run under test alike: the
 # weights after 4 steps are compared at atol 1e-5, and Adam moves a step by at most
 # ~2 x lr x d / epsilon for a gradient round-off d (~1e-7: sums in another order on another
-# layout or CPU): 4 x 2 x 0.01 x 1e-7 / 1e-3 = 8e-6 (derivation: tests/test_engine.py ADAM_EPS).
+# layout or CPU): 4 x 2 x 0.01 x 1e-7 / 1e-3 = 8e-6 (derivation: tests/helpers.py ADAM_EPS).
 ADAM_EPS = 1e-3
 
 

@@ -23,17 +23,22 @@ from phalanx.engines.factory import make_engine
 from phalanx.engines.keras_gpt import KerasGPTEngine
 from phalanx.parallel.partition import partition
 
+from helpers import ADAM_EPS
+
 STEPS, MORE = 3, 2
 MODEL = dict(layers=4, d_model=32, heads=4, ffn=64, vocab=256, seq_len=16)
-# Adam normalises each element's gradient, so an element whose true gradient is ~0
-# (a cancellation sum, e.g. the key bias) moves by float noise x lr. A wrong
-# gradient moves weights by ~lr = 1e-3 per step: 5e-5 still catches every real bug.
+# AdamW with train.eps=ADAM_EPS (1e-4; default 1e-8): Adam normalises each element's gradient, and
+# with a tiny eps an element whose true gradient is ~0 (a cancellation sum, e.g. the key bias) turns
+# float round-off into a step of up to lr either way, on one CPU and not on another. With eps 1e-4 a
+# gradient round-off d (~1e-7) moves a step by at most ~2 x lr x d / eps = 2e-6, 6e-6 in the STEPS
+# compared (derivation: tests/helpers.py ADAM_EPS), 8x inside atol 5e-5; a wrong gradient moves
+# weights by ~lr = 1e-3 per step, so 5e-5 still catches every real bug.
 W_RTOL, W_ATOL = 1e-4, 5e-5
 
 
 def make_cfg(layers: int = 4, **parallel) -> Config:
     return Config().replace(model={**MODEL, "layers": layers},
-                            train={"global_batch": 8, "warmup": 1, "steps": 10, "lr": 1e-3}, parallel=parallel)
+                            train={"global_batch": 8, "warmup": 1, "steps": 10, "lr": 1e-3, "eps": ADAM_EPS}, parallel=parallel)
 
 
 def batches(n: int, rows: int = 8) -> list[np.ndarray]:

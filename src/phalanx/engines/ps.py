@@ -36,6 +36,8 @@ Example (inside a ``phalanx launch --workers 2 --ps 1`` chief)::
 
 from __future__ import annotations
 
+import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -45,14 +47,72 @@ from phalanx.config import Config, ConfigError
 from phalanx.engines.strategy import StrategyEngine
 
 
-class RemoteScalar:
-    """One float of a scheduled step's result; ``float()`` waits for the step."""
+#: tries of the copy of a step's results to the chief, and the pause between them (seconds)
+FETCH_TRIES, FETCH_RETRY_S = 3, 0.5
 
-    def __init__(self, remote: Any, key: str):
-        self._remote, self._key = remote, key
+
+class StepResult:
+    """The results of one scheduled step, fetched once to the chief.
+
+    A step's results stay on the worker that ran it until the chief copies them (TensorFlow's
+    ``RemoteValue.fetch``, an eager Identity). When a worker dies, that copy can fail
+    ("RecvFromRemoteAsync is cancelled ... [Op:Identity]") although the step ran and its
+    update is in the ps variables: the copy was cancelled while TensorFlow handled the
+    failure (then a second try succeeds), or the results were on the dead worker. The copy is
+    tried :data:`FETCH_TRIES` times; a step whose copy still fails is *lost* (:attr:`lost`;
+    :meth:`values` returns None) instead of failing the run: the chief goes on, and on a stop
+    signal saves its checkpoint. Any other error (the step's own, or a step that never ran)
+    is raised as it is. ``on_lost`` is called once, when a step is found lost.
+
+    Example (a step that ran on a worker that has since died)::
+
+        result = StepResult(coordinator.schedule(fn), on_lost=print)
+        result.values()   # None; result.lost is True; on_lost(result) was called
+    """
+
+    def __init__(self, remote: Any, on_lost: Any = None):
+        self._remote, self._on_lost = remote, on_lost
+        self._values: Any = None
+        self._fetched = False
+        self.lost = False
+
+    def done(self) -> bool:
+        return self._fetched or _done(self._remote)
+
+    def values(self) -> Any:
+        """The step's results as NumPy values (waits for the step); None for a lost step."""
+        if not self._fetched:
+            for attempt in range(FETCH_TRIES):
+                try:
+                    self._values = self._remote.fetch()  # a failed copy is not cached: it can be tried again
+                    break
+                except tf.errors.OpError:
+                    if not _ran(self._remote):
+                        raise
+                    if attempt + 1 < FETCH_TRIES:
+                        time.sleep(FETCH_RETRY_S)
+            else:
+                self.lost = True
+                if self._on_lost is not None:
+                    self._on_lost(self)
+            self._fetched = True
+        return self._values
+
+
+class RemoteScalar:
+    """One float of a scheduled step's result; ``float()`` waits for the step. A lost step's
+    value (:class:`StepResult`) is NaN, and :attr:`lost` says so."""
+
+    def __init__(self, result: StepResult, key: str):
+        self._result, self._key = result, key
+
+    @property
+    def lost(self) -> bool:
+        return self._result.lost
 
     def numpy(self) -> np.ndarray:
-        return np.asarray(self._remote.fetch()[self._key])
+        values = self._result.values()
+        return np.asarray(np.nan, np.float32) if values is None else np.asarray(values[self._key])
 
     def __float__(self) -> float:
         return float(self.numpy())
@@ -63,6 +123,20 @@ class RemoteScalar:
 
     def __repr__(self) -> str:
         return f"RemoteScalar({self._key!r})"
+
+
+class _LostSteps:
+    """Counts the lost steps of an engine and says so on stderr the first time."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, result: StepResult) -> None:
+        self.count += 1
+        if self.count == 1:
+            print("[phalanx] a worker died holding the results of a step it had run: the step's update is in "
+                  "the parameter servers, its logged values (loss, gradient norm) are lost and left out of the "
+                  "logged means", file=sys.stderr, flush=True)
 
 
 class ParameterServerEngine(StrategyEngine):
@@ -85,7 +159,8 @@ class ParameterServerEngine(StrategyEngine):
         # Two steps per worker in flight keep every worker busy while the chief feeds the next.
         self.max_in_flight = max_in_flight or 2 * max(1, num_workers)
         self.num_workers = max(1, num_workers)
-        self._pending: list[Any] = []
+        self._pending: list[StepResult] = []
+        self.lost_steps = _LostSteps()
 
     @property
     def n_devices(self) -> int:
@@ -108,12 +183,12 @@ class ParameterServerEngine(StrategyEngine):
 
     def train_step(self, batch) -> dict[str, RemoteScalar]:
         # Bound the steps in flight (and the batches held for them) without waiting for each step.
-        self._pending = [r for r in self._pending if not _done(r)]
+        self._pending = [r for r in self._pending if not r.done()]
         while len(self._pending) >= self.max_in_flight:
-            self._pending.pop(0).fetch()
-        remote = self.coordinator.schedule(self._train_fn, args=(batch,))
-        self._pending.append(remote)
-        return {k: RemoteScalar(remote, k) for k in ("loss", "grad_norm", "skipped", "loss_scale", "lr")}
+            self._pending.pop(0).values()
+        result = StepResult(self.coordinator.schedule(self._train_fn, args=(batch,)), self.lost_steps)
+        self._pending.append(result)
+        return {k: RemoteScalar(result, k) for k in ("loss", "grad_norm", "skipped", "loss_scale", "lr")}
 
     def _replica_eval(self, batch):
         return self.task.loss(self.model, batch, training=False)
@@ -156,6 +231,13 @@ def _done(remote: Any) -> bool:
     return status is not None and getattr(status, "name", "") in ("READY", "ABORTED")
 
 
+def _ran(remote: Any) -> bool:
+    """Whether the step of ``remote`` finished without an error (TensorFlow's RemoteValueImpl:
+    READY and no error), so that a failing fetch can only be the copy of its results."""
+    status = getattr(remote, "_status", None)
+    return getattr(status, "name", "") == "READY" and getattr(remote, "_error", True) is None
+
+
 class KerasParameterServerEngine:
     """Any compiled Keras model trained asynchronously by the workers of a parameter-server
     cluster: the model's own ``train_step`` (its optimizer, loss and compiled metrics, as
@@ -193,7 +275,8 @@ class KerasParameterServerEngine:
         self.num_workers = max(1, num_workers)
         # Two steps per worker in flight keep every worker busy while the chief feeds the next.
         self.max_in_flight = max_in_flight or 2 * self.num_workers
-        self._pending: list[Any] = []
+        self._pending: list[StepResult] = []
+        self.lost_steps = _LostSteps()
         with strategy.scope():
             self.model = build()
             # Metrics, loss and optimizer variables now, on the ps tasks (not in the first step,
@@ -220,14 +303,15 @@ class KerasParameterServerEngine:
         return [v.value.device for v in self.model.variables]
 
     def _schedule(self, fn, batch, kind: str) -> dict:
-        self._pending = [r for r in self._pending if not _done(r)]
+        self._pending = [r for r in self._pending if not r.done()]
         while len(self._pending) >= self.max_in_flight:
-            self._pending.pop(0).fetch()
+            self._pending.pop(0).values()
         remote = self.coordinator.schedule(fn, args=(keras_data(batch),))
-        self._pending.append(remote)
+        result = StepResult(remote, self.lost_steps)
+        self._pending.append(result)
         if kind not in self._keys:  # the first step's logs name the keys (a model's own step may add some)
             self._keys[kind] = list(remote.fetch())
-        return {k: RemoteScalar(remote, k) for k in self._keys[kind]}
+        return {k: RemoteScalar(result, k) for k in self._keys[kind]}
 
     def train_step(self, batch) -> dict[str, RemoteScalar]:
         """Schedule one step on a free worker; the logs are fetched when read (``float()``)."""

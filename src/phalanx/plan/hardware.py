@@ -6,8 +6,11 @@ and between nodes (InfiniBand/DCN). Vendor datasheet values, dense (no sparsity)
 every field can be overridden (``phalanx plan --peak-tflops ... --memory-gb ...``).
 
 ``this-cpu`` is measured: :func:`measure_matmul_peak` times square matmuls with
-TensorFlow for about a second and caches the result per machine, dtype and TF
-version under ``~/.cache/phalanx``. The trainer uses the same probe for MFU.
+TensorFlow for about a second and caches the result per machine, CPU model, dtype and TF
+version under ``$XDG_CACHE_HOME/phalanx`` (``~/.cache/phalanx``), with the date and the
+machine's load at the time: a figure older than :data:`PEAK_MAX_AGE_DAYS`, one recorded
+without them, or one measured under load when the machine is quieter now is measured again.
+The trainer uses the same probe for MFU (and measures again when a run beats the peak).
 
 Example:
     >>> hw = get_hardware("a100-80gb")
@@ -123,8 +126,55 @@ def _this_cpu(devices: int, measure: bool) -> Hardware:
 # The matmul probe
 
 
+#: a cached peak older than this is measured again (a new TensorFlow, BIOS or kernel may change it)
+PEAK_MAX_AGE_DAYS = 30
+#: 1-minute load average per CPU above which the machine counts as loaded when the probe runs
+LOADED_PER_CPU = 0.5
+
+
 def _cache_path(cache_dir: str | os.PathLike | None) -> Path:
-    return Path(os.path.expanduser(str(cache_dir or "~/.cache/phalanx"))) / "matmul_peak.json"
+    if cache_dir is None:
+        cache_dir = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "phalanx"
+    return Path(os.path.expanduser(str(cache_dir))) / "matmul_peak.json"
+
+
+def load_per_cpu() -> float:
+    """The 1-minute load average per CPU (0 where the OS does not say)."""
+    try:
+        return os.getloadavg()[0] / max(os.cpu_count() or 1, 1)
+    except (OSError, AttributeError):
+        return 0.0
+
+
+def stale_reason(record, *, now: float | None = None, load: float | None = None) -> str | None:
+    """Why a cached probe ``record`` must be measured again, or None if it holds.
+
+    A record is ``{"flops": F, "measured_at": unix seconds, "load_per_cpu": L}``; a bare number
+    (the older cache format) has no date nor load, so it is measured again.
+
+    >>> stale_reason({"flops": 1e11, "measured_at": 0.0, "load_per_cpu": 0.1}, now=86400.0, load=0.1) is None
+    True
+    >>> stale_reason({"flops": 1e11, "measured_at": 0.0, "load_per_cpu": 0.1}, now=40 * 86400.0, load=0.1)
+    'measured 40 days ago (older than 30)'
+    >>> stale_reason({"flops": 1e11, "measured_at": 0.0, "load_per_cpu": 3.0}, now=60.0, load=0.2)
+    'measured under load (3.0 per CPU; 0.2 now)'
+    >>> stale_reason(2.5e11)
+    'recorded without its date and load'
+    """
+    if not isinstance(record, dict):
+        return "recorded without its date and load"
+    flops, when, then = record.get("flops"), record.get("measured_at"), record.get("load_per_cpu")
+    if not all(isinstance(v, (int, float)) for v in (flops, when, then)) or flops <= 0:
+        return "recorded without its date and load"
+    now = time.time() if now is None else now
+    load = load_per_cpu() if load is None else load
+    days = (now - when) / 86400
+    if days > PEAK_MAX_AGE_DAYS:
+        return f"measured {days:.0f} days ago (older than {PEAK_MAX_AGE_DAYS})"
+    # Under load the probe gets a share of the CPU: its figure is low, and a quieter run beats it.
+    if then >= LOADED_PER_CPU and load < then / 2:
+        return f"measured under load ({then:.1f} per CPU; {load:.1f} now)"
+    return None
 
 
 def cpu_model() -> str:
@@ -152,9 +202,11 @@ def measure_matmul_peak(dtype: str = "float32", *, seconds: float = 0.6, size: i
     """Achievable dense matmul FLOP/s of the default TensorFlow device, cached per machine.
 
     Times ``size x size`` matmuls (``2 size^3`` FLOPs each) in a ``tf.function`` for about
-    ``seconds`` after a warm-up, keeps the best of three rounds, and stores it in
-    ``~/.cache/phalanx/matmul_peak.json``; later calls read the cache (no TensorFlow
-    work). ``dtype``: ``float32``, ``bfloat16`` or ``float16`` (or a precision policy).
+    ``seconds`` after a warm-up, keeps the best of three rounds, and stores it with the time
+    and the load per CPU in ``$XDG_CACHE_HOME/phalanx/matmul_peak.json`` (``~/.cache/...``);
+    later calls read the cache (no TensorFlow work) unless :func:`stale_reason` says the
+    figure no longer holds, or ``refresh``. ``dtype``: ``float32``, ``bfloat16`` or ``float16``
+    (or a precision policy).
 
     >>> peak = measure_matmul_peak("float32")   # doctest: +SKIP
     >>> peak > 1e9                               # doctest: +SKIP
@@ -171,10 +223,12 @@ def measure_matmul_peak(dtype: str = "float32", *, seconds: float = 0.6, size: i
             cache = json.loads(path.read_text())
         except (OSError, ValueError):
             cache = {}  # a corrupt cache is re-measured, never fatal
-    if not refresh and isinstance(cache.get(key), (int, float)) and cache[key] > 0:
-        return float(cache[key])
+    if not refresh and key in cache and stale_reason(cache[key]) is None:
+        return float(cache[key]["flops"])
+    load = load_per_cpu()
     value = _probe(dtype, seconds, size)
-    cache[key] = value
+    cache[key] = {"flops": value, "measured_at": time.time(), "load_per_cpu": round(max(load, load_per_cpu()), 3),
+                  "cpu": cpu_model()}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")

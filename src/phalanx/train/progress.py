@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from phalanx.train.metrics import mfu_text
+
 
 class RunOutput:
     """Writes one run's logs. Use as a context manager; ``log`` once per logged step."""
@@ -120,7 +122,7 @@ class RunOutput:
         if "build_s" in row:  # a window of only the building step: its rate is not the throughput
             parts.append(f"(building the step {row['build_s']:.0f} s)")
         else:
-            parts += [f"{row.get('tokens_per_s', 0):,.0f} tok/s", f"MFU {100 * row.get('mfu', 0):.1f}%"]
+            parts += [f"{row.get('tokens_per_s', 0):,.0f} tok/s", mfu_text(row.get('mfu', 0))]
         info = "  ".join(parts)
         if self._progress is not None:
             self._progress.update(self._task, completed=row["step"], info=info)

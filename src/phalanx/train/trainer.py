@@ -39,7 +39,7 @@ from phalanx.data.tokenize import save_tokenizer
 from phalanx.engines.factory import build_engine, refuse_before_build
 from phalanx.engines.task import GPTTask
 from phalanx.fsutil import RunLock
-from phalanx.train.metrics import mfu, peak_flops
+from phalanx.train.metrics import RunPeak, mfu_text
 from phalanx.train.moe_stats import MoEStats
 from phalanx.train.progress import RunOutput, plot_loss, read_metrics
 
@@ -50,7 +50,7 @@ class Summary:
     loss: float
     eval_loss: float | None
     tokens_per_s: float
-    mfu: float
+    mfu: float | None  # None: unavailable (phalanx.train.metrics.RunPeak)
     wall_s: float
     skipped_steps: int
     run_dir: Path
@@ -61,7 +61,7 @@ class Summary:
         ev = f" (eval {self.eval_loss:.4f})" if self.eval_loss is not None else ""
         stop = " [stopped by signal, checkpoint saved]" if self.stopped_early else ""
         return (f"done: step {self.steps}, loss {self.loss:.4f}{ev}, {self.tokens_per_s:,.0f} tokens/s, "
-                f"MFU {100 * self.mfu:.1f}%, {self.wall_s:.0f}s, {self.skipped_steps} skipped steps{stop}\n"
+                f"{mfu_text(self.mfu)}, {self.wall_s:.0f}s, {self.skipped_steps} skipped steps{stop}\n"
                 f"outputs: {self.run_dir}/metrics.jsonl, {self.run_dir}/loss.png, {self.run_dir}/tb/, "
                 f"{self.checkpoint or 'no checkpoint'}")
 
@@ -269,7 +269,8 @@ class Trainer:
         start, iterator = self._restore()
         tokens_per_step = t.global_batch * self.task.tokens_per_example()
         flops_per_step = self.task.flops_per_example() * t.global_batch
-        peak = peak_flops(cfg, device_count(self.engine)) if flops_per_step else 0.0
+        # the run's peak; MFU above 100% measures it again, then is unavailable rather than wrong
+        run_peak = RunPeak(cfg, device_count(self.engine), say=self._say) if flops_per_step else None
         if start >= t.steps:  # a finished run: nothing to train, nothing to rewrite
             return self._nothing_to_do(start, t_start)
         self._say(f"model: {self.engine.num_params():,} parameters; layout {self.layout_line()}; "
@@ -289,6 +290,8 @@ class Trainer:
         with RunOutput(self.run_dir, t.steps, start, self.interactive, self.quiet,
                        write=self.is_chief) as out, \
                 StopSignals(announce=True) as stop:
+            if run_peak is not None:
+                run_peak.say = out.message
             while step < t.steps:
                 batch = next(iterator)
                 if self.pruner is not None:
@@ -309,12 +312,15 @@ class Trainer:
                 # metrics.jsonl (one row per step) whatever train.log_every is.
                 if step % t.log_every == 0 or step == t.steps or evaluating or stopping:
                     losses = [float(x) for x in window_losses]  # syncs the device
+                    # a parameter-server step whose worker died before its results were read has none
+                    # (its update was applied: phalanx.engines.ps.StepResult): the mean is over the others
+                    losses = [v for v, x in zip(losses, window_losses) if not getattr(x, "lost", False)] or [np.nan]
                     elapsed = time.monotonic() - window_start
                     only_build = not window_steps
                     if only_build:  # the window holds only the building step: time that one
                         elapsed, window_steps = build_s, 1
                     rate = tokens_per_step * window_steps / elapsed
-                    util = mfu(flops_per_step, elapsed / window_steps, peak)
+                    util = run_peak.mfu(flops_per_step, elapsed / window_steps) if run_peak else 0.0
                     row = {"step": step, "loss": float(np.mean(losses)), "lr": float(result["lr"]),
                            "tokens_per_s": rate, "mfu": util, "step_time_s": elapsed / window_steps,
                            "grad_norm": float(result["grad_norm"]), "loss_scale": float(result["loss_scale"]),
