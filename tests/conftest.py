@@ -3,10 +3,13 @@
 Every parallel layout is tested on these (ARCHITECTURE.md: logical CPUs share the
 host's thread pools, so they test correctness, not speed).
 
-``make test`` runs the suite in two pytest runs. First every test but the ``memory_peak`` ones
-over two pytest-xdist workers (``-n 2 --dist worksteal -m "not memory_peak"``), each a process
-with its own 8 logical CPUs; then the ``memory_peak`` ones (``-m memory_peak``) in one process.
-Both always run.
+``make test`` runs every test but the ``slow`` ones, ``make test-slow`` the ``slow`` ones; CI
+runs both. ``@pytest.mark.slow`` marks a test that starts several processes that train together
+(a launched cluster, a multi-worker strategy) or runs a command or example end to end for long.
+Each target is two pytest runs: first its tests but the ``memory_peak`` ones over two
+pytest-xdist workers (``-n 2 --dist worksteal -m "not slow and not memory_peak"``), each a
+process with its own 8 logical CPUs; then its ``memory_peak`` ones (``-m "not slow and
+memory_peak"``) in one process. Both always run.
 
 ``@pytest.mark.memory_peak`` marks every test whose assertion bounds a MEASURED memory figure:
 the allocator's per-device peaks (``phalanx plan --calibrate``, ``calibrate_keras``,

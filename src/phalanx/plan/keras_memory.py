@@ -149,6 +149,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 
 from phalanx.config import Config, ConfigError, parse_devices, resolve_degrees
@@ -236,6 +237,18 @@ def slice_elements(shape, n: int) -> int:
     if shape and shape[0] >= n:
         return -(-shape[0] // n) * _elements(shape[1:])
     return -(-_elements(shape) // n)
+
+
+@functools.lru_cache(maxsize=4096)
+def _slice_totals(m: ModelSpec, first: int, blocks: int, pp: int, r: int, tp: int, tr: int, ep: int, dp: int,
+                  groups: int) -> tuple[float, float]:
+    """``(pieces, largest)``: the elements of the ZeRO slices that stage ``r`` on tensor rank ``tr``
+    holds (its dense variables cut ``dp`` ways, its expert shards ``groups`` ways) and of the largest
+    one. The same for every replica and for every schedule and micro-batch count: cached, since
+    the planner's search asks for it thousands of times."""
+    dense_shapes, expert_shapes = gpt_device_shapes(m, first, blocks, pp, r, tp, tr, ep)
+    cuts = [slice_elements(x, dp) for x in dense_shapes] + [slice_elements(x, groups) for x in expert_shapes]
+    return float(sum(cuts)), float(max(cuts, default=0))
 
 
 def gpt_device_shapes(m: ModelSpec, first: int, blocks: int, pp: int, r: int, tp: int, tr: int,
@@ -485,12 +498,8 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
                 pieces = 0.0        # ZeRO: this device's slice of every variable homed on it (padded)
                 largest_piece = 0.0
                 if sliced:
-                    dense_shapes, expert_shapes = gpt_device_shapes(m, first[r], blocks_per_stage[r], pp, r, tp, tr,
-                                                                    ep)
-                    cuts = [slice_elements(x, dp) for x in dense_shapes] + \
-                           [slice_elements(x, groups) for x in expert_shapes]
-                    pieces = float(sum(cuts))
-                    largest_piece = float(max(cuts, default=0))
+                    pieces, largest_piece = _slice_totals(m, first[r], blocks_per_stage[r], pp, r, tp, tr, ep, dp,
+                                                          groups)
                     optimizer_b = 8.0 * pieces                          # every replica: its slices' m and v
                     weights = 4.0 * (held + pieces) if zero < 3 else 4.0 * pieces
                 gathered = 4.0 * held if sliced and zero == 3 else 0.0  # the stage's weights, gathered for the step
