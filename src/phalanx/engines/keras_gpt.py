@@ -96,12 +96,6 @@ def refuse_unhonoured(cfg: Config, mesh: Mesh | None = None) -> None:
                                                         f"dividing model.seq_len={m.seq_len} (tp={tp}) and "
                                                         f"model.experts=0 ({m.experts})")
     check_zero(p.zero, ep=p.ep)
-    if p.zero > 1:
-        raise ConfigError("parallel.zero", f"{p.zero}: {why}, which runs the built-in GPT with parallel.zero=0 or 1 "
-                                           f"(the planner's layouts); use parallel.zero=1")
-    if p.recompute != "none":
-        raise ConfigError("parallel.recompute", f"{p.recompute!r}: {why}, which does not recompute activations; "
-                                                f"use parallel.recompute=none")
     if p.strategy not in ("auto", "mesh", "mirrored", "multi_worker"):
         raise ConfigError("parallel.strategy", f"{p.strategy!r}: {why}, which places the model on the devices "
                                                f"itself: in one process (auto), or on each worker's own devices with "
@@ -170,6 +164,8 @@ class PhalanxAdamW(keras.optimizers.Optimizer):
 
     def apply(self, grads, trainable_variables=None):
         variables = self._trainable_variables if trainable_variables is None else list(trainable_variables)
+        if not self.built:  # as Keras's own apply: a model's first train step builds the optimizer
+            self.build(variables)
         if [id(v) for v in variables] != [id(v) for v in self._trainable_variables]:
             raise ValueError("PhalanxAdamW.apply: takes the gradients of every variable it was built for, in order")
         dense = []
@@ -267,6 +263,23 @@ def _part_slot(name: str, shape: tuple, var: tf.Variable, box) -> checkpoint.Slo
                            assign=lambda x: var.assign(np.reshape(np.asarray(x).astype(dtype), tuple(var.shape))))
 
 
+def _slice_slot(name: str, shape: tuple, var: tf.Variable, offset: int, box) -> checkpoint.Slot:
+    """The slot of the flat elements ``[offset, offset + volume(box))`` of a ZeRO slice
+    ``var``, which hold ``box`` of logical tensor ``name`` (of ``shape``)."""
+    local = boxes.shape_of(box)
+    size = boxes.volume(box)
+    dtype = var.dtype.as_numpy_dtype
+
+    def assign(x):  # the slice's other elements (another box, the padding) stay
+        flat = np.array(var.numpy()).reshape(-1)
+        flat[offset:offset + size] = np.asarray(x).astype(dtype).reshape(-1)
+        var.assign(flat.reshape(tuple(var.shape)))
+
+    return checkpoint.Slot(name, shape, dtype, local, [(boxes.full(local), box)],
+                           fetch=lambda: tf.reshape(tf.reshape(var.read_value(), [-1])[offset:offset + size], local),
+                           assign=assign)
+
+
 def _joined_slot(name: str, shape: tuple, parts: list, bound) -> checkpoint.Slot:
     """One slot for ``parts`` (``[(variable, box)]`` on one device) tiling ``bound`` of ``name``."""
     joined = JoinedVariable([(var, boxes.relative(box, bound)) for var, box in parts])
@@ -342,9 +355,10 @@ class KerasGPTEngine:
         return batch[:, :-1], batch[:, 1:], None
 
     def _sync(self) -> None:
-        """Refresh the replicas' weight copies if the weights were assigned outside a step."""
+        """Refresh the replicas' weight copies if the weights were assigned outside a step
+        (under ZeRO the checkpoint's slots are the slices: the copies follow them)."""
         if self._stale:
-            self.engine.sync_copies()
+            self.engine.sync_copies(from_slices=self.engine.slices is not None)
             self._stale = False
 
     def train_step(self, batch) -> dict[str, tf.Tensor]:
@@ -385,7 +399,7 @@ class KerasGPTEngine:
         first = self.mesh.device(0, 0, 0)
         slots = [(first, _scalar_slot("optimizer/step", self.optimizer.step))]
         slots += [(first, _scalar_slot(k, v)) for k, v in self.loss_scale.state().items()]
-        for name, joined in self._logical_variables().items():
+        for name, joined in ({} if self.engine.slices is not None else self._logical_variables()).items():
             shape = tuple(int(n) for n in joined.shape)
             by_device: dict[str, list] = {}
             for var, box in joined.parts:
@@ -400,6 +414,8 @@ class KerasGPTEngine:
                     slots.append((device, _joined_slot(name, shape, parts, bound)))
                 else:
                     slots += [(device, _part_slot(name, shape, var, box)) for var, box in parts]
+        if self.engine.slices is not None:
+            slots += self._sliced_slots()
         names = {}  # device -> its set's name in mesh order, as the mesh engine names them
         for d in range(self.mesh.dp):
             for r in range(self.mesh.pp):
@@ -412,6 +428,35 @@ class KerasGPTEngine:
             sets.setdefault(name, checkpoint.ShardSet(name)).slots.append(slot)
         order = {name: i for i, name in enumerate(names.values())}
         return sorted(sets.values(), key=lambda s: (order.get(s.name, len(order)), s.name))
+
+    def _sliced_slots(self) -> list[tuple[str, checkpoint.Slot]]:
+        """Under ZeRO, ``(device, slot)`` of every slice: the weights (the slices are the
+        state at every stage: the whole copies are refreshed from them) and ``optimizer/m|v/*``
+        beside them (:meth:`PhalanxAdamW.zero_clone`'s, aligned with the slices). A slice
+        holds a flat range of its variable (:meth:`~phalanx.parallel.keras_zero.SliceLayout.flat_range`),
+        cut into boxes of the logical tensor (:func:`~phalanx.checkpoint.boxes.flat_boxes`);
+        its padding is not saved."""
+        zs = self.engine.slices
+        position = {id(piece): j for j, piece in enumerate(zs.flat)}
+        sliced = zs.optimizer
+        variables = self.model.trainable_variables
+        out = []
+        for name, (indices, joined) in self._convert.parts.items():
+            shape = tuple(int(n) for n in joined.shape)
+            for i, (_, box) in zip(indices, joined.parts):
+                var = variables[i]
+                layout = zs.layouts[zs.index[id(var)]]
+                origin = [lo for lo, _ in box]
+                for k, piece in enumerate(zs.slices_of(var)):
+                    lo, hi = layout.flat_range(k)
+                    j = position[id(piece)]
+                    for start, region in boxes.flat_boxes(boxes.shape_of(box), lo, hi):
+                        logical = boxes.translate(region, origin)
+                        for key, holder in ((name, piece), (f"optimizer/m/{name}", sliced.m[j]),
+                                            (f"optimizer/v/{name}", sliced.v[j])):
+                            out.append((holder.value.device,
+                                        _slice_slot(key, shape, holder.value, start - lo, logical)))
+        return out
 
     def _moments(self, slots: list[tf.Variable]) -> dict[str, np.ndarray]:
         return self._convert.to_logical([s.numpy() for s in slots])
@@ -456,4 +501,6 @@ class KerasGPTEngine:
         return builtin.num_params(self.cfg.model)
 
     def weights(self) -> dict[str, np.ndarray]:
+        if self.engine.zero == 3:  # the model's weights are the host copy: written from the slices first
+            self.engine.gather_state()
         return transformer.gpt_weights(self.model)

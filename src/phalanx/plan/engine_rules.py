@@ -145,9 +145,6 @@ class GPTRun:
 #: Keras-model engine. Removing a row moves its runs over; with no rows left the older
 #: engines are dead code.
 OLD_ENGINE_ROWS: tuple = (
-    ("parallel.zero", "zero", lambda r: r.zero >= 2, "ZeRO-2/3 (sharded gradients) runs on the mesh engine"),
-    ("parallel.recompute", "recompute", lambda r: r.recompute != "none",
-     "activation recomputation runs on the mesh engine"),
     ("train.prune.target", "prune", lambda r: r.prune, "pruning masks run on the mesh and tf.distribute engines"),
     ("model.dropout", "dropout", lambda r: r.dropout > 0,
      "layout-independent dropout masks run on the mesh engine"),
