@@ -276,8 +276,9 @@ def test_errors_name_the_key(devices):
     cfg = make_cfg(tp=1)
     with pytest.raises(ConfigError, match="parallel.tp"):
         MeshEngine(cfg, mesh_of(devices, tp=8), GPTTask(cfg.model))
-    assert needs_mesh_engine(make_cfg(recompute="full")) and not needs_mesh_engine(make_cfg(pp=2, microbatches=2))
-    assert not needs_mesh_engine(make_cfg(dp=2))
+    # ZeRO-2/3 and recomputation run on the Keras-model engine, as dp and pp do
+    assert not needs_mesh_engine(make_cfg(recompute="full")) and not needs_mesh_engine(make_cfg(pp=2, microbatches=2))
+    assert not needs_mesh_engine(make_cfg(dp=2)) and not needs_mesh_engine(make_cfg(dp=2, zero=3))
     with pytest.raises(TypeError, match="takes a GPTTask"):
         make_mesh_engine(cfg, mesh_of(devices), object())
     engine = make_engine(cfg.model, mesh_of(devices), cfg)

@@ -12,8 +12,9 @@ rules where they can be probed:
   (:class:`~phalanx.engines.keras_model.KerasModelEngine`, :mod:`phalanx.parallel.keras_zero`):
   ``phalanx train``'s engine for the built-in GPT (:class:`~phalanx.engines.keras_gpt.KerasGPTEngine`)
   and ``phalanx.fit``'s; in one process (:data:`KERAS_ZERO_ACROSS_NODES`), ZeRO-3 without expert
-  parallelism, and ZeRO-3 planned (:mod:`phalanx.plan.keras_memory`) for the 1f1b and gpipe
-  schedules without sequence parallelism (:func:`keras_engine_layout`);
+  parallelism; ZeRO-3's memory is that engine's (:mod:`phalanx.plan.keras_memory`) for the 1f1b
+  and gpipe schedules without sequence parallelism (:func:`keras_engine_layout`), the older
+  engines' model with ZeRO-3's terms otherwise;
 * the stage split: the engine's cost-balanced :func:`phalanx.parallel.partition.partition`
   over :func:`phalanx.core.costs.layer_costs` (FLOPs per token of each block,
   the embedding and the head), not equal layer counts;
@@ -211,9 +212,6 @@ def plan_only_reasons(m, lay, hw=None) -> list[str]:
         if lay.ep > 1:
             reasons.append(f"ZeRO-3 with expert parallelism (the Keras-model engine does not gather expert shards "
                            f"from slices; ep runs with parallel.zero <= {KERAS_EP_ZERO})")
-        elif not keras_engine_layout(lay):
-            reasons.append("ZeRO-3 with the interleaved or zb schedule or sequence parallelism (the Keras-model "
-                           "engine's ZeRO-3 is planned for 1f1b and gpipe without sequence parallelism)")
         elif hw is not None and lay.devices > hw.devices_per_node and not KERAS_ZERO_ACROSS_NODES:
             reasons.append(f"ZeRO-3 across nodes ({lay.devices} devices, {hw.devices_per_node} per node: the "
                            f"Keras-model engine slices over the data replicas of one process)")
