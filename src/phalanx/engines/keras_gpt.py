@@ -1,5 +1,8 @@
 """The built-in GPT config trained by :class:`~phalanx.engines.keras_model.KerasModelEngine`:
-what ``phalanx train`` runs for expert parallelism (``model.experts`` with ``parallel.ep > 1``).
+what ``phalanx train`` runs for the built-in GPT on every layout but the rows of
+:data:`phalanx.plan.engine_rules.OLD_ENGINE_ROWS` (one device, dp, tp, pp with any schedule,
+sequence parallelism, ep for ``model.experts``, grad accumulation, mixed precision, ZeRO-1/2/3,
+recomputation).
 
 The model is :func:`phalanx.models.transformer.gpt` — the built-in GPT written from
 phalanx's parallel Keras layers, equal logits — with its experts cut into ``parallel.ep``
@@ -19,17 +22,20 @@ and not a Keras ``fit``:
   clipping (``train.clip_norm``) and :class:`~phalanx.core.loss_scale.LossScale`
   (``mixed_float16``), exactly as :class:`~phalanx.engines.strategy.StrategyEngine`;
 * **the state** has the built-in GPT's logical names (weights, ``optimizer/m/*``,
-  ``optimizer/v/*``, ``optimizer/step``, ``loss_scale/*``), whole tensors: a checkpoint written
-  here resumes on the one-device engine and back;
+  ``optimizer/v/*``, ``optimizer/step``, ``loss_scale/*``), written per device by box: a
+  checkpoint written here resumes on any layout, the one-device engine's included, and back;
 * **the figures**: ``train_step`` returns ``loss``, ``grad_norm``, ``lr``, ``loss_scale`` and
   ``skipped``; the MoE layers' step totals (all replicas and micro-batches) are on
   ``model`` for :mod:`phalanx.train.moe_stats`.
 
-With ``parallel.zero=1`` the AdamW moments are cut into slices over the data replicas (ZeRO
-stage 1 of :mod:`phalanx.engines.keras_model`): :meth:`PhalanxAdamW.zero_clone` applies on the
-slices, sharing the step counter, loss scale and figures. What it cannot honour is refused
-before anything is built (:func:`refuse_unhonoured`): ``parallel.zero=2/3`` and recomputation
-among them.
+With ``parallel.zero=1|2|3`` the AdamW moments (2: and the gradients, 3: and the weights) are
+cut into slices over the data replicas (:mod:`phalanx.parallel.keras_zero`):
+:meth:`PhalanxAdamW.zero_clone` applies on the slices, sharing the step counter, loss scale and
+figures, and a checkpoint holds each replica's slices (weights and moments) in its shard set, by
+logical name and box. ``parallel.recompute`` runs as for any Keras model
+(:mod:`phalanx.parallel.recompute`; ``selective``: the attention cores of the GPT's blocks). What
+it cannot honour is refused before anything is built (:func:`refuse_unhonoured`): ZeRO-3 with
+expert parallelism among them.
 
 Example:
     >>> from phalanx.config import Config
@@ -290,8 +296,8 @@ def _joined_slot(name: str, shape: tuple, parts: list, bound) -> checkpoint.Slot
 
 
 class KerasGPTEngine:
-    """The built-in GPT (``cfg.model``) with experts sharded over ``parallel.ep`` (and tensor
-    shards over ``mesh.tp``, stages over ``mesh.pp``), trained by :class:`KerasModelEngine` on
+    """The built-in GPT (``cfg.model``) with tensor shards over ``mesh.tp``, stages over
+    ``mesh.pp`` and experts over ``parallel.ep``, trained by :class:`KerasModelEngine` on
     ``mesh`` with phalanx's AdamW (module docstring).
 
     ``workers`` (a :class:`~phalanx.engines.keras_cluster.WorkerGroup`, ``multi_worker`` under
