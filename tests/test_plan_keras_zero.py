@@ -144,8 +144,8 @@ def test_zero3_runs_within_a_node_and_the_search_proposes_it():
     hw = get_hardware("a100-80gb")                                  # 8 devices per node
     assert plan_only_reasons(m, Layout(dp=8, zero=3), hw) == []
     assert any("across nodes" in r for r in plan_only_reasons(m, Layout(dp=16, zero=3), hw))
-    assert any("interleaved" in r for r in plan_only_reasons(
-        m, Layout(dp=2, pp=2, microbatches=2, schedule="interleaved", virtual_stages=2, zero=3), hw))
+    assert plan_only_reasons(  # phalanx train runs it (tests/test_keras_gpt_zero.py)
+        m, Layout(dp=2, pp=2, microbatches=2, schedule="interleaved", virtual_stages=2, zero=3), hw) == []
     one = search(m, hw, devices=8, global_batch=16, top=5, zero_stages=(3,))
     assert one.candidates and all(c.layout.zero == 3 for c in one.candidates)
     two = search(m, hw, devices=16, global_batch=16, top=5, zero_stages=(3,))

@@ -8,8 +8,8 @@ overrides, sequence parallelism, output). A mixture of experts comes from ``mode
 ``model.top_k`` and ``model.moe_every``, expert parallelism from ``parallel.ep``. A value no
 engine runs is accepted here to plan it, labelled *plan only*: ``parallel.schedule=zb``;
 layouts the engines cannot run for the built-in GPT (e.g. ZeRO-3 across nodes) are planned and
-labelled the same way. ZeRO-3 runs on the Keras-model engine (``phalanx.fit`` of the GPT as a
-Keras model) and is planned with that engine's memory model. With ``--search``, the
+labelled the same way. ZeRO-3 runs on the Keras-model engine (``phalanx train``, and
+``phalanx.fit`` of the GPT as a Keras model) and is planned with that engine's memory model. With ``--search``, the
 parallel keys you set (dp, tp, pp, microbatches, zero, schedule, recompute,
 virtual_stages, ep) fix that dimension; for a mixture of experts, ep is searched over the
 divisors of dp and of ``model.experts``.
@@ -256,9 +256,6 @@ def _run(args: argparse.Namespace) -> int:
         if plan.plan_only:
             raise ConfigError("--calibrate", f"the engine cannot run this layout ({'; '.join(plan.plan_only)})")
 
-        if not args.keras and runs_on_keras_engine(layout) and layout.ep == 1:
-            raise ConfigError("--calibrate", f"ZeRO-{layout.zero} runs on the Keras-model engine (phalanx.fit of the "
-                                             f"GPT as a Keras model): add --keras")
         if args.keras:
             calibration = calibrate_keras(cfg, steps=args.calibrate_steps, plan=plan)
         else:

@@ -7,12 +7,11 @@ The model code is written for one device; this step decides how it runs on the m
   set up by :func:`phalanx.cluster.strategies.setup_cluster`). The built-in GPT trains on
   :class:`~phalanx.engines.keras_gpt.KerasGPTEngine` (the Keras-model engine: one device, dp,
   tp, pp with any schedule, sequence parallelism, ep, grad accumulation, mixed precision,
-  ZeRO-1, dropout, pruning; across workers with ``parallel.strategy=multi_worker``, each worker's own layout,
+  ZeRO-1/2/3, recomputation, dropout, pruning; across workers with ``parallel.strategy=multi_worker``, each worker's own layout,
   :func:`_keras_gpt_across_workers`). Only
   what that engine does not run yet goes to an older engine, decided in one place:
   :meth:`phalanx.plan.engine_rules.GPTRun.engine` with its table
-  :data:`~phalanx.plan.engine_rules.OLD_ENGINE_ROWS` (the mesh engine for ZeRO-2 and
-  recomputation, the parameter-server engine); a mesh spanning the workers
+  :data:`~phalanx.plan.engine_rules.OLD_ENGINE_ROWS` (the parameter-server engine); a mesh spanning the workers
   (``parallel.strategy=mesh``) is driven by the chief with the same choice.
   A Keras task of the Trainer trains on tf.distribute (data parallel; across workers with
   ``setup_cluster(cfg, strategy_step=True)``);
@@ -146,9 +145,9 @@ def build_engine(cfg: Config, task, cluster=None):
     if isinstance(task, GPTTask) and cluster is None and gpt_run(cfg).engine() == "keras":
         return gpt_engine(cfg, build_mesh(cfg), task)
     if cfg.parallel.zero == 3:
-        raise ConfigError("parallel.zero", "3: phalanx train runs the built-in GPT with ZeRO 0, 1 or 2 (sharded "
-                                           "optimizer state and gradients); ZeRO-3 (sliced weights) runs for Keras "
-                                           "models through phalanx.fit; use parallel.zero=2")
+        raise ConfigError("parallel.zero", "3: ZeRO-3 (sliced weights) runs on the Keras-model engine, which this "
+                                           "run's other keys (pruning, dropout, a cluster strategy) do not train "
+                                           "on yet; use parallel.zero=2")
     if getattr(cluster, "devices", None):  # cluster: a mesh whose devices span the workers
         mesh = build_mesh(cfg, list(cluster.devices))
         if isinstance(task, GPTTask):  # the Keras-model engine on the remote devices, or the mesh engine

@@ -1,5 +1,8 @@
 """The built-in GPT config trained by :class:`~phalanx.engines.keras_model.KerasModelEngine`:
-what ``phalanx train`` runs for expert parallelism (``model.experts`` with ``parallel.ep > 1``).
+what ``phalanx train`` runs for the built-in GPT on every layout but the rows of
+:data:`phalanx.plan.engine_rules.OLD_ENGINE_ROWS` (one device, dp, tp, pp with any schedule,
+sequence parallelism, ep for ``model.experts``, grad accumulation, mixed precision, ZeRO-1/2/3,
+recomputation).
 
 The model is :func:`phalanx.models.transformer.gpt` — the built-in GPT written from
 phalanx's parallel Keras layers, equal logits — with its experts cut into ``parallel.ep``
@@ -19,17 +22,20 @@ and not a Keras ``fit``:
   clipping (``train.clip_norm``) and :class:`~phalanx.core.loss_scale.LossScale`
   (``mixed_float16``), exactly as :class:`~phalanx.engines.strategy.StrategyEngine`;
 * **the state** has the built-in GPT's logical names (weights, ``optimizer/m/*``,
-  ``optimizer/v/*``, ``optimizer/step``, ``loss_scale/*``), whole tensors: a checkpoint written
-  here resumes on the one-device engine and back;
+  ``optimizer/v/*``, ``optimizer/step``, ``loss_scale/*``), written per device by box: a
+  checkpoint written here resumes on any layout, the one-device engine's included, and back;
 * **the figures**: ``train_step`` returns ``loss``, ``grad_norm``, ``lr``, ``loss_scale`` and
   ``skipped``; the MoE layers' step totals (all replicas and micro-batches) are on
   ``model`` for :mod:`phalanx.train.moe_stats`.
 
-With ``parallel.zero=1`` the AdamW moments are cut into slices over the data replicas (ZeRO
-stage 1 of :mod:`phalanx.engines.keras_model`): :meth:`PhalanxAdamW.zero_clone` applies on the
-slices, sharing the step counter, loss scale and figures. What it cannot honour is refused
-before anything is built (:func:`refuse_unhonoured`): ``parallel.zero=2/3`` and recomputation
-among them.
+With ``parallel.zero=1|2|3`` the AdamW moments (2: and the gradients, 3: and the weights) are
+cut into slices over the data replicas (:mod:`phalanx.parallel.keras_zero`):
+:meth:`PhalanxAdamW.zero_clone` applies on the slices, sharing the step counter, loss scale and
+figures, and a checkpoint holds each replica's slices (weights and moments) in its shard set, by
+logical name and box. ``parallel.recompute`` runs as for any Keras model
+(:mod:`phalanx.parallel.recompute`; ``selective``: the attention cores of the GPT's blocks). What
+it cannot honour is refused before anything is built (:func:`refuse_unhonoured`): ZeRO-3 with
+expert parallelism among them.
 
 ``model.dropout`` draws the positional masks of :mod:`phalanx.layers.dropout` (the model's
 dropout layers are seeded from the task's seed; the engine gives each call its global rows and
@@ -113,12 +119,6 @@ def refuse_unhonoured(cfg: Config, mesh: Mesh | None = None) -> None:
                                                         f"dividing model.seq_len={m.seq_len} (tp={tp}) and "
                                                         f"model.experts=0 ({m.experts})")
     check_zero(p.zero, ep=p.ep)
-    if p.zero > 1:
-        raise ConfigError("parallel.zero", f"{p.zero}: {why}, which runs the built-in GPT with parallel.zero=0 or 1 "
-                                           f"(the planner's layouts); use parallel.zero=1")
-    if p.recompute != "none":
-        raise ConfigError("parallel.recompute", f"{p.recompute!r}: {why}, which does not recompute activations; "
-                                                f"use parallel.recompute=none")
     if p.strategy not in ("auto", "mesh", "mirrored", "multi_worker"):
         raise ConfigError("parallel.strategy", f"{p.strategy!r}: {why}, which places the model on the devices "
                                                f"itself: in one process (auto), or on each worker's own devices with "
@@ -186,6 +186,8 @@ class PhalanxAdamW(keras.optimizers.Optimizer):
 
     def apply(self, grads, trainable_variables=None):
         variables = self._trainable_variables if trainable_variables is None else list(trainable_variables)
+        if not self.built:  # as Keras's own apply: a model's first train step builds the optimizer
+            self.build(variables)
         if [id(v) for v in variables] != [id(v) for v in self._trainable_variables]:
             raise ValueError("PhalanxAdamW.apply: takes the gradients of every variable it was built for, in order")
         dense = []
@@ -285,6 +287,23 @@ def _part_slot(name: str, shape: tuple, var: tf.Variable, box) -> checkpoint.Slo
                            assign=lambda x: var.assign(np.reshape(np.asarray(x, dtype), tuple(var.shape))))
 
 
+def _slice_slot(name: str, shape: tuple, var: tf.Variable, offset: int, box) -> checkpoint.Slot:
+    """The slot of the flat elements ``[offset, offset + volume(box))`` of a ZeRO slice
+    ``var``, which hold ``box`` of logical tensor ``name`` (of ``shape``)."""
+    local = boxes.shape_of(box)
+    size = boxes.volume(box)
+    dtype = var.dtype.as_numpy_dtype
+
+    def assign(x):  # the slice's other elements (another box, the padding) stay
+        flat = np.array(var.numpy()).reshape(-1)
+        flat[offset:offset + size] = np.asarray(x).astype(dtype).reshape(-1)
+        var.assign(flat.reshape(tuple(var.shape)))
+
+    return checkpoint.Slot(name, shape, dtype, local, [(boxes.full(local), box)],
+                           fetch=lambda: tf.reshape(tf.reshape(var.read_value(), [-1])[offset:offset + size], local),
+                           assign=assign)
+
+
 def _joined_slot(name: str, shape: tuple, parts: list, bound) -> checkpoint.Slot:
     """One slot for ``parts`` (``[(variable, box)]`` on one device) tiling ``bound`` of ``name``."""
     joined = JoinedVariable([(var, boxes.relative(box, bound)) for var, box in parts])
@@ -295,8 +314,8 @@ def _joined_slot(name: str, shape: tuple, parts: list, bound) -> checkpoint.Slot
 
 
 class KerasGPTEngine:
-    """The built-in GPT (``cfg.model``) with experts sharded over ``parallel.ep`` (and tensor
-    shards over ``mesh.tp``, stages over ``mesh.pp``), trained by :class:`KerasModelEngine` on
+    """The built-in GPT (``cfg.model``) with tensor shards over ``mesh.tp``, stages over
+    ``mesh.pp`` and experts over ``parallel.ep``, trained by :class:`KerasModelEngine` on
     ``mesh`` with phalanx's AdamW (module docstring).
 
     ``workers`` (a :class:`~phalanx.engines.keras_cluster.WorkerGroup`, ``multi_worker`` under
@@ -347,7 +366,9 @@ class KerasGPTEngine:
         self.model.optimizer = self.optimizer
         tokens = np.zeros([cfg.train.global_batch, cfg.model.seq_len], np.int32)
         self.engine = KerasModelEngine(self.model, cfg, mesh, (tokens, tokens, None), workers=workers)
-        self._stale = False  # the replicas' weight copies are behind the weights (a restore)
+        # False, or what was assigned outside a step and the rest must follow: "whole" (the model's
+        # weights: a mask installed, weights loaded) or "slices" (a checkpoint restored into ZeRO's slices)
+        self._stale: bool | str = False
         self._whole = False  # under ZeRO: the whole state was gathered from the slices since the last step
         # pruning (train.prune.*): logical name -> a 0/1 mask variable beside each variable holding a part
         self._masks = self._make_masks() if prune.enabled(cfg) else {}
@@ -423,7 +444,7 @@ class KerasGPTEngine:
         mask.assign(np.reshape(np.asarray(array, np.float32), tuple(var.shape)))
         for target in (var, self.optimizer.m[i], self.optimizer.v[i]):
             target.assign(target.value * mask)
-        self._stale = True  # the replicas' copies (and the slices) of the masked weights
+        self._stale = "whole"  # the replicas' copies (and the slices) follow the masked weights
 
     # -- steps ---------------------------------------------------------------------------------
 
@@ -433,16 +454,18 @@ class KerasGPTEngine:
         return batch[:, :-1], batch[:, 1:], None
 
     def _sync(self) -> None:
-        """Refresh the replicas' weight copies if the weights were assigned outside a step."""
+        """Refresh the replicas' weight copies if the weights were assigned outside a step
+        (under ZeRO the checkpoint's slots are the slices: the copies follow them)."""
         if self._stale:
-            self._restored()
+            self._restored(from_slices=self._stale == "slices")
             self._stale = False
 
-    def _restored(self) -> None:
+    def _restored(self, from_slices: bool = False) -> None:
         """After state was assigned outside a step: the replicas' copies (and under ZeRO the
-        slices) from the weights, and the dropout layers' seed states at the steps run so far
+        slices) from the weights, or with ``from_slices`` the whole copies from ZeRO's slices,
+        and the dropout layers' seed states at the steps run so far
         (applied and skipped), so a resumed run draws the masks an uninterrupted one would."""
-        self.engine.sync_copies()
+        self.engine.sync_copies(from_slices=from_slices)
         if self.cfg.model.dropout:
             dropout_lib.set_calls(self.model, int(self.optimizer.step.numpy()) + int(self.loss_scale.skipped.numpy()))
 
@@ -484,11 +507,12 @@ class KerasGPTEngine:
         docs/checkpoint_format.md). A save reads, and a restore assigns, one part at a time per
         writer thread, so the host never holds a whole tensor of a sharded weight; any layout's
         checkpoint (the mesh engine's included) restores into it box by box."""
-        self._stale = True  # a restore assigns the weights outside a step
+        # a restore assigns the weights outside a step: under ZeRO into the slices themselves
+        self._stale = "slices" if self.engine.slices is not None else "whole"
         first = self.mesh.device(0, 0, 0)
         slots = [(first, _scalar_slot("optimizer/step", self.optimizer.step))]
         slots += [(first, _scalar_slot(k, v)) for k, v in self.loss_scale.state().items()]
-        for name, joined in self._logical_variables().items():
+        for name, joined in ({} if self.engine.slices is not None else self._logical_variables()).items():
             shape = tuple(int(n) for n in joined.shape)
             by_device: dict[str, list] = {}
             for var, box in joined.parts:
@@ -503,6 +527,8 @@ class KerasGPTEngine:
                     slots.append((device, _joined_slot(name, shape, parts, bound)))
                 else:
                     slots += [(device, _part_slot(name, shape, var, box)) for var, box in parts]
+        if self.engine.slices is not None:
+            slots += self._sliced_slots()
         names = {}  # device -> its set's name in mesh order, as the mesh engine names them
         for d in range(self.mesh.dp):
             for r in range(self.mesh.pp):
@@ -519,6 +545,35 @@ class KerasGPTEngine:
             slot.optional = slot.name.startswith(prune.MASK_PREFIX)
         order = {name: i for i, name in enumerate(names.values())}
         return sorted(sets.values(), key=lambda s: (order.get(s.name, len(order)), s.name))
+
+    def _sliced_slots(self) -> list[tuple[str, checkpoint.Slot]]:
+        """Under ZeRO, ``(device, slot)`` of every slice: the weights (the slices are the
+        state at every stage: the whole copies are refreshed from them) and ``optimizer/m|v/*``
+        beside them (:meth:`PhalanxAdamW.zero_clone`'s, aligned with the slices). A slice
+        holds a flat range of its variable (:meth:`~phalanx.parallel.keras_zero.SliceLayout.flat_range`),
+        cut into boxes of the logical tensor (:func:`~phalanx.checkpoint.boxes.flat_boxes`);
+        its padding is not saved."""
+        zs = self.engine.slices
+        position = {id(piece): j for j, piece in enumerate(zs.flat)}
+        sliced = zs.optimizer
+        variables = self.model.trainable_variables
+        out = []
+        for name, (indices, joined) in self._convert.parts.items():
+            shape = tuple(int(n) for n in joined.shape)
+            for i, (_, box) in zip(indices, joined.parts):
+                var = variables[i]
+                layout = zs.layouts[zs.index[id(var)]]
+                origin = [lo for lo, _ in box]
+                for k, piece in enumerate(zs.slices_of(var)):
+                    lo, hi = layout.flat_range(k)
+                    j = position[id(piece)]
+                    for start, region in boxes.flat_boxes(boxes.shape_of(box), lo, hi):
+                        logical = boxes.translate(region, origin)
+                        for key, holder in ((name, piece), (f"optimizer/m/{name}", sliced.m[j]),
+                                            (f"optimizer/v/{name}", sliced.v[j])):
+                            out.append((holder.value.device,
+                                        _slice_slot(key, shape, holder.value, start - lo, logical)))
+        return out
 
     def _moments(self, slots: list[tf.Variable]) -> dict[str, np.ndarray]:
         return self._convert.to_logical([s.numpy() for s in slots])
@@ -563,4 +618,6 @@ class KerasGPTEngine:
         return builtin.num_params(self.cfg.model)
 
     def weights(self) -> dict[str, np.ndarray]:
+        if self.engine.zero == 3:  # the model's weights are the host copy: written from the slices first
+            self.engine.gather_state()
         return transformer.gpt_weights(self.model)

@@ -1097,11 +1097,13 @@ class KerasModelEngine:
         self.workers.check_batch()
         return result
 
-    def sync_copies(self) -> None:
+    def sync_copies(self, from_slices: bool = False) -> None:
         """Refresh the replicas' weight copies after the model's weights were assigned
         outside a step (a restored checkpoint, the chief's broadcast weights); under ZeRO cut
-        the model's weights and ``model.optimizer``'s state into the slices again."""
-        if self.slices is not None:
+        the model's weights and ``model.optimizer``'s state into the slices again, or with
+        ``from_slices`` (a checkpoint restored into the slices themselves) leave the slices as
+        they are and refresh the whole copies from them."""
+        if self.slices is not None and not from_slices:
             self.slices.load()
         self._refresh_copies()
 

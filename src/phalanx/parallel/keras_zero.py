@@ -67,6 +67,16 @@ class SliceLayout:
         self.per = -(-self.rows // n)
         self.slice_shape = (self.per,) + self.rest
 
+    def flat_range(self, k: int) -> tuple[int, int]:
+        """The row-major flat range ``[lo, hi)`` of the whole variable that slice ``k`` holds,
+        as its first ``hi - lo`` elements (the rest of the slice is padding).
+
+        >>> SliceLayout((5, 2), 2).flat_range(1), SliceLayout((3,), 4).flat_range(3)
+        ((6, 10), (3, 3))
+        """
+        inner = int(np.prod(self.rest, dtype=np.int64))
+        return min(k * self.per, self.rows) * inner, min((k + 1) * self.per, self.rows) * inner
+
     def _view(self, value):
         value = tf.convert_to_tensor(value)
         return value if self.by_rows else tf.reshape(value, [-1])

@@ -2,19 +2,19 @@
 
 The planner can model more than the engines run (the ``zb`` schedule, sequence parallelism for
 the mixture-of-experts GPT or without ``tp > 1`` dividing the sequence, ZeRO-3 with expert
-parallelism or across nodes, and for the mixture-of-experts GPT tp/pp/ZeRO/recompute on the
-mesh engine, and expert parallelism across nodes). Such a layout is *plan only*: shown in its
+parallelism or across nodes, and expert parallelism across nodes). Such a layout is *plan only*: shown in its
 own labelled list, never proposed as the best. What is runnable is read from the engines' own
 rules where they can be probed:
 
 * ZeRO stages and schedules: the values :func:`phalanx.config.validate` accepts for
-  ``parallel.zero`` and ``parallel.schedule`` (the same checks the engines rely on). ZeRO-3
-  (weights sliced too) runs on the Keras-model engine
+  ``parallel.zero`` and ``parallel.schedule`` (the same checks the engines rely on). ZeRO-1/2/3
+  (3: weights sliced too) run on the Keras-model engine
   (:class:`~phalanx.engines.keras_model.KerasModelEngine`, :mod:`phalanx.parallel.keras_zero`):
-  ``phalanx.fit`` of the built-in GPT as a Keras model (:func:`phalanx.models.transformer.gpt`),
-  the engine ``phalanx train`` is moving to; in one process (:data:`KERAS_ZERO_ACROSS_NODES`),
-  without expert parallelism, and planned (:mod:`phalanx.plan.keras_memory`) for the 1f1b and
-  gpipe schedules without sequence parallelism (:func:`keras_engine_layout`);
+  ``phalanx train``'s engine for the built-in GPT (:class:`~phalanx.engines.keras_gpt.KerasGPTEngine`)
+  and ``phalanx.fit``'s; in one process (:data:`KERAS_ZERO_ACROSS_NODES`), ZeRO-3 without expert
+  parallelism; ZeRO-3's memory is that engine's (:mod:`phalanx.plan.keras_memory`) for the 1f1b
+  and gpipe schedules without sequence parallelism (:func:`keras_engine_layout`), the older
+  engines' model with ZeRO-3's terms otherwise;
 * the stage split: the engine's cost-balanced :func:`phalanx.parallel.partition.partition`
   over :func:`phalanx.core.costs.layer_costs` (FLOPs per token of each block,
   the embedding and the head), not equal layer counts;
@@ -65,14 +65,13 @@ from phalanx.parallel.partition import partition
 GPT_EXPERT_PARALLEL = True
 # True: that engine runs ep with tp and pp too (it cuts the GPT into tensor shards and stages).
 GPT_EP_WITH_TP_PP = True
-# False while that engine refuses ep with ZeRO or recompute (keras_gpt.refuse_unhonoured).
-# True: that engine runs ep with parallel.zero=1 (the AdamW moments cut into slices over the
-# data replicas, engines/keras_model.py; zero=2 refused by keras_gpt.refuse_unhonoured).
+# True: that engine runs ep with ZeRO (the AdamW moments, and at parallel.zero=2 the gradients,
+# cut into slices over the data replicas, engines/keras_model.py) up to KERAS_EP_ZERO.
 GPT_EP_WITH_ZERO = True
-# False while that engine refuses ep with recompute (keras_gpt.refuse_unhonoured).
-GPT_EP_WITH_RECOMPUTE = False
-# ZeRO with ep beyond that engine's stage: the Keras-model engine runs ep with parallel.zero=2
-# (engines/keras_model.py check_zero refuses 3 with ep only), through phalanx.fit of the GPT.
+# True: that engine runs ep with parallel.recompute=full|selective (parallel/recompute.py).
+GPT_EP_WITH_RECOMPUTE = True
+# The highest ZeRO stage the Keras-model engine runs with ep (engines/keras_model.py check_zero
+# refuses 3 with ep: expert shards are not gathered from slices), for phalanx train and phalanx.fit.
 KERAS_EP_ZERO = 2
 # False while the Keras-model engine slices (ZeRO 1-3) over the data replicas of one process only:
 # phalanx.fit across workers refuses parallel.zero >= 1 (keras_model.check_zero), and no command drives
@@ -94,10 +93,10 @@ class GPTRun:
     ``cluster``: the strategy a cluster was set up for (``multi_worker``, ``parameter_server``,
     ``mesh`` for a mesh whose devices span the workers), None in one process.
 
-    >>> GPTRun(zero=2).old_engine_reasons()
-    ['parallel.zero=2: ZeRO-2/3 (sharded gradients) runs on the mesh engine']
-    >>> GPTRun(dp=2, tp=2).engine(), GPTRun(recompute="full").engine(), GPTRun(prune=True, dropout=0.1).engine()
-    ('keras', 'mesh', 'keras')
+    >>> GPTRun(dp=2, zero=3, recompute="selective").old_engine_reasons()
+    []
+    >>> GPTRun(dp=2, tp=2).engine(), GPTRun(dp=2, zero=2, recompute="full").engine(), GPTRun(prune=True, dropout=0.1).engine()
+    ('keras', 'keras', 'keras')
     """
 
     dp: int = 1
@@ -143,14 +142,11 @@ class GPTRun:
 #: What the Keras-model engine (``engines/keras_gpt.py``) does not run yet for the built-in GPT:
 #: ``(key, GPTRun field, applies, why)``. ``phalanx train`` builds an older engine for a run
 #: only when a row applies (:meth:`GPTRun.engine`); every other run (one device, dp, tp, pp
-#: with any schedule, grad accumulation, mixed precision, ZeRO-1, dropout, pruning, the MoE GPT, and across workers
+#: with any schedule, grad accumulation, mixed precision, ZeRO-1/2/3, recomputation, dropout, pruning, the MoE GPT, and across workers
 #: with ``parallel.strategy=multi_worker``, each worker's own layout) trains on the Keras-model engine
 #: (across workers, a run a row applies to is refused: ``engines/factory.py`` refuse_before_build). Removing a row moves its runs over; with no rows left the older
 #: engines are dead code.
 OLD_ENGINE_ROWS: tuple = (
-    ("parallel.zero", "zero", lambda r: r.zero >= 2, "ZeRO-2/3 (sharded gradients) runs on the mesh engine"),
-    ("parallel.recompute", "recompute", lambda r: r.recompute != "none",
-     "activation recomputation runs on the mesh engine"),
     ("parallel.strategy", "cluster", lambda r: r.cluster == "parameter_server",
      "parameter servers run on their own engine"),
 )
@@ -168,8 +164,8 @@ def _config_accepts(key: str, value) -> bool:
 
 @lru_cache(maxsize=None)
 def engine_zero_stages() -> tuple[int, ...]:
-    """ZeRO stages ``parallel.zero`` accepts (probed from the config's own validation): 0-2 on
-    the mesh engine (``phalanx train``), 0-3 on the Keras-model engine (:func:`plan_only_reasons`
+    """ZeRO stages ``parallel.zero`` accepts (probed from the config's own validation): 0-3 on
+    the Keras-model engine, ``phalanx train``'s and ``phalanx.fit``'s (:func:`plan_only_reasons`
     says where ZeRO-3 runs)."""
     return tuple(z for z in range(4) if _config_accepts("parallel.zero", z))
 
@@ -183,10 +179,9 @@ def keras_engine_layout(lay) -> bool:
 
 def runs_on_keras_engine(lay) -> bool:
     """Whether the planner's memory for ``lay`` is the Keras-model engine's
-    (:func:`phalanx.plan.keras_memory.keras_devices`): expert parallelism (``phalanx train`` runs
-    it there, and ``phalanx.fit`` with ZeRO-2) and ZeRO-3 (``phalanx.fit``); other layouts run on
-    the mesh engine or tf.distribute and keep their memory models. Recomputation with ep stays
-    plan only (:data:`GPT_EP_WITH_RECOMPUTE`) and so on the mesh engine's terms.
+    (:func:`phalanx.plan.keras_memory.keras_devices`): expert parallelism (with ZeRO up to
+    :data:`KERAS_EP_ZERO` and recomputation) and ZeRO-3; the other layouts keep the older
+    engines' memory models for now.
 
     >>> from phalanx.plan.layout import Layout
     >>> runs_on_keras_engine(Layout(dp=4, zero=3)), runs_on_keras_engine(Layout(dp=4, zero=2))
@@ -195,7 +190,7 @@ def runs_on_keras_engine(lay) -> bool:
     if not keras_engine_layout(lay):
         return False
     if lay.ep > 1:
-        return lay.zero <= KERAS_EP_ZERO and lay.recompute == "none"
+        return lay.zero <= KERAS_EP_ZERO and (lay.recompute == "none" or GPT_EP_WITH_RECOMPUTE)
     return lay.zero == 3
 
 
@@ -215,9 +210,6 @@ def plan_only_reasons(m, lay, hw=None) -> list[str]:
         if lay.ep > 1:
             reasons.append(f"ZeRO-3 with expert parallelism (the Keras-model engine does not gather expert shards "
                            f"from slices; ep runs with parallel.zero <= {KERAS_EP_ZERO})")
-        elif not keras_engine_layout(lay):
-            reasons.append("ZeRO-3 with the interleaved or zb schedule or sequence parallelism (the Keras-model "
-                           "engine's ZeRO-3 is planned for 1f1b and gpipe without sequence parallelism)")
         elif hw is not None and lay.devices > hw.devices_per_node and not KERAS_ZERO_ACROSS_NODES:
             reasons.append(f"ZeRO-3 across nodes ({lay.devices} devices, {hw.devices_per_node} per node: the "
                            f"Keras-model engine slices over the data replicas of one process)")
@@ -241,7 +233,7 @@ def plan_only_reasons(m, lay, hw=None) -> list[str]:
               or (lay.recompute != "none" and not GPT_EP_WITH_RECOMPUTE)):
             reasons.append(f"expert parallelism parallel.ep={lay.ep} with ZeRO-{lay.zero}/recompute "
                            f"{lay.recompute} (the engines run ep with dp, tp, pp"
-                           f"{f' and ZeRO-1/2 (2: phalanx.fit)' if GPT_EP_WITH_ZERO else ''} only)")
+                           f"{f' and ZeRO-1/2' if GPT_EP_WITH_ZERO else ''} only)")
         elif hw is not None and lay.dp * lay.tp * lay.pp > hw.devices_per_node:
             # Across nodes (phalanx launch, multi_worker): parallel.* is each node's own layout, the
             # experts sharded over the node's own data replicas, the nodes data parallel.

@@ -331,11 +331,6 @@ def check_calibrated(cfg: Config, dp: int, optimizer: str = "keras") -> None:
         raise ConfigError("parallel.zero", f"3 with parallel.ep={p.ep}: the Keras-model engine does not gather "
                                            f"expert shards from slices; use parallel.zero=2 (or 1, 0) with expert "
                                            f"parallelism, or parallel.ep=1")
-    if optimizer == "phalanx" and (p.zero > 1 or p.recompute != "none"):
-        raise ConfigError("parallel.zero" if p.zero > 1 else "parallel.recompute",
-                          f"{p.zero if p.zero > 1 else repr(p.recompute)}: phalanx train's expert-parallel engine "
-                          f"runs parallel.zero 0 or 1 without recomputation; plan the layout as phalanx.fit runs "
-                          f"it (--keras)")
     if p.pp > 1 and p.schedule not in SCHEDULES:
         raise ConfigError("parallel.schedule", f"{p.schedule!r}: {why} for {' and '.join(SCHEDULES)} only")
 
