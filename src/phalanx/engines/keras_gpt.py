@@ -512,7 +512,10 @@ class KerasGPTEngine:
         first = self.mesh.device(0, 0, 0)
         slots = [(first, _scalar_slot("optimizer/step", self.optimizer.step))]
         slots += [(first, _scalar_slot(k, v)) for k, v in self.loss_scale.state().items()]
-        for name, joined in ({} if self.engine.slices is not None else self._logical_variables()).items():
+        state = self._logical_variables()
+        if self.engine.slices is not None:  # the weights and moments are the slices' (below); masks stay whole
+            state = {k: v for k, v in state.items() if k.startswith(prune.MASK_PREFIX)}
+        for name, joined in state.items():
             shape = tuple(int(n) for n in joined.shape)
             by_device: dict[str, list] = {}
             for var, box in joined.parts:
