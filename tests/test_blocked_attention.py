@@ -112,6 +112,15 @@ def test_bad_arguments_are_refused():
         ParallelSelfAttention(num_heads=2, head_dim=4, attention_core="fused")
     with pytest.raises(ValueError, match="does not drop attention probabilities"):
         ParallelSelfAttention(num_heads=2, head_dim=4, attention_core="blocked", dropout=0.1)
+    with pytest.raises(ValueError, match="causal attention only"):
+        ParallelSelfAttention(num_heads=2, head_dim=4, attention_core="blocked", causal=False)
+    layer = ParallelSelfAttention(num_heads=2, head_dim=4, attention_core="blocked")
+    x = tf.zeros([1, 8, 8])
+    layer(x)  # causal, no mask, known length: the blocked core runs
+    with pytest.raises(ValueError, match="takes no attention_mask or padding_mask"):
+        layer(x, padding_mask=tf.ones([1, 8], tf.bool))  # refused, never the plain core in its place
+    with pytest.raises(ValueError, match="needs the sequence length"):
+        tf.function(layer).get_concrete_function(tf.TensorSpec([1, None, 8]))
     with pytest.raises(ConfigError, match="model.attention: 'flash' is not valid"):
         validate(Config().replace(model={"attention": "flash"}))
 

@@ -91,9 +91,9 @@ class ParallelSelfAttention(ShardedLayer):
     ``dropout`` drops attention probabilities in training, each shard with its own seed.
     ``attention_core``: ``"plain"`` (the scores as one ``[B, H, T, T]`` matrix) or
     ``"blocked"`` (:func:`phalanx.layers.blocked_attention.causal_attention`: by query blocks,
-    no full-size score matrix kept, the same numbers within round-off); the blocked core runs
-    for a causal layer called without ``attention_mask`` / ``padding_mask`` on a sequence length
-    known when traced, anything else runs the plain core. It takes no ``dropout``.
+    no full-size score matrix kept, the same numbers within round-off): causal, without
+    ``attention_mask`` / ``padding_mask``, on a sequence length known when traced, and no
+    ``dropout``; anything else is refused with a ValueError naming the layer.
 
     Example:
         >>> import numpy as np
@@ -132,6 +132,9 @@ class ParallelSelfAttention(ShardedLayer):
         if dropout and self.attention_core == "blocked":
             raise ValueError(f"layer {self.name!r}: attention_core='blocked' does not drop attention probabilities "
                              f"(dropout={dropout!r}); use attention_core='plain' or dropout=0")
+        if not causal and self.attention_core == "blocked":
+            raise ValueError(f"layer {self.name!r}: attention_core='blocked' computes causal attention only; use "
+                             f"attention_core='plain' with causal=False")
         self.use_bias, self.causal, self.dropout, self.seed = use_bias, causal, float(dropout), seed
         self.rope_max_wavelength, self.rope_scaling_factor = rope_max_wavelength, float(rope_scaling_factor)
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
@@ -266,8 +269,13 @@ class ParallelSelfAttention(ShardedLayer):
             o = swap_heads(tf.reshape(tf.matmul(probs, v), [b, kv * groups, t, hd]), 1)
             return tf.reshape(o, [b, t, kv * groups * hd])
 
-        if (self.attention_core == "blocked" and self.causal and attention_mask is None and padding_mask is None
-                and seed is None and x.shape[1] is not None):
+        if self.attention_core == "blocked":  # honoured or refused, never silently the plain core
+            if attention_mask is not None or padding_mask is not None or x.shape[1] is None:
+                raise ValueError(f"layer {self.name!r}: attention_core='blocked' takes no attention_mask or "
+                                 f"padding_mask and needs the sequence length when traced (got "
+                                 f"attention_mask={'set' if attention_mask is not None else None}, padding_mask="
+                                 f"{'set' if padding_mask is not None else None}, length {x.shape[1]}); use "
+                                 f"attention_core='plain'")
             core = blocked
         o = (core if wrap_core is None else wrap_core(core))(q, k, v)
         return matmul(o, tf.reshape(w["output"], [kv * groups * hd, d]))
