@@ -114,6 +114,7 @@ from phalanx.parallel.keras_graph import split_keras_model
 from phalanx.parallel.keras_zero import ZeroSlices, check_sliceable
 from phalanx.parallel.pipeline import run_schedule, schedule_for
 from phalanx.parallel.replica_state import combine_replicas, rule_of
+from phalanx.parallel.stage_calls import StageCalls
 from phalanx.precision import resolve_policy
 
 MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")
@@ -567,6 +568,12 @@ class KerasModelEngine:
         self._casts: dict[int, tf.Tensor] = {}
         # ZeRO-3: (replica, stage, id(variable)) -> the traced step's gathered weight (_stage_values)
         self._gathered: dict[tuple, tf.Tensor] = {}
+        # Each stage's forward traced once and called per micro-batch, when all its ops run on
+        # its one device: no tensor shards (tp=1) and no expert shards, whose layers place
+        # their ops by their inputs' devices (parallel/stage_calls.py).
+        one_device = mesh.tp == 1 and not any(placement_of(v) is not None and placement_of(v).axis == "expert"
+                                              for v in model.weights)
+        self.stage_calls = StageCalls() if one_device else None
         self._build(sample_batch)
         # ZeRO: the slices, and the user's optimizer applied on them (parallel/keras_zero.py).
         self.slices = self._make_slices() if self.zero else None
@@ -713,9 +720,7 @@ class KerasModelEngine:
                         flat_x = flat_x if flat_x is not None else self.split.flatten_inputs(x)
                         available[key] = flat_x[int(key[3:])]
             inputs = {k: available[k] for k in stage.input_keys}
-            outputs, new_state, losses = self.runners[s].apply(values, state[s], inputs, training,
-                                                               self.stage_device(replica, s)) if training \
-                else stage.apply(values, state[s], inputs, training)
+            outputs, new_state, losses = self._stage_call(replica, s, values, state[s], inputs, mode)
             if training:
                 state[s] = new_state
             available.update(outputs)
@@ -735,6 +740,25 @@ class KerasModelEngine:
                 self._output_structure = y_pred  # structure only, to pack the flat outputs again
                 return tf.nest.flatten(y_pred)
             return self._loss_and_metrics(x, y, sw, y_pred, added if losses or s > 0 else None, training)
+
+    def _stage_call(self, replica: int, s: int, values, state, inputs, mode: str):
+        """Stage ``s``'s forward on one micro-batch: ``(outputs, new state, added losses)``.
+        Traced once per replica, stage and mode and called for each micro-batch when every op
+        of the stage runs on the stage's one device (:mod:`phalanx.parallel.stage_calls`)."""
+        training = mode == "train"
+        if training:
+            runner, device = self.runners[s], self.stage_device(replica, s)
+
+            def run(v, st, inp):
+                return runner.apply(v, st, inp, True, device)
+        else:
+            stage = self.stages[s]
+
+            def run(v, st, inp):
+                return stage.apply(v, st, inp, False)
+        if self.stage_calls is None:
+            return run(values, state, inputs)
+        return self.stage_calls.call((replica, s, training), run, values, state, inputs)
 
     def _stage_values(self, replica: int, s: int) -> list[tf.Tensor]:
         """The values of stage ``s``'s trainable weights that ``replica`` computes with.
