@@ -35,7 +35,11 @@ compiled metrics. The engine only decides *where* things run:
 * **The step** (one ``tf.function``): every replica cuts its rows of the global batch into
   ``grad_accum x microbatches`` micro-batches and runs the pipeline schedule
   (:func:`phalanx.parallel.pipeline.run_schedule`); each stage runs *statelessly* on the
-  replica's weight values. The last stage computes the compiled loss plus the model's own
+  replica's weight values; when all of a stage's ops run on its one device (tp=1, no expert
+  shards) the stage's forward is traced once per replica and called for every micro-batch
+  (:mod:`phalanx.parallel.stage_calls`): its ops are traced and optimised once, not once per
+  micro-batch.
+  The last stage computes the compiled loss plus the model's own
   losses, updates the loss tracker and the compiled metrics, and weights the loss by
   ``loss_scale / (dp x grad_accum x microbatches)`` times the micro-batch's share of the rows
   (1 when they divide evenly; a batch of any size is cut as evenly as it goes:
