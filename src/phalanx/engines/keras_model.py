@@ -493,11 +493,12 @@ class KerasModelEngine:
 
     ``sample_batch`` is one ``(x, y, sample_weight)`` batch (NumPy or tensors): it builds
     the model, its compiled loss and metrics and the optimizer before anything is traced.
-    See the module docstring for what runs where.
+    ``stage_calls=False`` traces every stage inline for every micro-batch (every op then
+    shows in the step's own graph, on its device). See the module docstring for what runs where.
     """
 
     def __init__(self, model, cfg: Config, mesh: Mesh, sample_batch, inference_only: bool = False,
-                 workers=None):
+                 workers=None, stage_calls: bool = True):
         p = cfg.parallel
         self.ep = p.ep
         if not inference_only:
@@ -579,7 +580,8 @@ class KerasModelEngine:
         one_device = mesh.tp == 1 and not any(placement_of(v) is not None and placement_of(v).axis == "expert"
                                               for v in model.weights)
         reused = p.microbatches * cfg.train.grad_accum > 1 or mesh.dp > 1
-        self.stage_calls = StageCalls() if one_device and reused and p.recompute == "none" else None
+        self.stage_calls = StageCalls() if stage_calls and one_device and reused and p.recompute == "none" \
+            else None
         self._build(sample_batch)
         # ZeRO: the slices, and the user's optimizer applied on them (parallel/keras_zero.py).
         self.slices = self._make_slices() if self.zero else None
