@@ -238,7 +238,8 @@ def calibrate_keras(cfg, model=None, x=None, y=None, steps: int = 3, predicted_p
         split_for_tensor_parallel(model, cfg, mesh, verbose=0)
         apply_precision(model, cfg)
     batch = (tf.nest.map_structure(tf.constant, x), tf.nest.map_structure(tf.constant, y), None)
-    engine = KerasModelEngine(model, cfg, mesh, batch)
+    # Inline stages: the profiler's allocation events of ops inside a stage call name no device.
+    engine = KerasModelEngine(model, cfg, mesh, batch, stage_calls=False)
     if builtin and predicted_per_device is None:
         predicted_per_device = {d: m.total for d, m in
                                 keras_memory_per_device(cfg, engine_blocks_per_stage(engine), "keras").items()}
