@@ -213,9 +213,9 @@ def test_restore_into_another_layout_reads_each_slice_once(saved, devices, layou
     assert reader.asked == {name: max(value.size, 1) for name, value in state.items()}
 
 
-@pytest.mark.xfail(strict=True, reason="the Keras-model engine writes the ZeRO-1 moments whole from data "
-                                        "replica 0 (its host copy), not each replica's own slices")
 def test_each_replica_writes_its_own_piece_of_the_zero_moments(saved):
+    """Under ZeRO-1 each data replica saves the slices of the AdamW moments it holds, never a
+    whole copy from replica 0."""
     path, _, _ = saved
     index = json.loads((path / "index.json").read_text())["tensors"]
     m_files = {p["file"].split("/")[1][:3] for n, e in index.items() if n.startswith("optimizer/m/")
