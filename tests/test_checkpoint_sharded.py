@@ -154,11 +154,14 @@ def test_each_device_writes_only_its_slices_and_the_index_covers_everything(save
 
     fc = index["block_0/mlp/fc/kernel"]  # column-parallel: tensor rank t holds columns [32t, 32t+32)
     assert fc["shape"] == [32, 64] and fc["dtype"] == "float32"
-    assert {(p["file"].split("-")[-1], tuple(map(tuple, p["box"]))) for p in fc["pieces"]} == {
-        ("tp0.bin", ((0, 32), (0, 32))), ("tp1.bin", ((0, 32), (32, 64)))}
+    # the data replicas of a tensor rank share the writing of its columns: rows [0, 16) from dp0,
+    # [16, 32) from dp1, so together they tile the rank's columns exactly once
+    assert {(p["file"].split("/")[-1], tuple(map(tuple, p["box"]))) for p in fc["pieces"]} == {
+        ("dp0-pp0-tp0.bin", ((0, 16), (0, 32))), ("dp1-pp0-tp0.bin", ((16, 32), (0, 32))),
+        ("dp0-pp0-tp1.bin", ((0, 16), (32, 64))), ("dp1-pp0-tp1.bin", ((16, 32), (32, 64)))}
     qkv = index["block_0/attn/qkv/kernel"]  # [q|k|v]: each rank holds its heads' columns of each third
-    assert sorted(p["box"][1] for p in qkv["pieces"] if p["file"].endswith("tp1.bin")) == [
-        [16, 32], [48, 64], [80, 96]]
+    assert sorted({tuple(p["box"][1]) for p in qkv["pieces"] if p["file"].endswith("tp1.bin")}) == [
+        (16, 32), (48, 64), (80, 96)]
     # bytes written = the state, once: no device writes another's slices, no slice twice
     data = sum((path / "shards" / f).stat().st_size for f in files)
     nbytes = sum(v.nbytes for v in state.values())
@@ -478,9 +481,8 @@ def test_a_sharded_async_run_resumes_in_other_layouts_with_the_same_losses(tmp_p
     assert summary.checkpoint == full / "checkpoints" / "step-00000004"
     assert checkpoint.latest_valid(full / "checkpoints") == summary.checkpoint  # waited for at the end
     meta = json.loads((summary.checkpoint / "meta.json").read_text())
-    # one shard set per device holding state: the Keras-model engine keeps the weights and the
-    # whole optimizer slots with data replica 0, one set per tensor rank
-    assert meta["shard_sets"] == ["dp0-pp0-tp0", "dp0-pp0-tp1"]
+    # one shard set per device holding state: under ZeRO-1 every data replica writes its slices
+    assert meta["shard_sets"] == ["dp0-pp0-tp0", "dp0-pp0-tp1", "dp1-pp0-tp0", "dp1-pp0-tp1"]
     want = [r["loss"] for r in read_metrics(full)]
     for name, other in (("pp2", dict(parallel__pp=2, parallel__microbatches=2, parallel__devices="cpu:2")),
                         ("one", dict())):

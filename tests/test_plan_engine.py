@@ -379,10 +379,11 @@ def test_moe_flags_match_the_engines_refusals(devices):
             ("parallel.recompute", ["parallel.recompute=full"], engine_rules.GPT_EP_WITH_RECOMPUTE)):
         cfg = load_config(None, tiny + ["parallel.devices=cpu:2", "parallel.dp=2", "parallel.ep=2"] + knob)
         assert refused(key, lambda: build_engine(cfg, GPTTask(cfg.model))) == (not flag), key
-    # the MoE GPT without ep where phalanx train still routes to the mesh engine (recomputation)
+    # the MoE GPT without ep, recomputed, on the Keras-model engine like every other layout
     cfg = load_config(None, tiny + ["parallel.recompute=full"])
-    assert refused("model.experts", lambda: build_engine(cfg, GPTTask(cfg.model))) == (
-        not engine_rules.GPT_MOE_ON_MESH)
+    assert isinstance(build_engine(cfg, GPTTask(cfg.model)), KerasGPTEngine)
+    assert engine_rules.plan_only_reasons(
+        ModelSpec(layers=2, d_model=32, heads=2, vocab=256, seq_len=8, experts=4), Layout(recompute="full")) == []
 
 
 def test_plan_cli_prints_ep_and_the_all_to_all(capsys):

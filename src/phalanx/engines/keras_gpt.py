@@ -324,7 +324,7 @@ class KerasGPTEngine:
     workers before the AdamW apply (the same update on every worker) and the MoE totals averaged;
     the experts stay within a worker. :meth:`eval_step` runs the whole batch on every worker."""
 
-    def __init__(self, cfg: Config, task: GPTTask, mesh: Mesh, workers=None):
+    def __init__(self, cfg: Config, task: GPTTask, mesh: Mesh, workers=None, stage_calls: bool = True):
         if not isinstance(task, GPTTask):
             raise TypeError(f"KerasGPTEngine trains the built-in GPT (a GPTTask), got {type(task).__name__}")
         if task.cfg != cfg.model:
@@ -365,7 +365,10 @@ class KerasGPTEngine:
         # the loss itself (phalanx's LossScale, the other engines' state and checkpoint names).
         self.model.optimizer = self.optimizer
         tokens = np.zeros([cfg.train.global_batch, cfg.model.seq_len], np.int32)
-        self.engine = KerasModelEngine(self.model, cfg, mesh, (tokens, tokens, None), workers=workers)
+        # stage_calls=False: every stage inlined per micro-batch (calibrate: the profiler's allocation
+        # events inside a stage call name no device)
+        self.engine = KerasModelEngine(self.model, cfg, mesh, (tokens, tokens, None), workers=workers,
+                                       stage_calls=stage_calls)
         # False, or what was assigned outside a step and the rest must follow: "whole" (the model's
         # weights: a mask installed, weights loaded) or "slices" (a checkpoint restored into ZeRO's slices)
         self._stale: bool | str = False
@@ -507,6 +510,8 @@ class KerasGPTEngine:
         docs/checkpoint_format.md). A save reads, and a restore assigns, one part at a time per
         writer thread, so the host never holds a whole tensor of a sharded weight; any layout's
         checkpoint (the mesh engine's included) restores into it box by box."""
+        # what was assigned since the last step (a mask installed) reaches the slices before they are saved
+        self._sync()
         # a restore assigns the weights outside a step: under ZeRO into the slices themselves
         self._stale = "slices" if self.engine.slices is not None else "whole"
         first = self.mesh.device(0, 0, 0)
@@ -582,6 +587,7 @@ class KerasGPTEngine:
         return self._convert.to_logical([s.numpy() for s in slots])
 
     def state_dict(self) -> dict[str, np.ndarray]:
+        self._sync()  # a checkpoint restored into ZeRO's slices: the whole weights follow them first
         self.engine.gather_state()  # under ZeRO: the moments' slices into self.optimizer's whole ones
         state = transformer.gpt_weights(self.model)
         state["optimizer/step"] = np.asarray(self.optimizer.step.numpy())
@@ -621,6 +627,7 @@ class KerasGPTEngine:
         return builtin.num_params(self.cfg.model)
 
     def weights(self) -> dict[str, np.ndarray]:
+        self._sync()
         if self.engine.zero == 3:  # the model's weights are the host copy: written from the slices first
             self.engine.gather_state()
         return transformer.gpt_weights(self.model)

@@ -24,8 +24,8 @@ rules where they can be probed:
   directly (replica ``d`` sums piece ``d``); only ``parallel.strategy=multi_worker``
   sums across workers with TensorFlow's collective RING all-reduce (the Keras-model engine's
   worker group, :mod:`phalanx.engines.keras_cluster`);
-* the mixture-of-experts GPT: five flags, :data:`GPT_EXPERT_PARALLEL`, :data:`GPT_EP_WITH_TP_PP`,
-  :data:`GPT_EP_WITH_ZERO`, :data:`GPT_EP_WITH_RECOMPUTE` and :data:`GPT_MOE_ON_MESH`, stated here because the refusals sit
+* the mixture-of-experts GPT: four flags, :data:`GPT_EXPERT_PARALLEL`, :data:`GPT_EP_WITH_TP_PP`,
+  :data:`GPT_EP_WITH_ZERO` and :data:`GPT_EP_WITH_RECOMPUTE`, stated here because the refusals sit
   inside the engines' constructors; ``tests/test_plan_engine.py`` checks each against the engine's refusal,
   so when an engine learns one the test says which flag to flip.
 
@@ -78,9 +78,6 @@ KERAS_EP_ZERO = 2
 # it over a mesh spanning nodes (parallel.strategy=mesh). Flip it when one does: ZeRO-3 layouts across
 # nodes then leave the plan-only list.
 KERAS_ZERO_ACROSS_NODES = False
-# False while the mesh engine (tp, pp, ZeRO, recompute) refuses model.experts
-# (engines/mesh.py MeshEngine): the MoE GPT trains on tf.distribute (one device, dp, multi_worker) or dp x ep.
-GPT_MOE_ON_MESH = False
 
 
 # -- which engine trains the built-in GPT -----------------------------------------------------
@@ -218,7 +215,6 @@ def plan_only_reasons(m, lay, hw=None) -> list[str]:
     if lay.sequence_parallel and (lay.tp < 2 or m.seq_len % lay.tp or m.experts):
         reasons.append("sequence parallelism without tp > 1 dividing the sequence, or with experts (the engine "
                        "runs it for the dense GPT)")
-    mesh_engine = lay.tp > 1 or lay.pp > 1 or lay.zero > 0 or lay.recompute != "none"
     if m.experts and lay.ep > 1:
         if not GPT_EXPERT_PARALLEL:
             reasons.append(f"expert parallelism parallel.ep={lay.ep} for the built-in GPT (phalanx train refuses "
@@ -246,18 +242,6 @@ def plan_only_reasons(m, lay, hw=None) -> list[str]:
             elif lay.zero:
                 reasons.append(f"ZeRO-{lay.zero} with expert parallelism across nodes (the Keras-model engine "
                                f"partitions the optimizer state within one process only)")
-    # ep > 1 with tp/pp runs on the expert-parallel engine, not the mesh engine; so does the MoE
-    # GPT at ep=1 wherever phalanx train routes it to the Keras-model engine (GPTRun.engine)
-    on_ep_engine = lay.ep > 1 and GPT_EXPERT_PARALLEL and GPT_EP_WITH_TP_PP and \
-        lay.zero <= (KERAS_EP_ZERO if GPT_EP_WITH_ZERO else 0) and (lay.recompute == "none" or GPT_EP_WITH_RECOMPUTE)
-    # the MoE GPT at ep=1 where phalanx train routes it to the Keras-model engine (GPTRun.engine), or
-    # at ZeRO-3 through phalanx.fit's Keras-model engine (MoE blocks unsharded, any tp/pp)
-    on_keras_engine = lay.ep == 1 and (GPTRun(dp=lay.dp, tp=lay.tp, pp=lay.pp, zero=lay.zero,
-                                              recompute=lay.recompute).engine() == "keras"
-                                       or (lay.zero == 3 and keras_engine_layout(lay)))
-    if m.experts and mesh_engine and not on_ep_engine and not on_keras_engine and not GPT_MOE_ON_MESH:
-        reasons.append("mixture of experts with ZeRO-2/recompute (the mesh engine refuses model.experts; "
-                       "the MoE GPT trains on the Keras-model engine with dp, tp, pp, ep and ZeRO-1)")
     return reasons
 
 

@@ -19,19 +19,13 @@ Budgets:
 The host's transient peak (:func:`host_peak`) is what the engine that will run puts in
 host NumPy memory besides the devices' own state, at its largest moment:
 
-* the Keras-model engine (the built-in GPT's, :meth:`~phalanx.plan.engine_rules.GPTRun.engine`)
-  and the mesh engine (ZeRO-2, recomputation) move weights one shard at a time:
+* the Keras-model engine (the built-in GPT's) moves weights one part at a time:
   initial weights are made per shard (``models/init.py`` tiles), checkpoints are written
   by one thread per device holding one slot at a time and restored box by box into each
   slot (``checkpoint/sharded.py``), pruning masks are computed shard by shard
-  (``phalanx.prune``). Its peak is a few copies of the largest shard (one device's part
+  (``phalanx.prune``). Its peak is a few copies of the largest part (one device's share
   of the largest weight) per writer thread, never the model;
-* the tf.distribute engine (parameter_server) holds whole variables, but moves
-  them one at a time: initial weights are assigned one tensor at a
-  time (``engines/task.py``), checkpoints are written and restored by up to
-  ``MAX_THREADS`` threads each holding one variable (``checkpoint.variable_sets``; pruning
-  masks are such variables too, ``prune/mask/*``, and masks are computed one weight at a
-  time). Their peak is a few copies of the largest variable per thread, never the model.
+* the parameter-server engine holds whole variables (tp=1: a part is a variable).
 
 Activations are counted as fused kernels keep them, on every device: phalanx's GPT ops
 are fused kernels on CPUs too (``models/gpt_ops.py``; checked with ``phalanx plan --calibrate``).
@@ -50,10 +44,9 @@ from __future__ import annotations
 
 import os
 
-from phalanx.checkpoint.sharded import MAX_THREADS, set_count
+from phalanx.checkpoint.sharded import MAX_THREADS
 from phalanx.config import Config, ConfigError, parse_devices, resolve_degrees
-from phalanx.core.costs import ModelSpec, param_count
-from phalanx.plan.engine_rules import GPTRun
+from phalanx.core.costs import ModelSpec
 from phalanx.plan.layout import Layout
 from phalanx.plan.memory import memory_per_device
 
@@ -108,40 +101,15 @@ COPIES_PER_WRITER = 3
 COPIES_PER_SHARD = 3
 
 
-def runs_on_mesh(cfg: Config, tp: int, pp: int) -> bool:
-    """Whether ``phalanx train`` runs ``cfg`` on an engine that moves its state one device's
-    part at a time (at the resolved ``tp``, ``pp``): the Keras-model engine or the mesh engine
-    (:meth:`phalanx.plan.engine_rules.GPTRun.engine`, the rule the engine factory builds by);
-    otherwise tf.distribute's, which moves whole variables."""
-    return GPTRun.of(cfg, tp, pp).engine() in ("keras", "mesh")
-
-
-def largest_shard_elements(spec, tp: int, mesh: bool, ep: int = 1) -> int:
+def largest_shard_elements(spec, tp: int, ep: int = 1) -> int:
     """Elements of the largest part of one logical GPT weight that one device holds: each
-    weight's tensor-parallel shard on the Keras-model and mesh engines (vocab rows / columns,
-    q|k|v heads, MLP columns / rows split by ``tp``; position embeddings replicated; the experts'
-    ``[E, d, f]`` split by ``ep`` and ``tp``), the whole tensor on the tf.distribute engines."""
+    weight's tensor-parallel shard (vocab rows / columns, q|k|v heads, MLP columns / rows split
+    by ``tp``; position embeddings replicated; the experts' ``[E, d, f]`` split by ``ep`` and ``tp``)."""
     d, f, v, t = spec.d_model, spec.ffn_dim, spec.vocab, spec.seq_len
-    split = tp if mesh else 1
-    sizes = [v * d // split, t * d, 3 * d * d // split, d * d // split, d * f // split]
+    sizes = [v * d // tp, t * d, 3 * d * d // tp, d * d // tp, d * f // tp]
     if spec.experts:
-        sizes.append(spec.experts * d * f // (ep * split if mesh else 1))
+        sizes.append(spec.experts * d * f // (ep * tp))
     return max(sizes)
-
-
-def pruned_elements(spec) -> int:
-    """Elements of all pruned weights (one mask element each): the matmul kernels of every
-    block (``attn/qkv``, ``attn/out``, ``mlp/fc``, ``mlp/proj``, or the experts' ``moe/w_in``
-    and ``moe/w_out``) and the head when it is untied (the rule of ``phalanx.prune.prunable``,
-    which the planner may not import; tests/test_precheck_host.py checks that they agree).
-
-    >>> pruned_elements(ModelSpec(layers=2, d_model=8, heads=2, ffn=32, vocab=10, seq_len=4))  # 2 x (4 x 64 + 2 x 256)
-    1536
-    """
-    d, f = spec.d_model, spec.ffn_dim
-    dense = spec.layers - spec.moe_layers
-    return (spec.layers * 4 * d * d + dense * 2 * d * f + spec.moe_layers * spec.experts * 2 * d * f
-            + (0 if spec.tie_embeddings else d * spec.vocab))
 
 
 def host_peak(cfg: Config, dp: int, pp: int, tp: int, devices: int) -> tuple[float, str]:
@@ -149,30 +117,13 @@ def host_peak(cfg: Config, dp: int, pp: int, tp: int, devices: int) -> tuple[flo
     its largest moment (see the module docstring), and a description naming its parts."""
 
     spec = ModelSpec.from_config(cfg.model)
-    mesh = runs_on_mesh(cfg, tp, pp)
-    shard = 4.0 * largest_shard_elements(spec, tp, mesh, cfg.parallel.ep)  # float32 bytes
-    if mesh:
-        writers = max(1, min(MAX_THREADS, devices))
-        io = writers * COPIES_PER_WRITER * shard
-        work = COPIES_PER_SHARD * shard
-        return max(io, work), (f"Keras-model or mesh engine, per shard: largest shard {shard / GiB:,.2f} GiB; checkpoint "
-                               f"save/restore {writers} thread(s) x {COPIES_PER_WRITER} copies = {io / GiB:,.2f} "
-                               f"GiB; initialisation and pruning {COPIES_PER_SHARD} copies = {work / GiB:,.2f} GiB")
-    # Keras-model and tf.distribute engines: whole logical tensors, one at a time. Initial weights are assigned one
-    # tensor at a time (GPTTask.build); a checkpoint is written and restored by up to
-    # MAX_THREADS threads (one per ~64 MiB of state, checkpoint.variable_sets), each holding one
-    # variable. Pruning masks (train.prune) are variables of the state too (prune/mask/*, one per
-    # pruned weight, no larger than the largest variable): they only add to the state's bytes
-    # that set the thread count; a mask update holds one weight, its mask and the product.
-    masks = float(pruned_elements(spec)) if cfg.train.prune.target > 0 else 0.0
-    writers = set_count(4.0 * (3 * float(param_count(spec)) + masks))  # weights, m, v (+ masks)
+    shard = 4.0 * largest_shard_elements(spec, tp, cfg.parallel.ep)  # float32 bytes
+    writers = max(1, min(MAX_THREADS, devices))  # one writer thread per device holding state
     io = writers * COPIES_PER_WRITER * shard
     work = COPIES_PER_SHARD * shard
-    state = "weights, moments and pruning masks" if masks else "weights and moments"
-    what = (f"Keras-model or tf.distribute engine, per variable: largest variable {shard / GiB:,.2f} GiB; checkpoint "
-            f"save/restore ({state}) {writers} thread(s) x {COPIES_PER_WRITER} copies = {io / GiB:,.2f} GiB; "
-            f"initialisation and pruning {COPIES_PER_SHARD} copies = {work / GiB:,.2f} GiB")
-    return max(io, work), what
+    return max(io, work), (f"Keras-model engine, per shard: largest shard {shard / GiB:,.2f} GiB; checkpoint "
+                           f"save/restore {writers} thread(s) x {COPIES_PER_WRITER} copies = {io / GiB:,.2f} "
+                           f"GiB; initialisation and pruning {COPIES_PER_SHARD} copies = {work / GiB:,.2f} GiB")
 
 
 def check_fits(cfg: Config, device_count: int | None = None, *, device_memory_bytes: float | None = None,

@@ -92,14 +92,22 @@ def calibrate(cfg, plan=None, steps: int = 3, predicted_per_device: dict | None 
     import tensorflow as tf
 
     from phalanx.engines.task import GPTTask
-    from phalanx.engines.factory import build_engine
+    from phalanx.engines.factory import build_engine, gpt_engine, refuse_before_build
+    from phalanx.mesh import build_mesh
 
     from phalanx.engines.keras_gpt import KerasGPTEngine, wants_keras_gpt
     from phalanx.plan.keras_memory import check_calibrated, keras_memory_per_device
 
     if wants_keras_gpt(cfg) and predicted_per_device is None and plan is not None:
         check_calibrated(cfg, cfg.parallel.dp, "phalanx")  # before building anything
-    engine = build_engine(cfg, GPTTask(cfg.model, cfg.precision.policy, cfg.train.seed))
+    task = GPTTask(cfg.model, cfg.precision.policy, cfg.train.seed)
+    if wants_keras_gpt(cfg):
+        # The engine phalanx train builds, with every stage inlined per micro-batch: inside a
+        # traced stage call (parallel/stage_calls.py) the profiler's allocation events name no device.
+        refuse_before_build(cfg, task)
+        engine = gpt_engine(cfg, build_mesh(cfg), task, stage_calls=False)
+    else:
+        engine = build_engine(cfg, task)
     rng = np.random.default_rng(cfg.train.seed)
     batch = tf.constant(rng.integers(0, cfg.model.vocab, (cfg.train.global_batch, cfg.model.seq_len + 1)),
                         dtype=tf.int32)
