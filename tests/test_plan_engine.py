@@ -197,10 +197,13 @@ def test_calibrate_within_10_percent_on_every_device(tmp_path, layout, policy):
     devices = cal["devices"]
     n = 8 if layout.startswith("dp2xtp2xpp2") else 2
     assert [d["device"] for d in devices] == [f"CPU:{i}" for i in range(n)]
-    # every allocation but a few scalars found its device (the Keras-model engine's step: 48
-    # bytes no op claims, in every layout measured on 2026-11-27; the mesh engine's: 0)
-    assert cal["unplaced_bytes"] <= 1024
     assert all(d["measured_bytes"] > 0 and d["predicted_bytes"] > 0 for d in devices)
+    # every allocation but a few found its device: the Keras-model engine's step left 48 bytes
+    # no op claims in every layout measured on 2026-11-27; with traced stage calls (dp2), two
+    # 256 KiB outputs of an input the graph optimiser split off a gradient sum at run time
+    # (gradients/AddN_12/inputs_1), in no partition graph: 0.4% of a device. A stage call whose
+    # body went unplaced would leave ~100 MB (measured before calls were named by scope).
+    assert cal["unplaced_bytes"] <= 0.01 * min(d["measured_bytes"] for d in devices), cal["unplaced_bytes"]
     # devices peak at different moments: the process-wide peak (allocator chunks) lies between
     # the largest device's and the sum of all devices' chunk peaks. The process figure also counts
     # what was in use at the reset besides the variables (the batch, tensors the traced functions

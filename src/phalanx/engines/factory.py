@@ -174,13 +174,11 @@ def build_engine(cfg: Config, task, cluster=None):
     return StrategyEngine(cfg, task, local_strategy(mesh.devices))
 
 
-def gpt_engine(cfg: Config, mesh: Mesh, task: GPTTask, cluster=None, stage_calls: bool = True):
+def gpt_engine(cfg: Config, mesh: Mesh, task: GPTTask, cluster=None):
     """The engine that trains the built-in GPT ``task`` on ``mesh`` (driven by this process, its
     devices local or, with a ``mesh`` ``cluster``, the workers' over gRPC):
     :class:`KerasGPTEngine`, or the mesh engine / tf.distribute's for what only they run
-    (:meth:`~phalanx.plan.engine_rules.GPTRun.engine` on the mesh's resolved degrees).
-    ``stage_calls=False`` inlines every pipeline stage per micro-batch (for the memory profiler,
-    :mod:`phalanx.train.calibrate`)."""
+    (:meth:`~phalanx.plan.engine_rules.GPTRun.engine` on the mesh's resolved degrees)."""
     if task.cfg != cfg.model:
         raise ConfigError("model", "the GPTTask's ModelConfig differs from cfg.model; build the task from cfg.model")
     which = gpt_run(cfg, cluster, mesh=mesh).engine()
@@ -193,7 +191,7 @@ def gpt_engine(cfg: Config, mesh: Mesh, task: GPTTask, cluster=None, stage_calls
                                                        f"but parallel.pp=1 trains without a pipeline; use train."
                                                        f"grad_accum={cfg.parallel.microbatches} to split each "
                                                        f"step's batch")
-        return KerasGPTEngine(cfg, task, mesh, stage_calls=stage_calls)
+        return KerasGPTEngine(cfg, task, mesh)
     if which == "mesh":
         return MeshEngine(cfg, mesh, task)
     return StrategyEngine(cfg, task, local_strategy(mesh.devices))

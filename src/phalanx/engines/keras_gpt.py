@@ -324,7 +324,7 @@ class KerasGPTEngine:
     workers before the AdamW apply (the same update on every worker) and the MoE totals averaged;
     the experts stay within a worker. :meth:`eval_step` runs the whole batch on every worker."""
 
-    def __init__(self, cfg: Config, task: GPTTask, mesh: Mesh, workers=None, stage_calls: bool = True):
+    def __init__(self, cfg: Config, task: GPTTask, mesh: Mesh, workers=None):
         if not isinstance(task, GPTTask):
             raise TypeError(f"KerasGPTEngine trains the built-in GPT (a GPTTask), got {type(task).__name__}")
         if task.cfg != cfg.model:
@@ -365,10 +365,7 @@ class KerasGPTEngine:
         # the loss itself (phalanx's LossScale, the other engines' state and checkpoint names).
         self.model.optimizer = self.optimizer
         tokens = np.zeros([cfg.train.global_batch, cfg.model.seq_len], np.int32)
-        # stage_calls=False: every stage inlined per micro-batch (calibrate: the profiler's allocation
-        # events inside a stage call name no device)
-        self.engine = KerasModelEngine(self.model, cfg, mesh, (tokens, tokens, None), workers=workers,
-                                       stage_calls=stage_calls)
+        self.engine = KerasModelEngine(self.model, cfg, mesh, (tokens, tokens, None), workers=workers)
         # False, or what was assigned outside a step and the rest must follow: "whole" (the model's
         # weights: a mask installed, weights loaded) or "slices" (a checkpoint restored into ZeRO's slices)
         self._stale: bool | str = False

@@ -585,12 +585,14 @@ class KerasModelEngine:
         # Each stage's forward traced once and called per micro-batch, when all its ops run on
         # its one device: no tensor shards (tp=1) and no expert shards, whose layers place
         # their ops by their inputs' devices (parallel/stage_calls.py). Not under recomputation:
-        # inside a call, selective recompute's measured peak fell 17% instead of over 30%.
+        # inside a call, selective recompute's measured peak fell 17% instead of over 30%. Nor at
+        # ZeRO-3: with calls, dp2 x pp2's measured step peak rose 10-18% per device above the planner's
+        # byte count of the inline step (test_calibrate_keras), which the memory model does not count.
         one_device = mesh.tp == 1 and not any(placement_of(v) is not None and placement_of(v).axis == "expert"
                                               for v in model.weights)
-        reused = p.microbatches * cfg.train.grad_accum > 1 or mesh.dp > 1
+        reused = p.microbatches * cfg.train.grad_accum > 1  # (a call is per replica: replicas reuse nothing)
         self.stage_calls = StageCalls() if stage_calls and one_device and reused and p.recompute == "none" \
-            else None
+            and self.zero < 3 else None
         self._build(sample_batch)
         # ZeRO: the slices, and the user's optimizer applied on them (parallel/keras_zero.py).
         self.slices = self._make_slices() if self.zero else None
@@ -793,7 +795,8 @@ class KerasModelEngine:
                 return stage.apply(v, st, inp, False)
         if self.stage_calls is None:
             return run(values, state, inputs)
-        return self.stage_calls.call((replica, s, training), run, values, state, inputs)
+        return self.stage_calls.call((replica, s, training), run, values, state, inputs,
+                                     device=self.stage_device(replica, s))
 
     def _stage_values(self, replica: int, s: int) -> list[tf.Tensor]:
         """The values of stage ``s``'s trainable weights that ``replica`` computes with.

@@ -65,13 +65,30 @@ class StageCalls:
         self._fns: dict = {}  # key -> tf.function, or None: run inline
         self.traced = 0  # stage functions traced (one per key that is called)
         self.inline: set = set()  # keys whose function was refused: their stage runs inline
+        # a traced function's name scope -> the device its ops run on (given by the caller). Its
+        # ops' names, and its backward's, hold the scope: a profile's op names find their device
+        # by it (phalanx.train.calibrate), since the run's partition graphs list no call's body.
+        self.devices: dict[str, str] = {}
 
-    def call(self, key, run: Callable, values, state, inputs):
+    @staticmethod
+    def scope(key) -> str:
+        """The name scope of ``key``'s function: ``stage_call`` and the key's parts.
+
+        >>> StageCalls.scope((1, 0, True))
+        'stage_call_1_0_True'
+        """
+        parts = key if isinstance(key, tuple) else (key,)
+        return "_".join(["stage_call", *("".join(c if c.isalnum() else "_" for c in str(p)) for p in parts)])
+
+    def call(self, key, run: Callable, values, state, inputs, device: str | None = None):
         """``run(values, state, inputs)`` through the key's traced function (traced on the
-        first call of ``key``), or inline when the function was refused."""
+        first call of ``key``), or inline when the function was refused. ``device``: where the
+        caller places the call (recorded in :attr:`devices`)."""
         fn = self._fns.get(key, False)
         if fn is False:
-            fn = self._fns[key] = self._trace(run, values, state, inputs)
+            if device is not None:
+                self.devices[self.scope(key)] = device
+            fn = self._fns[key] = self._trace(run, values, state, inputs, self.scope(key))
             if fn is None:
                 self.inline.add(key)
         if fn is None:
@@ -81,9 +98,10 @@ class StageCalls:
             set_keras_mask(outputs[k], mask)
         return outputs, list(new_state), list(losses)
 
-    def _trace(self, run, values, state, inputs):
+    def _trace(self, run, values, state, inputs, scope: str):
         def body(v, st, inp):
-            outputs, new_state, losses = run(v, st, inp)
+            with tf.name_scope(scope):
+                outputs, new_state, losses = run(v, st, inp)
             masks = {k: get_keras_mask(t) for k, t in outputs.items()
                      if isinstance(t, tf.Tensor) and get_keras_mask(t) is not None}
             return dict(outputs), list(new_state), [tf.convert_to_tensor(x) for x in losses], masks

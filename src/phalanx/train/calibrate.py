@@ -92,22 +92,14 @@ def calibrate(cfg, plan=None, steps: int = 3, predicted_per_device: dict | None 
     import tensorflow as tf
 
     from phalanx.engines.task import GPTTask
-    from phalanx.engines.factory import build_engine, gpt_engine, refuse_before_build
-    from phalanx.mesh import build_mesh
+    from phalanx.engines.factory import build_engine
 
     from phalanx.engines.keras_gpt import KerasGPTEngine, wants_keras_gpt
     from phalanx.plan.keras_memory import check_calibrated, keras_memory_per_device
 
     if wants_keras_gpt(cfg) and predicted_per_device is None and plan is not None:
         check_calibrated(cfg, cfg.parallel.dp, "phalanx")  # before building anything
-    task = GPTTask(cfg.model, cfg.precision.policy, cfg.train.seed)
-    if wants_keras_gpt(cfg):
-        # The engine phalanx train builds, with every stage inlined per micro-batch: inside a
-        # traced stage call (parallel/stage_calls.py) the profiler's allocation events name no device.
-        refuse_before_build(cfg, task)
-        engine = gpt_engine(cfg, build_mesh(cfg), task, stage_calls=False)
-    else:
-        engine = build_engine(cfg, task)
+    engine = build_engine(cfg, GPTTask(cfg.model, cfg.precision.policy, cfg.train.seed))
     rng = np.random.default_rng(cfg.train.seed)
     batch = tf.constant(rng.integers(0, cfg.model.vocab, (cfg.train.global_batch, cfg.model.seq_len + 1)),
                         dtype=tf.int32)
@@ -246,8 +238,7 @@ def calibrate_keras(cfg, model=None, x=None, y=None, steps: int = 3, predicted_p
         split_for_tensor_parallel(model, cfg, mesh, verbose=0)
         apply_precision(model, cfg)
     batch = (tf.nest.map_structure(tf.constant, x), tf.nest.map_structure(tf.constant, y), None)
-    # Inline stages: the profiler's allocation events of ops inside a stage call name no device.
-    engine = KerasModelEngine(model, cfg, mesh, batch, stage_calls=False)
+    engine = KerasModelEngine(model, cfg, mesh, batch)
     if builtin and predicted_per_device is None:
         predicted_per_device = {d: m.total for d, m in
                                 keras_memory_per_device(cfg, engine_blocks_per_stage(engine), "keras").items()}
@@ -343,7 +334,35 @@ def _trace_placement(engine, batch) -> dict[str, str]:
         for graph in fn.partition_graphs:
             for node in graph.node:
                 placement.setdefault(node.name, _short(node.device))
+    # The bodies of traced stage calls (parallel/stage_calls.py) are in no partition graph:
+    # their ops, forward and backward, carry the call's name scope, entered here with its device.
+    calls = getattr(getattr(engine, "engine", engine), "stage_calls", None)
+    for scope, device in (calls.devices.items() if calls is not None else ()):
+        placement[scope] = _short(device)
     return placement
+
+
+def _device_of(op: str, device_of_op: dict[str, str]) -> str | None:
+    """The device of op ``op``: by its name, by the stage call's scope it was made in, or by
+    the op it was made from (the graph optimiser names the ops it adds under the op they
+    replace, e.g. ``gradients/AddN_12/inputs_1``).
+
+    >>> _device_of("gradients/AddN_12/inputs_1", {"gradients/AddN_12": "CPU:1"})
+    'CPU:1'
+    >>> _device_of("gradients/stage_call_0_1_True/dense/MatMul_grad/MatMul", {"stage_call_0_1_True": "CPU:1"})
+    'CPU:1'
+    """
+    if op in device_of_op:
+        return device_of_op[op]
+    parts = op.split("/")
+    for part in parts:
+        if part.startswith("stage_call_") and part in device_of_op:
+            return device_of_op[part]
+    for end in range(len(parts) - 1, 0, -1):
+        device = device_of_op.get("/".join(parts[:end]))
+        if device is not None:
+            return device
+    return None
 
 
 def _variables(obj, seen: set, out: list, depth: int = 0) -> None:
@@ -413,8 +432,8 @@ def allocation_events(space, device_of_op: dict[str, str]) -> tuple[list, int]:
         names = {k: m.name for k, m in plane.stat_metadata.items()}
         for line in plane.lines:
             base = line.timestamp_ns * 1000
-            spans, memory = [], []
-            for ev in line.events:
+            spans, memory, started = [], [], None
+            for ev in sorted(line.events, key=lambda e: e.offset_ps):
                 kind = plane.event_metadata[ev.metadata_id].name
                 start = base + ev.offset_ps
                 stats = {names[s.metadata_id]: _stat_value(s, names) for s in ev.stats}
@@ -422,12 +441,19 @@ def allocation_events(space, device_of_op: dict[str, str]) -> tuple[list, int]:
                     memory.append((start, kind == "MemoryAllocation", stats))
                     continue
                 op = stats.get("name") or kind.split(":", 1)[0]
-                if isinstance(op, str) and op in device_of_op:
-                    spans.append((start, start + ev.duration_ps, device_of_op[op]))
+                dev = _device_of(op, device_of_op) if isinstance(op, str) else None
+                if dev is None and kind.startswith("CpuExecutable::"):
+                    # an XLA kernel started asynchronously runs in its own event after the
+                    # op's start returned, on the same thread: the op started last is its op
+                    dev = started
+                elif dev is not None and kind.startswith("ExecutorState::ProcessAsync"):
+                    started = dev
+                if dev is not None:
+                    spans.append((start, start + ev.duration_ps, dev))
             for when, is_alloc, stats in memory:
                 dev = None
                 if is_alloc:
-                    dev = device_of_op.get(str(stats.get("tf_op", "")))
+                    dev = _device_of(str(stats.get("tf_op", "")), device_of_op)
                     if dev is None:
                         inside = [s for s in spans if s[0] <= when <= s[1]]
                         if inside:
