@@ -163,6 +163,10 @@ CALIBRATE_LAYOUTS = {
     # 4 micro-batches added into one gradient sum per rank, ZeRO-1 reading its piece only
     "dp2xtp2xpp2-m4-zero1": ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.microbatches=4",
                              "parallel.zero=1", "parallel.devices=cpu:8"],
+    # the gradient reduce-scattered into slices; the stages recomputed piece by piece
+    "dp2-zero2": ["parallel.dp=2", "parallel.zero=2", "parallel.devices=cpu:2"],
+    "pp2-recompute-full": ["parallel.pp=2", "parallel.microbatches=2", "parallel.recompute=full",
+                           "parallel.devices=cpu:2"],
 }
 
 
