@@ -1,15 +1,30 @@
-"""Peak memory of every device when ``phalanx.fit`` trains phalanx's GPT as a Keras model.
+"""Peak memory of every device of the Keras-model engine: the planner's one memory model.
 
-:mod:`phalanx.plan.engine_memory` predicts the mesh engine (``phalanx train``); this module
-predicts :class:`~phalanx.engines.keras_model.KerasModelEngine` — the engine behind
-``phalanx.fit`` — running :func:`phalanx.models.transformer.gpt` (the built-in GPT written
-from the parallel Keras layers) compiled as ``phalanx.fit`` compiles a model without an
-optimizer: Keras's ``AdamW`` from ``train.*`` (:func:`phalanx.train.keras_api.default_optimizer`)
-and ``SparseCategoricalCrossentropy(from_logits=True)``. It reuses engine_memory's terms
-(parameters per tensor rank, the fused activations per block, the schedule walk) and
-differs where the engines differ, as found in the allocator's record of real steps
-(``phalanx plan --keras --calibrate``, :func:`phalanx.train.calibrate.calibrate_keras`):
+:class:`~phalanx.engines.keras_model.KerasModelEngine` trains the built-in GPT for
+``phalanx train`` on every layout but parameter servers
+(:class:`~phalanx.engines.keras_gpt.KerasGPTEngine`: phalanx's AdamW as a Keras optimizer,
+``optimizer="phalanx"``), and any Keras model for ``phalanx.fit`` (here
+:func:`phalanx.models.transformer.gpt` compiled as ``phalanx.fit`` compiles a model without an
+optimizer: Keras's ``AdamW`` from ``train.*``, :func:`phalanx.train.keras_api.default_optimizer`,
+and ``SparseCategoricalCrossentropy(from_logits=True)``; ``optimizer="keras"``). This module
+predicts each of its devices (:func:`keras_devices`); :func:`phalanx.plan.memory.memory_per_device`
+plans with its fullest device. The terms, as found in the allocator's record of real steps
+(``phalanx plan --calibrate`` and ``--keras --calibrate``, :mod:`phalanx.train.calibrate`):
 
+* **placement**: float32 weights where ``tf.device`` puts them (tensor rank ``t`` holds its
+  column/row/vocabulary shards; LayerNorms, row-parallel biases and the positions sit on
+  tensor rank 0; the tied embedding's mirror on the last stage), a copy of every trainable
+  weight on each data replica > 0;
+* **activations**: each stage's blocks (the tensor-parallel split of
+  :func:`~phalanx.plan.activations.layer_activation_bytes`, fused kernels) times the
+  micro-batches the schedule keeps in flight on that rank, walked on the very table the
+  executor runs (:func:`rank_peak_parts`; with ``interleaved``, chunk by chunk); under a mixed
+  policy each set also keeps the compute-dtype casts of its stage's weights (Keras casts a
+  kernel per call and the backward reads the cast); the last stage's logits;
+* **gradients**: every backward adds its float32 gradients into one running sum per weight
+  (:func:`phalanx.parallel.pipeline.run_schedule`), so a rank holds one gradient set once its
+  first backward has run; with ``train.grad_accum > 1`` the earlier accumulation steps'
+  gradients are one more set (not measured);
 * **no flat buffers**: Keras's optimizer updates each variable in place; its ``m`` and
   ``v`` slots (float32, 8 bytes per parameter) live next to each weight (a tensor shard's
   on its rank), none for the last stage's mirror of a tied embedding;
@@ -131,10 +146,19 @@ the update is the peak (seq 16, batch 2) dp2 zero=1 +2.5/+2.4%, zero=2 +7.1/+1.2
 formula, every weight's whole reduced sum beside the replicas' sums, gave +26.6% on device 1;
 the weight decay's products counted on replica 0's first device only); dp2 zero=3 with ``full`` -0.3/+5.5%, ``selective`` +3.4/+5.3%.
 
-What was not measured is refused (:func:`check_calibrated`): experts for ``phalanx.fit``
-(Keras's AdamW); ZeRO-2/3 and recomputation for ``phalanx train``'s expert-parallel engine
-(it refuses them), ZeRO-3 with experts; for both ``train.grad_accum > 1``, ``mixed_float16``,
-dropout, sequence parallelism and the interleaved schedule.
+``phalanx train``'s own layouts, measured with phalanx's AdamW (``phalanx plan --calibrate``,
+tests/test_plan_engine.py, 4 layers, d_model 256, seq 128, batch 8, 2026-11-27): dp2 +1.5/+2.2%,
+tp2 +3.3/+2.9%, pp2 mixed_bfloat16 +1.1/+5.8%, dp2 x tp2 x pp2 mixed_bfloat16 +0.4..+6.2%, dp2 x
+tp2 x pp2 with 4 micro-batches at ZeRO-1 -2.8..+0.8%, dp2 ZeRO-2 +1.2/+1.6%, pp2 with
+``recompute=full`` +1.7/-3.7%.
+
+Planned but not measured (:func:`keras_devices` models them, :func:`check_calibrated` refuses to
+calibrate them): the interleaved schedule (the walk per chunk), sequence parallelism (every
+tensor rank keeps ``1/tp`` of a block's activations), ``train.grad_accum > 1``, dropout (its
+masks, :func:`~phalanx.plan.activations.layer_activation_bytes`), ``mixed_float16`` (as
+``mixed_bfloat16``: 2-byte activations and casts), the ``zb`` schedule (plan only), ZeRO-3 with
+experts (plan only: expert shards sliced over their groups), experts for ``phalanx.fit``
+(Keras's AdamW).
 
 Example:
     >>> from phalanx.config import load_config
