@@ -202,8 +202,8 @@ def _run(args: argparse.Namespace) -> int:
     policy = cfg.precision.policy
     zero = plan_only.get("parallel.zero", p.zero)
     schedule = plan_only.get("parallel.schedule", p.schedule)
-    # MultiWorkerMirroredStrategy sums with a collective ring; every single-process engine
-    # (mesh, MirroredStrategy with ReductionToOneDevice) through one device.
+    # Across workers the gradients are summed with a collective ring; in one process each
+    # weight's sum is formed on one device.
     reduction = "ring" if p.strategy == "multi_worker" else "one"
 
     global_batch = cfg.train.global_batch

@@ -373,7 +373,7 @@ def keras_memory_per_device(cfg: Config, blocks_per_stage: list[int] | None = No
 
     ``blocks_per_stage``: the transformer blocks of each pipeline stage, when known from the
     engine's own cut (:func:`phalanx.parallel.keras_graph.split_keras_model`, read by
-    :func:`phalanx.train.calibrate.engine_blocks_per_stage`); by default the mesh engine's
+    :func:`phalanx.train.calibrate.engine_blocks_per_stage`); by default the planner's
     FLOP-balanced cut, :func:`~phalanx.plan.engine_rules.stage_bounds`. The two agree for the
     models measured here (4 and 6 blocks on 2 stages) but not always for a small model whose
     head and loss weigh much (3 blocks of d_model 32: 1 + 2 here, 2 + 1 there).

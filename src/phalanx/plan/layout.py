@@ -21,9 +21,9 @@ from phalanx.core.costs import RECOMPUTE_MODES
 from phalanx.parallel.schedules import SCHEDULE_NAMES
 
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
-# How data-parallel gradients are summed: "one" = add_n onto one device per shard and every
-# replica reads the sum back (the single-process mesh engine, MirroredStrategy with
-# ReductionToOneDevice); "ring" = collective ring all-reduce (MultiWorkerMirroredStrategy, RING).
+# How data-parallel gradients are summed: "one" = add_n onto one device per weight and every
+# replica reads the sum back (the engine in one process); "ring" = collective ring all-reduce
+# (across workers, parallel.strategy=multi_worker).
 REDUCTIONS = ("one", "ring")
 
 
