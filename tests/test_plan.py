@@ -410,3 +410,24 @@ def test_calibrate_memory_within_tolerance(tmp_path):
     # Keras-model engine since 2026-11-27, whose one-device peak measured 29.4-32 MB against the
     # 34.2 MB predicted (+7..+16%, the executor's order); never more than 10% under.
     assert -0.10 <= cal["memory_error"] <= 0.20, cal
+
+
+def test_parameter_server_layouts_get_a_whole_variable_figure():
+    """parallel.strategy=parameter_server runs on its own engine: every worker reads whole
+    variables. By hand, float32, one sequence per worker: weights, one gradient and AdamW's m and
+    v of the whole model (4 + 4 + 8 bytes a parameter), every block's activations and the head's
+    logits, final LayerNorm input and float32 loss inputs; the pre-check plans it so."""
+    from phalanx.config import load_config
+
+    m = ModelSpec(layers=2, d_model=64, heads=4, vocab=256, seq_len=16)
+    n = param_count(m)
+    mem = memory_per_device(m, Layout(dp=2, parameter_server=True, policy="float32"), overhead_fraction=0.0)
+    head = 16 * (4 * 64 + (4 + 4) * 256)
+    assert (mem.weights, mem.gradients, mem.optimizer) == (4 * n, 4 * n, 8 * n)
+    assert mem.activations == pytest.approx(2 * layer_activation_bytes(m, 1, elem_bytes=4) + head)
+    cfg = load_config(None, ["model.layers=2", "model.d_model=64", "model.heads=4", "model.vocab=256",
+                             "model.seq_len=16", "train.global_batch=2", "precision.policy=float32",
+                             "parallel.dp=2", "parallel.strategy=parameter_server"])
+    planned = precheck.estimate_per_device(cfg, 2)[0]
+    assert planned.total == pytest.approx(memory_per_device(
+        m, Layout(dp=2, parameter_server=True, policy="float32")).total)
