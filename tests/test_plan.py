@@ -10,7 +10,7 @@ import pytest
 from phalanx.core import costs
 from phalanx.commands import plan as cli
 from phalanx.plan import estimate as estimate_mod, layout as layout_mod, memory, search as search_mod
-from phalanx.plan import engine_memory, engine_rules, precheck, timing
+from phalanx.plan import engine_rules, keras_memory, precheck, timing
 from phalanx.core.costs import ModelSpec, active_param_count, flops_per_token, param_count
 from phalanx.plan.estimate import estimate
 from phalanx.plan.hardware import GiB, get_hardware
@@ -91,38 +91,51 @@ def test_korthikanti_activations_per_layer():
 
 
 def test_engine_state_bytes_and_zero_sharding():
-    """Float32 master weights and float32 m and v, whatever the policy, as the engine keeps them.
-    ZeRO-1 shards m and v; the engine's ZeRO-2 still builds each replica's whole float32 gradient
-    (parallel/zero.py), so its memory equals ZeRO-1's; ZeRO-3 (the Keras-model engine) slices the states.
-    Gradients are counted as the engine holds them at the step's peak (plan/engine_memory.py):
-    whole float32 gradient sets (none yet when the peak is inside the first backward), so the
-    old "4 bytes per parameter always" figure is gone; the mesh engine's optimizer step holds at
-    least one gradient's worth of flat buffers (4 bytes per parameter) beside the states."""
+    """Float32 weights and float32 AdamW m and v, whatever the policy, as the Keras-model engine
+    keeps them (replica 0 holds the variables and their slots, the other replicas copies).
+    ZeRO by slices (parallel/keras_zero.py): every variable here divides by 8 (vocab 1000, d 256,
+    4 heads x 64 flattened), so a slice is exactly 1/8. ZeRO-1 and ZeRO-2 keep the whole weights
+    the replica computes with beside their slices and the slices of m and v; ZeRO-3 the slices
+    only between steps (the stage's weights gathered for the step)."""
     m = ModelSpec(layers=2, d_model=256, heads=4, vocab=1000, seq_len=64)
     n = param_count(m)
-
-    def grad_sets(mem, per_set):
-        k = mem.gradients / per_set
-        assert k == pytest.approx(round(k)), mem
-        return round(k)
 
     for policy in ("float32", "mixed_bfloat16"):
         base = memory_per_device(m, Layout(dp=8, policy=policy), overhead_fraction=0.0)
         assert base.params == pytest.approx(n)
         assert (base.weights, base.optimizer) == pytest.approx((4 * n, 8 * n))
-        assert grad_sets(base, 4 * n) in (0, 1)      # tf.distribute: one micro-batch, one gradient
+        assert base.gradients in (0, pytest.approx(4 * n))  # no sum yet, or the one float32 sum
     z1 = memory_per_device(m, Layout(dp=8, zero=1), overhead_fraction=0.0)
     z2 = memory_per_device(m, Layout(dp=8, zero=2), overhead_fraction=0.0)
     z3 = memory_per_device(m, Layout(dp=8, zero=3), overhead_fraction=0.0)
-    assert (z1.weights, z1.optimizer) == pytest.approx((4 * n, 8 * n / 8))
-    assert (z2.weights, z2.gradients, z2.optimizer, z2.total) == pytest.approx(
-        (z1.weights, z1.gradients, z1.optimizer, z1.total))
-    assert z1.gradients + z1.temporaries >= 4 * n
-    # ZeRO-3 runs on the Keras-model engine: 1/dp slices of the weights and of m and v (every
-    # dimension here divides by 8: no padding) and, through the step, the gathered weights
-    # (tests/test_plan_keras_zero.py counts each term by hand)
+    assert (z1.weights, z1.optimizer) == pytest.approx((4 * n + 4 * n / 8, 8 * n / 8))
+    assert (z2.weights, z2.optimizer) == pytest.approx((z1.weights, z1.optimizer))
+    assert z2.total <= z1.total       # reduce-scatter: the update ends with summed slices, not whole sums
     assert z3.optimizer == pytest.approx(8 * n / 8)
     assert z3.weights in (pytest.approx(4 * n / 8), pytest.approx(4 * n / 8 + 4 * n))
+
+
+def test_zero2_saves_over_zero1_where_the_update_is_the_peak():
+    """With activations this small (seq 8, one sequence) the update is ZeRO-1's peak. By hand,
+    float32, dp=4, tp=1 (every shape divides by 4), n parameters: ZeRO-1 forms each weight's
+    all-reduced sum whole on every slice's device and cuts its slice from it (a view), so the
+    update starts with the step's gradient sum (4n) and one weight's whole reduction (the
+    largest, the MLP's d x 4d kernel, L elements) and ends with the whole reduced sums beside
+    Adam's two temporaries of the largest slice: max(4n + 4L, 4n + 2 * 4L/4) = 4n + 4L. ZeRO-2
+    reduce-scatters: its update starts with the same sum and a *slice* of a reduction
+    (4n + 4L/4) and ends with summed slices (4n/4 + 2 * 4L/4), so its peak is the step's end:
+    the gradient sum beside the head's buffers (the model's composition, as measured:
+    plan/keras_memory.py), 4n + H with H = 4 x 8 x 256 logits + 4 x 8 x 64 final LayerNorm input
+    + (4 + 4) x 8 x 256 joined logits and float32 loss inputs. Both hold the whole weights, their
+    slices and the slices of m and v: 4n + n + 2n."""
+    d = 64
+    m = ModelSpec(layers=2, d_model=d, heads=4, vocab=256, seq_len=8)
+    n, L = param_count(m), d * 4 * d
+    H = 4 * 8 * 256 + 4 * 8 * 64 + 8 * 8 * 256
+    z = {k: memory_per_device(m, Layout(dp=4, zero=k, policy="float32"), overhead_fraction=0.0) for k in (1, 2)}
+    assert z[1].total == pytest.approx(4 * n + n + 2 * n + 4 * n + 4 * L)
+    assert z[2].total == pytest.approx(4 * n + n + 2 * n + 4 * n + H)
+    assert z[1].total - z[2].total == pytest.approx(4 * L - H)   # 65536 - 26624 bytes
 
 
 def test_tied_embedding_copy_has_no_optimizer_state():
@@ -136,28 +149,58 @@ def test_tied_embedding_copy_has_no_optimizer_state():
 
 
 def test_pipeline_activation_memory_follows_schedule():
-    # seq_len 512: activations outweigh the gradient sets, so the peak is in the backward phase
-    # (at seq_len 64 the optimizer step's flat buffers are)
+    """float32 (no weight casts), 8 blocks of 2 per stage on 4 ranks, micro-batches of 2 x 512
+    tokens: activations are what the schedule holds in flight, counted by hand."""
     m = ModelSpec(layers=8, d_model=128, heads=4, vocab=256, seq_len=512)
-    per_layer = layer_activation_bytes(m, 2, elem_bytes=2)
-    one = memory_per_device(m, Layout(pp=4, microbatches=8, micro_batch=2, schedule="1f1b"), overhead_fraction=0)
-    gp = memory_per_device(m, Layout(pp=4, microbatches=8, micro_batch=2, schedule="gpipe"), overhead_fraction=0)
+    per_layer = layer_activation_bytes(m, 2, elem_bytes=4)
+    one = memory_per_device(m, Layout(pp=4, microbatches=8, micro_batch=2, schedule="1f1b", policy="float32"),
+                            overhead_fraction=0)
+    gp = memory_per_device(m, Layout(pp=4, microbatches=8, micro_batch=2, schedule="gpipe", policy="float32"),
+                           overhead_fraction=0)
     assert one.rank == 0 and one.in_flight == 4 and gp.in_flight == 8
     assert one.activations == pytest.approx(4 * 2 * per_layer)      # 4 micro-batches x 2 layers
-    # ... at the backward after the last forward: 4 backwards already run, all added into one
-    # float32 gradient sum (not one gradient per micro-batch)
+    # ... at the backward after the last forward: earlier backwards all added into one float32
+    # gradient sum (not one gradient per micro-batch), and the backward's working set: two float32
+    # copies of one block's MLP hidden activation (2 x 512 tokens x 4 x 128)
     assert one.gradients == pytest.approx(4 * one.params)
-    # GPipe: every rank holds all 8; the last rank also keeps 8 micro-batches' logits and is the peak,
+    assert one.temporaries == pytest.approx(2 * 4 * (2 * 512) * (4 * 128))
+    # GPipe: every rank holds all 8; the last rank also keeps 8 micro-batches' logits (float32),
+    # the final LayerNorm's input, the gathered logits and the float32 loss inputs: it is the peak,
     # at its first backward (no gradient yet)
-    assert gp.gradients == 0
-    s, b, d, V, e = 512, 2, 128, 256, 2
-    assert gp.rank == 3
-    assert gp.activations == pytest.approx(8 * 2 * per_layer + 8 * (e * s * b * d + (e + 4) * s * b * V))
+    s, b, d, V, e = 512, 2, 128, 256, 4
+    assert gp.rank == 3 and gp.gradients == 0
+    head = e * s * b * V + e * s * b * d + (e + 4) * s * b * V
+    assert gp.activations == pytest.approx(8 * 2 * per_layer + 8 * head)
+
+
+def test_interleaved_sequence_parallel_and_accumulation():
+    """What the engine adds for the interleaved schedule, sequence parallelism and grad
+    accumulation, by hand on 8 blocks, float32."""
+    m = ModelSpec(layers=8, d_model=128, heads=4, vocab=256, seq_len=512)
+    per_layer = layer_activation_bytes(m, 2, elem_bytes=4)
+    # interleaved, pp=2, 2 chunks of 2 blocks per rank, 4 micro-batches: rank 0 runs F0 F1 F2 F3 of
+    # chunk 0, then chunk 1's F0 F1 before its first backward: 6 sets of 2 blocks in flight
+    il = memory_per_device(m, Layout(pp=2, microbatches=4, micro_batch=2, schedule="interleaved", virtual_stages=2,
+                                     policy="float32"), overhead_fraction=0)
+    assert il.in_flight == schedule_in_flight("interleaved", 2, 4, 2)[0][0]
+    if il.rank == 0:
+        assert il.activations >= il.in_flight * 2 * per_layer - 1e-6
+    # sequence parallelism: every tensor rank keeps 1/tp of a block's activations (34/t s b h in
+    # 16-bit, Korthikanti et al.), none of it whole on rank 0
+    plain = memory_per_device(m, Layout(tp=2, micro_batch=2, policy="float32"), overhead_fraction=0)
+    sp = memory_per_device(m, Layout(tp=2, micro_batch=2, policy="float32", sequence_parallel=True),
+                           overhead_fraction=0)
+    assert sp.total < plain.total
+    # grad accumulation: the earlier accumulation steps' gradients (one float32 set) beside the step
+    one = memory_per_device(m, Layout(micro_batch=2, policy="float32"), overhead_fraction=0)
+    two = memory_per_device(m, Layout(micro_batch=2, accum=2, policy="float32"), overhead_fraction=0)
+    assert two.total - one.total == pytest.approx(4 * one.params)
 
 
 ENGINE_LAYOUTS = {"one device": [], "dp2": ["parallel.dp=2"], "tp2": ["parallel.tp=2"],
                   "pp2 m4": ["parallel.pp=2", "parallel.microbatches=4"], "dp2 zero1": ["parallel.dp=2", "parallel.zero=1"],
-                  "dp2 zero2": ["parallel.dp=2", "parallel.zero=2"],
+                  "dp2 zero2": ["parallel.dp=2", "parallel.zero=2"], "dp2 zero3": ["parallel.dp=2", "parallel.zero=3"],
+                  "dp2 selective": ["parallel.dp=2", "parallel.recompute=selective"],
                   "dp2 tp2 pp2": ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2"],
                   "dp2 pp2 m4 zero1": ["parallel.dp=2", "parallel.pp=2", "parallel.microbatches=4", "parallel.zero=1"],
                   "pp2 gpipe recompute": ["parallel.pp=2", "parallel.microbatches=4", "parallel.schedule=gpipe",
@@ -167,8 +210,9 @@ ENGINE_LAYOUTS = {"one device": [], "dp2": ["parallel.dp=2"], "tp2": ["parallel.
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
 @pytest.mark.parametrize("name", list(ENGINE_LAYOUTS))
 def test_planner_memory_is_the_engines(name, policy):
-    """One definition: for layouts the engine runs, the planner's fullest device is the engine
-    model's fullest device (plan/engine_memory.py, checked against measurements), term for term."""
+    """One definition: the planner's fullest device is the fullest device of the engine's model
+    for the configured run (plan/keras_memory.py, phalanx's AdamW, checked against measurements),
+    term for term; on accelerators (gpu:N) ZeRO's host copy is on no device."""
     from phalanx.config import load_config
 
     keys = ENGINE_LAYOUTS[name]
@@ -177,8 +221,8 @@ def test_planner_memory_is_the_engines(name, policy):
     mb = int(next((k.split("=")[1] for k in keys if k.startswith("parallel.microbatches=")), 1))
     cfg = load_config(None, ["model.layers=4", "model.d_model=256", "model.heads=4", "model.ffn=1024",
                              "model.seq_len=128", "model.vocab=256", "train.global_batch=8",
-                             f"precision.policy={policy}", f"parallel.devices=cpu:{dp * tp * pp}", *keys])
-    engine = max(d.total for d in engine_memory.engine_memory_per_device(cfg).values())
+                             f"precision.policy={policy}", f"parallel.devices=gpu:{dp * tp * pp}", *keys])
+    engine = max(d.total for d in keras_memory.keras_memory_per_device(cfg, optimizer="phalanx").values())
     p = cfg.parallel
     lay = Layout(dp=dp, tp=tp, pp=pp, microbatches=mb, micro_batch=8 // (dp * mb), schedule=p.schedule,
                  zero=p.zero, recompute=p.recompute, policy=policy)
@@ -193,9 +237,10 @@ def test_search_closed_form_step_peak_is_the_schedule_walk(schedule, pp, m):
     sched = build_schedule(schedule, pp, m, 1)
     peaks, _ = schedule_in_flight(schedule, pp, m, 1)
     for r in range(pp):
-        for set_b, grad_b, bwd in ((10.0, 1.0, 0.5), (1.0, 10.0, 0.5), (3.0, 3.0, 7.0)):
-            walk = engine_memory.rank_peak_parts(sched, r, set_b, grad_b, bwd)[0]
-            assert memory.step_peak_estimate(peaks[r], m, set_b, grad_b, bwd)[0] == pytest.approx(walk)
+        for set_b, grad_b, bwd, carried in ((10.0, 1.0, 0.5, 0.0), (1.0, 10.0, 0.5, 0.0), (3.0, 3.0, 7.0, 2.0)):
+            walk = keras_memory.rank_peak_parts(sched, r, set_b, grad_b, bwd, carried)[0]
+            closed = keras_memory.step_peak_estimate(peaks[r], m, set_b, grad_b, bwd, carried)[0]
+            assert closed == pytest.approx(walk)
 
 
 def test_stage_layers_and_layout_validation():
@@ -266,32 +311,38 @@ def test_search_reports_when_nothing_fits():
 
 
 def test_one_trillion_on_3072_a100(capsys):
-    """The planner used to propose dp=6 tp=8 pp=64 m=512 interleaved at 55.7 GiB per device. It
-    left out what the engine holds per micro-batch in flight (plan/engine_memory.py, measured
-    with --calibrate): under mixed_bfloat16 each in-flight micro-batch keeps its own bfloat16
-    cast of the stage's weights, ~4 GiB of a ~2B-parameter rank each. (The weight gradients no
-    longer add to that: every backward adds into one float32 sum.) So no layout the engine runs
-    fits; only ZeRO-3 ones (plan only), whose weights are sharded over dp, are listed."""
+    """Megatron's 1T configuration on 3072 A100-80GB: layouts the engine runs fit, with full
+    recomputation (its stages keep the inputs of ceil(sqrt(ops)) recomputed pieces per micro-batch
+    in flight and no weight casts: the backward re-runs a piece, casts included). ZeRO-3 layouts
+    are plan only (across nodes). One of them checked term by term by hand below."""
     argv = ["model.layers=128", "model.d_model=25600", "model.heads=160", "model.vocab=51200", "model.seq_len=2048",
             "model.ffn=0", "precision.policy=mixed_bfloat16", "--devices", "3072", "--hardware", "a100-80gb",
             "--tokens", "450e9", "--search", "--top", "3", "--json"]
-    assert cli.main(argv) == 1                   # the exit status says: nothing runnable fits
+    assert cli.main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["candidates"] == []
-    assert doc["plan_only"]
-    for c in doc["plan_only"]:
-        assert c["params"] == pytest.approx(1008.0e9, rel=1e-3)
+    assert doc["candidates"]
+    for c in doc["candidates"]:
+        assert c["runs_on_engine"] and c["params"] == pytest.approx(1008.0e9, rel=1e-3)
         assert c["memory_per_device_bytes"]["total"] <= 80 * GiB
         lay = c["layout"]
-        assert lay["dp"] * lay["tp"] * lay["pp"] == 3072 and lay["tp"] <= 8 and lay["zero"] == 3
-    # the old proposal, by hand: one float32 gradient sum of rank 0's parameters, and a bfloat16
-    # cast of them (2 bytes each) per micro-batch in flight (191 of its 2 x 512 on rank 0)
+        assert lay["dp"] * lay["tp"] * lay["pp"] == 3072 and lay["tp"] <= 8 and lay["zero"] < 3
+        assert lay["recompute"] == "full"
+    assert all(c["layout"]["zero"] == 3 for c in doc["plan_only"])
+    # dp=6 tp=8 pp=64, 512 micro-batches of one sequence, 1F1B, full recomputation: the first rank
+    # holds blocks 0-1 (the FLOP-balanced cut), and on tensor rank 0 their 1/8 shards plus the
+    # LayerNorms and row-parallel biases whole, 1/8 of the embedding and the positions whole
     m = ModelSpec(layers=128, d_model=25600, heads=160, vocab=51200, seq_len=2048)
-    old = estimate(m, Layout(dp=6, tp=8, pp=64, microbatches=512, micro_batch=1, schedule="interleaved",
-                             virtual_stages=2, recompute="full", policy="mixed_bfloat16"), get_hardware("a100-80gb"))
-    assert old.memory.gradients == pytest.approx(4 * old.memory.params)
-    assert old.memory.temporaries >= old.memory.in_flight * 2 * old.memory.params
-    assert not old.fits
+    d, f, V, s = 25600, 4 * 25600, 51200, 2048
+    P = 2 * ((4 * d * d + 2 * d * f + 3 * d + f) / 8 + 6 * d) + V * d / 8 + s * d
+    mem = estimate(m, Layout(dp=6, tp=8, pp=64, microbatches=512, micro_batch=1, recompute="full",
+                             policy="mixed_bfloat16"), get_hardware("a100-80gb")).memory
+    assert mem.rank == 0 and mem.params == pytest.approx(P)
+    # float32 weights, one float32 gradient sum, AdamW's m and v (replica 0)
+    assert (mem.weights, mem.gradients, mem.optimizer) == pytest.approx((4 * P, 4 * P, 8 * P))
+    # 64 micro-batches in flight on rank 0, each keeping ceil(sqrt(2 blocks + embedding + positions)) = 2
+    # pieces' bfloat16 inputs [2048, 25600]
+    assert mem.in_flight == 64
+    assert mem.activations == pytest.approx(64 * 2 * 2 * s * d)
 
 
 REQUIRED = {"params", "flops_per_token", "memory_per_device_bytes", "step_time_s", "tokens_per_s", "days",
@@ -332,7 +383,7 @@ def test_config_errors_exit_2(capsys):
 
 
 @pytest.mark.parametrize("module", [costs, memory, layout_mod, timing, estimate_mod, search_mod, engine_rules,
-                                    engine_memory, precheck])
+                                    keras_memory, precheck])
 def test_doctests(module):
     assert doctest.testmod(module).failed == 0
 
@@ -359,3 +410,24 @@ def test_calibrate_memory_within_tolerance(tmp_path):
     # Keras-model engine since 2026-11-27, whose one-device peak measured 29.4-32 MB against the
     # 34.2 MB predicted (+7..+16%, the executor's order); never more than 10% under.
     assert -0.10 <= cal["memory_error"] <= 0.20, cal
+
+
+def test_parameter_server_layouts_get_a_whole_variable_figure():
+    """parallel.strategy=parameter_server runs on its own engine: every worker reads whole
+    variables. By hand, float32, one sequence per worker: weights, one gradient and AdamW's m and
+    v of the whole model (4 + 4 + 8 bytes a parameter), every block's activations and the head's
+    logits, final LayerNorm input and float32 loss inputs; the pre-check plans it so."""
+    from phalanx.config import load_config
+
+    m = ModelSpec(layers=2, d_model=64, heads=4, vocab=256, seq_len=16)
+    n = param_count(m)
+    mem = memory_per_device(m, Layout(dp=2, parameter_server=True, policy="float32"), overhead_fraction=0.0)
+    head = 16 * (4 * 64 + (4 + 4) * 256)
+    assert (mem.weights, mem.gradients, mem.optimizer) == (4 * n, 4 * n, 8 * n)
+    assert mem.activations == pytest.approx(2 * layer_activation_bytes(m, 1, elem_bytes=4) + head)
+    cfg = load_config(None, ["model.layers=2", "model.d_model=64", "model.heads=4", "model.vocab=256",
+                             "model.seq_len=16", "train.global_batch=2", "precision.policy=float32",
+                             "parallel.dp=2", "parallel.strategy=parameter_server"])
+    planned = precheck.estimate_per_device(cfg, 2)[0]
+    assert planned.total == pytest.approx(memory_per_device(
+        m, Layout(dp=2, parameter_server=True, policy="float32")).total)

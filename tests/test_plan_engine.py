@@ -163,6 +163,10 @@ CALIBRATE_LAYOUTS = {
     # 4 micro-batches added into one gradient sum per rank, ZeRO-1 reading its piece only
     "dp2xtp2xpp2-m4-zero1": ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.microbatches=4",
                              "parallel.zero=1", "parallel.devices=cpu:8"],
+    # the gradient reduce-scattered into slices; the stages recomputed piece by piece
+    "dp2-zero2": ["parallel.dp=2", "parallel.zero=2", "parallel.devices=cpu:2"],
+    "pp2-recompute-full": ["parallel.pp=2", "parallel.microbatches=2", "parallel.recompute=full",
+                           "parallel.devices=cpu:2"],
 }
 
 
@@ -179,7 +183,8 @@ def test_calibrate_within_10_percent_on_every_device(tmp_path, layout, policy):
 
     On the Keras-model engine (where phalanx train runs these layouts since 2026-11-27), one run
     each: dp2 +1.5/+2.2%, tp2 +3.3/+2.9%, pp2 mixed_bfloat16 +1.1/+5.8%, dp2 x tp2 x pp2 m4 ZeRO-1
-    -2.8..+0.8%. On the mesh engine before, measured on 2026-11-23 (4 layers, d_model 256, batch 8),
+    -2.8..+0.8%, dp2 x tp2 x pp2 mixed_bfloat16 +0.4..+6.2%, dp2 ZeRO-2 +1.2/+1.6%, pp2 with full
+    recomputation +1.7/-3.7% (each about 48 s at load 7). On the mesh engine before, measured on 2026-11-23 (4 layers, d_model 256, batch 8),
     error per device over 3 runs,
     float32: dp2 -0.9/0.0%, tp2 +2.8/-0.1..-3.0%, pp2 +2.6/+4.2..+7.3%, dp2 x tp2 x pp2
     -3.9..+4.0%; mixed_bfloat16: dp2 +0.7/+0.7%, tp2 -0.7..+0.6/-1.3..-2.5%, pp2

@@ -8,8 +8,9 @@ overrides, sequence parallelism, output). A mixture of experts comes from ``mode
 ``model.top_k`` and ``model.moe_every``, expert parallelism from ``parallel.ep``. A value no
 engine runs is accepted here to plan it, labelled *plan only*: ``parallel.schedule=zb``;
 layouts the engines cannot run for the built-in GPT (e.g. ZeRO-3 across nodes) are planned and
-labelled the same way. ZeRO-3 runs on the Keras-model engine (``phalanx train``, and
-``phalanx.fit`` of the GPT as a Keras model) and is planned with that engine's memory model. With ``--search``, the
+labelled the same way. Memory is the engine's (:mod:`phalanx.plan.memory`: ``phalanx train``
+runs the built-in GPT on the Keras-model engine for every layout but parameter servers, which
+get a whole-variable figure). With ``--search``, the
 parallel keys you set (dp, tp, pp, microbatches, zero, schedule, recompute,
 virtual_stages, ep) fix that dimension; for a mixture of experts, ep is searched over the
 divisors of dp and of ``model.experts``.
@@ -39,7 +40,7 @@ from pathlib import Path
 
 from phalanx.config import ConfigError, load_config, parse_devices, parse_override, resolve_degrees, split_config_args
 from phalanx.core.costs import ModelSpec, active_param_count, flops_per_token, param_count
-from phalanx.plan.engine_rules import engine_schedules, engine_zero_stages, runs_on_keras_engine
+from phalanx.plan.engine_rules import engine_schedules, engine_zero_stages
 from phalanx.plan.estimate import estimate
 from phalanx.plan.hardware import HARDWARE_NAMES, get_hardware
 from phalanx.plan.keras_memory import keras_memory_per_device
@@ -184,8 +185,8 @@ def _run(args: argparse.Namespace) -> int:
     keras_mem = None
     if args.keras:
         if args.search:
-            raise ConfigError("--keras", "plans one layout on the Keras-model engine; --search proposes layouts "
-                                         "for the mesh engine: drop one of them")
+            raise ConfigError("--keras", "prints each device of one layout as phalanx.fit trains the GPT (Keras's "
+                                         "AdamW); --search proposes layouts for phalanx train: drop one of them")
         # refuses, naming the key, what the Keras-engine memory model was not measured for
         keras_mem = keras_memory_per_device(cfg.replace(parallel={"dp": dp, "pp": pp, "tp": tp}), optimizer="keras")
     if args.calibrate and not args.search:
@@ -201,8 +202,8 @@ def _run(args: argparse.Namespace) -> int:
     policy = cfg.precision.policy
     zero = plan_only.get("parallel.zero", p.zero)
     schedule = plan_only.get("parallel.schedule", p.schedule)
-    # MultiWorkerMirroredStrategy sums with a collective ring; every single-process engine
-    # (mesh, MirroredStrategy with ReductionToOneDevice) through one device.
+    # Across workers the gradients are summed with a collective ring; in one process each
+    # weight's sum is formed on one device.
     reduction = "ring" if p.strategy == "multi_worker" else "one"
 
     global_batch = cfg.train.global_batch
@@ -249,7 +250,7 @@ def _run(args: argparse.Namespace) -> int:
                     virtual_stages=p.virtual_stages if schedule == "interleaved" else 1,
                     zero=zero, recompute=p.recompute,
                     sequence_parallel=p.sequence_parallel and tp > 1, policy=policy, accum=accum,
-                    reduction=reduction, ep=p.ep)
+                    reduction=reduction, ep=p.ep, parameter_server=p.strategy == "parameter_server")
     plan = estimate(model, layout, hw, args.tokens, util, ofrac, args.dp_overlap)
     calibration = None
     if args.calibrate:
@@ -317,8 +318,8 @@ def _plan_text(plan) -> str:
             ("activations", mem.activations), ("temporaries", mem.temporaries), ("overhead", mem.overhead)]
     lines = [f"layout: {lay.describe()}  (global batch {lay.global_batch} x {plan.model.seq_len} tokens)"
              + (f"\nPLAN ONLY: the engine cannot run {'; '.join(plan.plan_only)}" if plan.plan_only else "")
-             + ("\nengine: the Keras-model engine (phalanx.fit of phalanx.models.transformer.gpt), its memory "
-                "model (phalanx.plan.keras_memory)" if runs_on_keras_engine(lay) and lay.ep == 1 else ""),
+             + ("\nparameter servers: whole variables on every worker (their own engine)"
+                if lay.parameter_server else ""),
              f"memory per device (pipeline rank {mem.rank}, {_human(mem.params)} params"
              + (f" of which {_human(mem.expert_params)} in experts ({plan.model.experts // lay.ep} of "
                 f"{plan.model.experts} per MoE block{f', ep={lay.ep}' if lay.ep > 1 else ''})"

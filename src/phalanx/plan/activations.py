@@ -1,8 +1,7 @@
 """Activation memory: what one transformer block keeps for its backward, and how many
 micro-batches' activations a pipeline rank holds at once under a schedule.
 
-Used by the planner's memory model (:mod:`phalanx.plan.memory`) and by the engines' step
-models (:mod:`phalanx.plan.engine_memory`, :mod:`phalanx.plan.keras_memory`).
+Used by the planner's memory model (:mod:`phalanx.plan.memory`, :mod:`phalanx.plan.keras_memory`).
 
 Activations per transformer layer and micro-batch (Korthikanti et al. 2022, "Reducing
 Activation Recomputation in Large Transformer Models", section 4): with 16-bit

@@ -7,23 +7,19 @@ own labelled list, never proposed as the best. What is runnable is read from the
 rules where they can be probed:
 
 * ZeRO stages and schedules: the values :func:`phalanx.config.validate` accepts for
-  ``parallel.zero`` and ``parallel.schedule`` (the same checks the engines rely on). ZeRO-1/2/3
+  ``parallel.zero`` and ``parallel.schedule`` (the same checks the engine relies on). ZeRO-1/2/3
   (3: weights sliced too) run on the Keras-model engine
-  (:class:`~phalanx.engines.keras_model.KerasModelEngine`, :mod:`phalanx.parallel.keras_zero`):
-  ``phalanx train``'s engine for the built-in GPT (:class:`~phalanx.engines.keras_gpt.KerasGPTEngine`)
-  and ``phalanx.fit``'s; in one process (:data:`KERAS_ZERO_ACROSS_NODES`), ZeRO-3 without expert
-  parallelism; ZeRO-3's memory is that engine's (:mod:`phalanx.plan.keras_memory`) for the 1f1b
-  and gpipe schedules without sequence parallelism (:func:`keras_engine_layout`), the older
-  engines' model with ZeRO-3's terms otherwise;
+  (:class:`~phalanx.engines.keras_model.KerasModelEngine`, :mod:`phalanx.parallel.keras_zero`),
+  ``phalanx train``'s for the built-in GPT and ``phalanx.fit``'s, in one process
+  (:data:`KERAS_ZERO_ACROSS_NODES`), ZeRO-3 without expert parallelism;
 * the stage split: the engine's cost-balanced :func:`phalanx.parallel.partition.partition`
   over :func:`phalanx.core.costs.layer_costs` (FLOPs per token of each block,
   the embedding and the head), not equal layer counts;
-* gradient reduction: the single-process mesh engine (and ``MirroredStrategy`` with
-  ``ReductionToOneDevice``) sums each shard's replicas with ``add_n`` on one device and
-  every replica reads the sum back (reduce-to-one + broadcast); ZeRO-2 reduce-scatters
-  directly (replica ``d`` sums piece ``d``); only ``parallel.strategy=multi_worker``
-  sums across workers with TensorFlow's collective RING all-reduce (the Keras-model engine's
-  worker group, :mod:`phalanx.engines.keras_cluster`);
+* gradient reduction: in one process the engine sums each weight's replicas on the weight's
+  own device (``add_n`` onto one device, every replica reads the sum back); ZeRO-2/3
+  reduce-scatter (replica ``d`` sums slice ``d``); only ``parallel.strategy=multi_worker``
+  sums across workers with TensorFlow's collective RING all-reduce (the engine's worker group,
+  :mod:`phalanx.engines.keras_cluster`);
 * the mixture-of-experts GPT: four flags, :data:`GPT_EXPERT_PARALLEL`, :data:`GPT_EP_WITH_TP_PP`,
   :data:`GPT_EP_WITH_ZERO` and :data:`GPT_EP_WITH_RECOMPUTE`, stated here because the refusals sit
   inside the engines' constructors; ``tests/test_plan_engine.py`` checks each against the engine's refusal,
@@ -117,32 +113,26 @@ class GPTRun:
                    strategy=p.strategy, cluster=cluster)
 
     def old_engine_reasons(self) -> list[str]:
-        """Why this run needs an older engine (the rows of :data:`OLD_ENGINE_ROWS` that apply)."""
+        """Why this run needs another engine than the Keras-model engine (the rows of
+        :data:`OLD_ENGINE_ROWS` that apply)."""
         return [f"{key}={getattr(self, attr)}: {why}" for key, attr, applies, why in OLD_ENGINE_ROWS
                 if applies(self)]
 
     def engine(self) -> str:
-        """``keras`` (:class:`~phalanx.engines.keras_gpt.KerasGPTEngine`), else the older engine
-        the run needs: ``mesh`` (tp, pp, ZeRO, recompute or ``parallel.strategy=mesh``),
-        ``parameter_server``, or ``strategy`` (tf.distribute's data parallelism). Across workers
-        (``cluster="multi_worker"``) only ``keras`` runs: the factory refuses the others."""
+        """``keras`` (:class:`~phalanx.engines.keras_gpt.KerasGPTEngine`, the Keras-model
+        engine), or ``parameter_server`` when a row of :data:`OLD_ENGINE_ROWS` applies (a
+        parameter-server cluster: its own engine)."""
         if self.ep > 1 or not self.old_engine_reasons():
             return "keras"  # (expert parallelism refuses there what it cannot run)
-        if self.cluster == "parameter_server":
-            return "parameter_server"
-        if self.cluster == "mesh" or self.tp > 1 or self.pp > 1 or self.zero > 0 or self.recompute != "none" \
-                or self.strategy == "mesh":
-            return "mesh"
-        return "strategy"
+        return "parameter_server"
 
 
-#: What the Keras-model engine (``engines/keras_gpt.py``) does not run yet for the built-in GPT:
-#: ``(key, GPTRun field, applies, why)``. ``phalanx train`` builds an older engine for a run
-#: only when a row applies (:meth:`GPTRun.engine`); every other run (one device, dp, tp, pp
-#: with any schedule, grad accumulation, mixed precision, ZeRO-1/2/3, recomputation, dropout, pruning, the MoE GPT, and across workers
-#: with ``parallel.strategy=multi_worker``, each worker's own layout) trains on the Keras-model engine
-#: (across workers, a run a row applies to is refused: ``engines/factory.py`` refuse_before_build). Removing a row moves its runs over; with no rows left the older
-#: engines are dead code.
+#: The runs of the built-in GPT that ``phalanx train`` does not train on the Keras-model engine
+#: (``engines/keras_gpt.py``): ``(key, GPTRun field, applies, why)``; :meth:`GPTRun.engine`.
+#: Every other run (one device, dp, tp, pp with any schedule, sequence parallelism, grad
+#: accumulation, mixed precision, ZeRO-1/2/3, recomputation, dropout, pruning, the MoE GPT, and
+#: across workers with ``parallel.strategy=multi_worker``, each worker's own layout) trains there
+#: (across workers, a run a row applies to is refused: ``engines/factory.py`` refuse_before_build).
 OLD_ENGINE_ROWS: tuple = (
     ("parallel.strategy", "cluster", lambda r: r.cluster == "parameter_server",
      "parameter servers run on their own engine"),
@@ -165,30 +155,6 @@ def engine_zero_stages() -> tuple[int, ...]:
     the Keras-model engine, ``phalanx train``'s and ``phalanx.fit``'s (:func:`plan_only_reasons`
     says where ZeRO-3 runs)."""
     return tuple(z for z in range(4) if _config_accepts("parallel.zero", z))
-
-
-def keras_engine_layout(lay) -> bool:
-    """Whether :mod:`phalanx.plan.keras_memory` plans ``lay`` on the Keras-model engine: one
-    virtual stage, the 1f1b or gpipe schedule (or no pipeline), no sequence parallelism."""
-    return (not lay.sequence_parallel and lay.virtual_stages == 1
-            and (lay.pp == 1 or lay.schedule in ("1f1b", "gpipe")))
-
-
-def runs_on_keras_engine(lay) -> bool:
-    """Whether the planner's memory for ``lay`` is the Keras-model engine's
-    (:func:`phalanx.plan.keras_memory.keras_devices`): expert parallelism (with ZeRO up to
-    :data:`KERAS_EP_ZERO` and recomputation) and ZeRO-3; the other layouts keep the older
-    engines' memory models for now.
-
-    >>> from phalanx.plan.layout import Layout
-    >>> runs_on_keras_engine(Layout(dp=4, zero=3)), runs_on_keras_engine(Layout(dp=4, zero=2))
-    (True, False)
-    """
-    if not keras_engine_layout(lay):
-        return False
-    if lay.ep > 1:
-        return lay.zero <= KERAS_EP_ZERO and (lay.recompute == "none" or GPT_EP_WITH_RECOMPUTE)
-    return lay.zero == 3
 
 
 def engine_schedules() -> tuple[str, ...]:
@@ -256,13 +222,12 @@ def divisibility_reason(m, tp: int) -> str | None:
 
 @lru_cache(maxsize=4096)
 def stage_bounds(m, pp: int, virtual_stages: int = 1) -> tuple[tuple[int, int], ...]:
-    """``[start, end)`` blocks of each model stage, cut exactly as the mesh engine cuts them.
-
-    The engine balances stages by forward FLOPs per token (the embedding on the first
-    stage, the head and loss on the last), so the last stage usually holds fewer blocks.
-    The costs are :func:`phalanx.core.costs.layer_costs`, the engine's own (an expert block
-    costs its ``top_k`` MLPs and router, for a mixture-of-experts model the mesh engine does
-    not cut yet).
+    """``[start, end)`` blocks of each model stage, balanced by forward FLOPs per token as the
+    engine balances its cut (:func:`phalanx.parallel.keras_graph.split_keras_model`,
+    ``balance="flops"``; the embedding on the first stage, the head and loss on the last), so
+    the last stage usually holds fewer blocks. The costs are
+    :func:`phalanx.core.costs.layer_costs` (an expert block costs its ``top_k`` MLPs and
+    router).
 
     >>> from phalanx.core.costs import ModelSpec
     >>> stage_bounds(ModelSpec(layers=8, d_model=64, heads=4, vocab=4096, seq_len=32), 2)  # a heavy head

@@ -1,15 +1,30 @@
-"""Peak memory of every device when ``phalanx.fit`` trains phalanx's GPT as a Keras model.
+"""Peak memory of every device of the Keras-model engine: the planner's one memory model.
 
-:mod:`phalanx.plan.engine_memory` predicts the mesh engine (``phalanx train``); this module
-predicts :class:`~phalanx.engines.keras_model.KerasModelEngine` — the engine behind
-``phalanx.fit`` — running :func:`phalanx.models.transformer.gpt` (the built-in GPT written
-from the parallel Keras layers) compiled as ``phalanx.fit`` compiles a model without an
-optimizer: Keras's ``AdamW`` from ``train.*`` (:func:`phalanx.train.keras_api.default_optimizer`)
-and ``SparseCategoricalCrossentropy(from_logits=True)``. It reuses engine_memory's terms
-(parameters per tensor rank, the fused activations per block, the schedule walk) and
-differs where the engines differ, as found in the allocator's record of real steps
-(``phalanx plan --keras --calibrate``, :func:`phalanx.train.calibrate.calibrate_keras`):
+:class:`~phalanx.engines.keras_model.KerasModelEngine` trains the built-in GPT for
+``phalanx train`` on every layout but parameter servers
+(:class:`~phalanx.engines.keras_gpt.KerasGPTEngine`: phalanx's AdamW as a Keras optimizer,
+``optimizer="phalanx"``), and any Keras model for ``phalanx.fit`` (here
+:func:`phalanx.models.transformer.gpt` compiled as ``phalanx.fit`` compiles a model without an
+optimizer: Keras's ``AdamW`` from ``train.*``, :func:`phalanx.train.keras_api.default_optimizer`,
+and ``SparseCategoricalCrossentropy(from_logits=True)``; ``optimizer="keras"``). This module
+predicts each of its devices (:func:`keras_devices`); :func:`phalanx.plan.memory.memory_per_device`
+plans with its fullest device. The terms, as found in the allocator's record of real steps
+(``phalanx plan --calibrate`` and ``--keras --calibrate``, :mod:`phalanx.train.calibrate`):
 
+* **placement**: float32 weights where ``tf.device`` puts them (tensor rank ``t`` holds its
+  column/row/vocabulary shards; LayerNorms, row-parallel biases and the positions sit on
+  tensor rank 0; the tied embedding's mirror on the last stage), a copy of every trainable
+  weight on each data replica > 0;
+* **activations**: each stage's blocks (the tensor-parallel split of
+  :func:`~phalanx.plan.activations.layer_activation_bytes`, fused kernels) times the
+  micro-batches the schedule keeps in flight on that rank, walked on the very table the
+  executor runs (:func:`rank_peak_parts`; with ``interleaved``, chunk by chunk); under a mixed
+  policy each set also keeps the compute-dtype casts of its stage's weights (Keras casts a
+  kernel per call and the backward reads the cast); the last stage's logits;
+* **gradients**: every backward adds its float32 gradients into one running sum per weight
+  (:func:`phalanx.parallel.pipeline.run_schedule`), so a rank holds one gradient set once its
+  first backward has run; with ``train.grad_accum > 1`` the earlier accumulation steps'
+  gradients are one more set, and the last step ends forming the sum of the two (three sets);
 * **no flat buffers**: Keras's optimizer updates each variable in place; its ``m`` and
   ``v`` slots (float32, 8 bytes per parameter) live next to each weight (a tensor shard's
   on its rank), none for the last stage's mirror of a tied embedding;
@@ -131,10 +146,23 @@ the update is the peak (seq 16, batch 2) dp2 zero=1 +2.5/+2.4%, zero=2 +7.1/+1.2
 formula, every weight's whole reduced sum beside the replicas' sums, gave +26.6% on device 1;
 the weight decay's products counted on replica 0's first device only); dp2 zero=3 with ``full`` -0.3/+5.5%, ``selective`` +3.4/+5.3%.
 
-What was not measured is refused (:func:`check_calibrated`): experts for ``phalanx.fit``
-(Keras's AdamW); ZeRO-2/3 and recomputation for ``phalanx train``'s expert-parallel engine
-(it refuses them), ZeRO-3 with experts; for both ``train.grad_accum > 1``, ``mixed_float16``,
-dropout, sequence parallelism and the interleaved schedule.
+``phalanx train``'s own layouts, measured with phalanx's AdamW (``phalanx plan --calibrate``,
+tests/test_plan_engine.py, 4 layers, d_model 256, seq 128, batch 8, 2026-11-27): dp2 +1.5/+2.2%,
+tp2 +3.3/+2.9%, pp2 mixed_bfloat16 +1.1/+5.8%, dp2 x tp2 x pp2 mixed_bfloat16 +0.4..+6.2%, dp2 x
+tp2 x pp2 with 4 micro-batches at ZeRO-1 -2.8..+0.8%, dp2 ZeRO-2 +1.2/+1.6%, pp2 with
+``recompute=full`` +1.7/-3.7%.
+
+``train.grad_accum=2`` (measured once each, by hand, load 7): dp2 +7.2/-2.0% (device 0 moved by
+8% between two runs); pp2 with 2 micro-batches -21.4/-6.1%: with a pipeline the executor starts
+the next accumulation step's forwards before the last one's backwards end (nothing orders them),
+which this does not model, so :func:`check_calibrated` refuses it and the planner's figure for
+a pipeline with accumulation is low. Planned but not measured (:func:`keras_devices` models
+them, :func:`check_calibrated` refuses to calibrate them): the interleaved schedule (the walk per
+chunk), sequence parallelism (every tensor rank keeps ``1/tp`` of a block's activations), dropout (its
+masks, :func:`~phalanx.plan.activations.layer_activation_bytes`), ``mixed_float16`` (as
+``mixed_bfloat16``: 2-byte activations and casts), the ``zb`` schedule (plan only), ZeRO-3 with
+experts (plan only: expert shards sliced over their groups), experts for ``phalanx.fit``
+(Keras's AdamW).
 
 Example:
     >>> from phalanx.config import load_config
@@ -151,11 +179,11 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 from phalanx.config import Config, ConfigError, parse_devices, resolve_degrees
 from phalanx.core.costs import RECOMPUTE_MODES, ModelSpec
 from phalanx.parallel.schedules import build_schedule
-from phalanx.plan.engine_memory import DeviceMemory, _block_params, rank_peak, step_peak_estimate
 from phalanx.plan.engine_rules import stage_bounds
 from phalanx.plan.activations import (ACTIVATION_BYTES, in_flight_estimate, layer_activation_bytes,
                                       schedule_in_flight)
@@ -349,7 +377,7 @@ def keras_memory_per_device(cfg: Config, blocks_per_stage: list[int] | None = No
 
     ``blocks_per_stage``: the transformer blocks of each pipeline stage, when known from the
     engine's own cut (:func:`phalanx.parallel.keras_graph.split_keras_model`, read by
-    :func:`phalanx.train.calibrate.engine_blocks_per_stage`); by default the mesh engine's
+    :func:`phalanx.train.calibrate.engine_blocks_per_stage`); by default the planner's
     FLOP-balanced cut, :func:`~phalanx.plan.engine_rules.stage_bounds`. The two agree for the
     models measured here (4 and 6 blocks on 2 stages) but not always for a small model whose
     head and loss weigh much (3 blocks of d_model 32: 1 + 2 here, 2 + 1 there).
@@ -366,24 +394,145 @@ def keras_memory_per_device(cfg: Config, blocks_per_stage: list[int] | None = No
                          recompute=p.recompute, host_on_device0=kind == "cpu")
 
 
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Predicted peak bytes of one device, by kind."""
+
+    weights: float
+    optimizer: float
+    gradients: float
+    activations: float
+    temporaries: float
+    params: float = 0.0           # parameters whose weights the device holds
+    expert_params: float = 0.0    # of them, experts
+    in_flight: int = 0            # activation sets (micro-batch x chunk) the device's rank holds at most
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.optimizer + self.gradients + self.activations + self.temporaries
+
+    def to_dict(self) -> dict:
+        return {"total": self.total, "weights": self.weights, "optimizer": self.optimizer,
+                "gradients": self.gradients, "activations": self.activations, "temporaries": self.temporaries}
+
+
+def _block_params(d: int, f: int, tp: int, t: int) -> float:
+    """One dense block's parameters on tensor rank ``t``: split kernels and biases, plus (rank 0)
+    the replicated LayerNorms and row-parallel biases."""
+    split = (3 * d * d + 3 * d + d * d + d * f + f + f * d) / tp
+    return split + (4 * d + 2 * d if t == 0 else 0)
+
+
+def rank_peak(schedule, rank: int, set_bytes, grad_bytes: float, backward_bytes: float, carried: float = 0) -> float:
+    """Most bytes rank ``rank`` holds while it runs its actions of ``schedule`` (a
+    :class:`~phalanx.parallel.schedules.Schedule`): :func:`rank_peak_parts`' first figure.
+
+    >>> from phalanx.parallel.schedules import build_schedule
+    >>> sched = build_schedule("1f1b", 2, 4, 1)     # rank 0: F0 F1 B0 F2 B1 F3 B2 B3
+    >>> rank_peak(sched, 0, set_bytes=10, grad_bytes=1, backward_bytes=0)   # F2 and F3 beside the sum
+    21
+    """
+    return rank_peak_parts(schedule, rank, set_bytes, grad_bytes, backward_bytes, carried)[0]
+
+
+def rank_peak_parts(schedule, rank: int, set_bytes, grad_bytes: float, backward_bytes: float,
+                    carried: float = 0) -> tuple[float, int, int, bool]:
+    """The peak of rank ``rank`` walking its actions, and what is alive there: ``(peak,
+    activation sets held, gradient sets held (0 or 1), whether a backward's working set is)``.
+
+    Activation sets in flight (``set_bytes`` each, or ``set_bytes[chunk]`` per virtual stage of
+    the rank), plus once a backward has run the one float32 running sum of the weight gradients
+    (``grad_bytes``: each backward adds its gradients into it before the rank's next action,
+    :func:`phalanx.parallel.pipeline.run_schedule`), plus the backward's working set while a
+    backward starts, plus ``carried`` throughout (earlier accumulation steps' gradients). With a
+    split backward (``zb``) a micro-batch's activations and weight gradient go at its ``W``.
+
+    >>> from phalanx.parallel.schedules import build_schedule
+    >>> rank_peak_parts(build_schedule("1f1b", 2, 4, 1), 0, 10, 1, 0)
+    (21, 2, 1, False)
+    >>> rank_peak_parts(build_schedule("interleaved", 2, 2, 2), 0, [10, 1], 1, 0)[:2]   # F0 F1 F0c1 F1c1
+    (22, 4)
+    """
+    per_chunk = set_bytes if isinstance(set_bytes, (list, tuple)) else None
+    release = "W" if schedule.split_backward else "B"
+    held_bytes = 0
+    held = done = 0
+    best = (carried, 0, 0, False)
+    for a in schedule.per_stage[rank]:
+        size = per_chunk[a.chunk] if per_chunk is not None else set_bytes
+        grads = min(done, 1)
+        if a.kind == "F":
+            held += 1
+            held_bytes += size
+            if carried + held_bytes + grads * grad_bytes > best[0]:
+                best = (carried + held_bytes + grads * grad_bytes, held, grads, False)
+        elif a.kind == release:
+            if carried + held_bytes + grads * grad_bytes + backward_bytes > best[0]:
+                best = (carried + held_bytes + grads * grad_bytes + backward_bytes, held, grads, True)
+            held -= 1
+            held_bytes -= size
+            done += 1
+    end = min(done, 1)  # the sum, handed to the optimizer
+    return best if carried + end * grad_bytes <= best[0] else (carried + end * grad_bytes, 0, end, False)
+
+
+def step_peak_estimate(held: int, backwards: int, set_bytes: float, grad_bytes: float,
+                       backward_bytes: float, carried: float = 0) -> tuple[float, int, int, bool]:
+    """:func:`rank_peak_parts` in closed form (the search's pre-filter), for a rank that holds
+    at most ``held`` activation sets and runs ``backwards`` backward actions: the peak is at the
+    first backward after the last forward (``held`` sets, the gradient sum if a backward ran
+    before), at the next backward (``held - 1`` sets and the sum), at the last backward (one set
+    and the sum) or at the end (the sum). Exact for gpipe and 1f1b (tested against the walk).
+
+    >>> step_peak_estimate(2, 4, 10, 1, 5)     # 1f1b, pp=2, m=4, rank 0: B2 with F2, F3 held
+    (26, 2, 1, True)
+    """
+    n, w = backwards, min(held, backwards)
+    cands = [(w * set_bytes + min(n - w, 1) * grad_bytes + backward_bytes, w, min(n - w, 1), True)]
+    if w >= 2:
+        cands.append(((w - 1) * set_bytes + grad_bytes + backward_bytes, w - 1, 1, True))
+    cands.append((set_bytes + min(n - 1, 1) * grad_bytes + backward_bytes, 1, min(n - 1, 1), True))
+    cands.append((min(n, 1) * grad_bytes, 0, min(n, 1), False))
+    peak, sets, grads, bwd = max(cands, key=lambda c: c[0])
+    return peak + carried, sets, grads, bwd
+
+
+def _ranks_to_model(chunk_blocks: list[tuple[int, int]], pp: int, v: int, peaks) -> list[int]:
+    """The pipeline ranks whose peaks can differ: the first and the last, and of the middle ranks
+    holding the same blocks (their chunks' dense and MoE counts) the ones with the most and the
+    fewest activation sets in flight (the peak grows with them): the others lie between."""
+    chosen = {0, pp - 1}
+    middle: dict[tuple, list[int]] = {}
+    for r in range(1, pp - 1):
+        middle.setdefault(tuple(chunk_blocks[c * pp + r] for c in range(v)), []).append(r)
+    for group in middle.values():
+        chosen |= {max(group, key=lambda r: peaks[r]), min(group, key=lambda r: peaks[r])}
+    return sorted(chosen)
+
+
 def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep: int = 1, microbatches: int = 1,
                   micro_batch: int = 1, schedule: str = "1f1b", policy: str = "float32", weight_decay: float = 0.0,
                   optimizer: str = "keras", capacity_factor: float = 0.0,
                   blocks_per_stage: list[int] | None = None, exact: bool = True,
                   distinct: bool = False, group_calls: int | None = None, zero: int = 0, recompute: str = "none",
-                  host_on_device0: bool = False) -> dict[int, DeviceMemory]:
+                  host_on_device0: bool = False, virtual_stages: int = 1, sequence_parallel: bool = False,
+                  accum: int = 1, fused: bool = True) -> dict[int, DeviceMemory]:
     """:func:`keras_memory_per_device` from the model's shape and the layout's degrees (what
     the planner's :func:`phalanx.plan.memory.memory_per_device` has), unchecked: device index
     -> predicted peak bytes. ``micro_batch``: sequences per micro-batch of one replica.
-    ``exact=False``: closed-form schedule peaks (:func:`~phalanx.plan.engine_memory.step_peak_estimate`,
-    for big tables). ``distinct=True``: only the devices that can differ (replica 0, a replica
-    holding expert shards' slots, one holding copies only; tensor ranks 0 and 1), for the planner.
-    ``group_calls``: how many replicas of an ep group have their MoE calls on a shard's device
-    alive at once: ``ep`` (the default) when the replicas run concurrently, as on separate
-    accelerators (every replica's forward reaches the backward with its calls held); 1 when
-    an executor runs one replica's forward and backward after another's (the least a
-    shard's device can hold; one CPU executor orders the replicas in between, from run to
-    run: the module docstring).
+    ``exact=False``: closed-form schedule peaks (:func:`step_peak_estimate`, for big tables).
+    ``distinct=True``: only the devices that can differ (replica 0, a replica holding expert
+    shards' slots, one holding copies only; tensor ranks 0 and 1; the pipeline ranks of
+    :func:`_ranks_to_model`), for the planner. ``group_calls``: how many replicas of an ep
+    group have their MoE calls on a shard's device alive at once: ``ep`` (the default) when the
+    replicas run concurrently, as on separate accelerators (every replica's forward reaches the
+    backward with its calls held); 1 when an executor runs one replica's forward and backward
+    after another's (the least a shard's device can hold; one CPU executor orders the replicas
+    in between, from run to run: the module docstring). ``virtual_stages``: model chunks per
+    pipeline rank (the ``interleaved`` schedule; chunk ``c`` on rank ``c % pp``).
+    ``sequence_parallel``: the blocks' LayerNorm, dropout and residual on sequence chunks (every
+    tensor rank holds ``1/tp`` of a block's activations). ``accum``: ``train.grad_accum``.
+    ``fused``: activations as fused kernels keep them (:func:`layer_activation_bytes`).
 
     >>> m = ModelSpec(layers=2, d_model=64, heads=4, ffn=128, vocab=256, seq_len=32, experts=4, top_k=2)
     >>> mem = keras_devices(m, dp=4, ep=2, optimizer="phalanx")
@@ -401,26 +550,43 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
     group_calls = ep if group_calls is None else group_calls
     if not 1 <= group_calls <= max(ep, 1):
         raise ValueError(f"group_calls={group_calls}: between 1 and ep={ep} replicas' calls")
+    v = virtual_stages if pp > 1 else 1
+    chunks = pp * v
     if blocks_per_stage is None:
-        blocks_per_stage = [b - a for a, b in stage_bounds(spec, pp)]
-    if len(blocks_per_stage) != pp or sum(blocks_per_stage) != m.layers:
-        raise ValueError(f"blocks_per_stage={blocks_per_stage}: expected {pp} stages holding {m.layers} blocks")
-    first = [sum(blocks_per_stage[:r]) for r in range(pp)]
-    n_moe = [sum(1 for i in range(first[r], first[r] + blocks_per_stage[r])
-                 if m.experts and (i + 1) % m.moe_every == 0) for r in range(pp)]
-    n_dense = [blocks_per_stage[r] - n_moe[r] for r in range(pp)]
+        blocks_per_stage = [b - a for a, b in stage_bounds(spec, pp, v)]
+    if len(blocks_per_stage) != chunks or sum(blocks_per_stage) != m.layers:
+        raise ValueError(f"blocks_per_stage={blocks_per_stage}: expected {chunks} stages holding {m.layers} blocks")
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero={zero}: one of 0, 1, 2, 3")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute={recompute!r}: one of {RECOMPUTE_MODES}")
+    first = [sum(blocks_per_stage[:c]) for c in range(chunks)]
+    n_moe = [sum(1 for i in range(first[c], first[c] + blocks_per_stage[c])
+                 if m.experts and (i + 1) % m.moe_every == 0) for c in range(chunks)]
+    n_dense = [blocks_per_stage[c] - n_moe[c] for c in range(chunks)]
     micro = micro_batch
     name = schedule if pp > 1 else "1f1b"
     if exact:
-        sched = build_schedule(name, pp, microbatches, 1)
-        peaks, last_peak = schedule_in_flight(name, pp, microbatches, 1)
+        sched = build_schedule(name, pp, microbatches, v)
+        peaks, last_peak = schedule_in_flight(name, pp, microbatches, v)
     else:
-        peaks, last_peak = in_flight_estimate(name, pp, microbatches, 1)
+        peaks, last_peak = in_flight_estimate(name, pp, microbatches, v)
 
-    def step_peak(r: int, set_bytes: float, grad: float, backward: float) -> float:
+    def step_peak(r: int, set_bytes: list[float], grad: float, backward: float,
+                  carried: float) -> tuple[float, float, bool]:
+        """(peak, gradient bytes held there, whether a backward's working set is)"""
         if exact:
-            return rank_peak(sched, r, set_bytes, grad, backward)
-        return step_peak_estimate(peaks[r], microbatches, set_bytes, grad, backward)[0]
+            peak, _, n_grads, in_bwd = rank_peak_parts(sched, r, set_bytes if v > 1 else set_bytes[0], grad,
+                                                       backward, carried)
+        else:
+            peak, _, n_grads, in_bwd = step_peak_estimate(peaks[r], microbatches * v, max(set_bytes), grad,
+                                                          backward, carried)
+        held = n_grads * grad + carried
+        if carried and carried + 2 * grad > peak:
+            # the last accumulation step's end: the earlier steps' gradients, this step's sum and
+            # the sum of the two being formed
+            return carried + 2 * grad, carried + 2 * grad, False
+        return peak, held, in_bwd
 
     e = ACTIVATION_BYTES[policy]
     cast = e if e < 4 else 0  # a compute-dtype copy of each weight per activation set held
@@ -428,9 +594,12 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
     # selective recomputation: the attention cores' activations are not kept (their term is
     # in the tensor-split part); full: handled per stage below, from the blocks' activations
     kept_mode = "selective" if recompute == "selective" else "none"
-    whole = layer_activation_bytes(spec, micro, 1, kept_mode, False, e, False, fused=True)
-    split_part = layer_activation_bytes(spec, micro, tp, kept_mode, False, e, False, fused=True)
+    whole = layer_activation_bytes(spec, micro, 1, kept_mode, False, e, False, fused=fused)
+    split_part = layer_activation_bytes(spec, micro, tp, kept_mode, False, e, False, fused=fused)
     unsplit = (whole - split_part * tp) / (1 - tp) if tp > 1 else whole
+    if sequence_parallel and tp > 1:  # every tensor rank holds 1/tp of all of it
+        split_part = layer_activation_bytes(spec, micro, tp, kept_mode, True, e, False, fused=fused)
+        unsplit = 0.0
     tokens = s * micro                     # one micro-batch of one replica
     # MoE block (module docstring): the attention's share as a dense block's; the experts run on
     # tensor rank 0 of the shard's replica, on top_k x its own tokens under balanced routing
@@ -440,19 +609,20 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
     moe_acts = kept * tokens * (MOE_HIDDEN_SETS * e * f + MOE_ROUTED_COPIES * e * d) + MOE_ROUTER * 4 * tokens * (d + E)
     expert_block = E / ep * (2 * d * f + f + d) if E else 0.0
 
-    def params(r: int, tr: int) -> tuple[float, float, float, float]:
-        """(dense parameters, mirrored parameters, expert parameters, largest tensor) on (r, tr)."""
-        own = n_dense[r] * _block_params(d, f, tp, tr)
-        own += n_moe[r] * ((4 * d * d + 3 * d) / tp + (4 * d + d + d * E if tr == 0 else 0))
-        experts = n_moe[r] * expert_block if tr == 0 else 0.0
-        largest = max(d * f / tp, d * d / tp) if blocks_per_stage[r] else 0.0
-        if n_moe[r] and tr == 0:
+    def params(c: int, tr: int) -> tuple[float, float, float, float]:
+        """(dense parameters, mirrored parameters, expert parameters, largest tensor) of model
+        stage ``c`` on tensor rank ``tr``."""
+        own = n_dense[c] * _block_params(d, f, tp, tr)
+        own += n_moe[c] * ((4 * d * d + 3 * d) / tp + (4 * d + d + d * E if tr == 0 else 0))
+        experts = n_moe[c] * expert_block if tr == 0 else 0.0
+        largest = max(d * f / tp, d * d / tp) if blocks_per_stage[c] else 0.0
+        if n_moe[c] and tr == 0:
             largest = max(largest, E / ep * d * f)
         mirror = 0.0
-        if r == 0:
+        if c == 0:
             own += V * d / tp + (s * d if tr == 0 else 0)
             largest = max(largest, V * d / tp, s * d if tr == 0 else 0)
-        if r == pp - 1:
+        if c == chunks - 1:
             own += 2 * d if tr == 0 else 0
             if not m.tie_embeddings:
                 own += V * d / tp
@@ -461,28 +631,30 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
             largest = max(largest, V * d / tp)
         return own, mirror, experts, largest
 
-    if zero not in (0, 1, 2, 3):
-        raise ValueError(f"zero={zero}: one of 0, 1, 2, 3")
-    if zero == 3 and ep > 1:
-        raise ValueError(f"zero=3 with ep={ep}: the Keras-model engine does not gather expert shards from slices")
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute={recompute!r}: one of {RECOMPUTE_MODES}")
+    def rank_params(r: int, tr: int) -> tuple[float, float, float, float]:
+        parts = [params(c, tr) for c in range(r, chunks, pp)]
+        return (sum(p[0] for p in parts), sum(p[1] for p in parts), sum(p[2] for p in parts),
+                max(p[3] for p in parts))
+
     sliced = zero and dp > 1
     groups = max(dp // max(ep, 1), 1)      # the replicas that slice an expert shard: one per ep group
     host = 0.0
     if sliced and host_on_device0:         # the host copy (module docstring), whole, on device 0 here
         total = sum(sum(map(_elements, dense)) + sum(map(_elements, experts))
-                    for r in range(pp) for j in range(tp)
-                    for dense, experts in [gpt_device_shapes(m, first[r], blocks_per_stage[r], pp, r, tp, j, 1)])
+                    for c in range(chunks) for j in range(tp)
+                    for dense, experts in [gpt_device_shapes(m, first[c], blocks_per_stage[c], chunks, c, tp, j, 1)])
         host = (HOST_SLOTS + (4.0 if zero == 3 else 0.0)) * total
     core_one = e * m.heads / tp * s * s * micro     # one block's attention core, recomputed (selective)
 
     out: dict[int, DeviceMemory] = {}
     replicas = sorted({0, min(1, dp - 1), min(ep, dp - 1)}) if distinct else range(dp)
+    chunk_blocks = [(n_dense[c], n_moe[c]) for c in range(chunks)]
+    ranks = _ranks_to_model(chunk_blocks, pp, v, peaks) if distinct else range(pp)
     for rep in replicas:
-        for r in range(pp):
+        for r in ranks:
+            rank_chunks = list(range(r, chunks, pp))
             for tr in (sorted({0, min(1, tp - 1)}) if distinct else range(tp)):
-                own, mirror, experts, largest = params(r, tr)
+                own, mirror, experts, largest = rank_params(r, tr)
                 held = own + mirror + experts          # every replica reads its own copy; an expert shard's
                 weights = 4.0 * held                   # copy is its group's (one per device)
                 # slots (float32 m and v) next to each variable; replicas > 0 hold copies only, except
@@ -493,8 +665,10 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
                 pieces = 0.0        # ZeRO: this device's slice of every variable homed on it (padded)
                 largest_piece = 0.0
                 if sliced:
-                    pieces, largest_piece = _slice_totals(m, first[r], blocks_per_stage[r], pp, r, tp, tr, ep, dp,
-                                                          groups)
+                    for c in rank_chunks:
+                        p_c, l_c = _slice_totals(m, first[c], blocks_per_stage[c], chunks, c, tp, tr, ep, dp, groups)
+                        pieces += p_c
+                        largest_piece = max(largest_piece, l_c)
                     optimizer_b = 8.0 * pieces                          # every replica: its slices' m and v
                     weights = 4.0 * (held + pieces) if zero < 3 else 4.0 * pieces
                 gathered = 4.0 * held if sliced and zero == 3 else 0.0  # the stage's weights, gathered for the step
@@ -505,48 +679,56 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
                     mirror_pieces = slice_elements((V // tp, d), dp) if r == 0 and m.tie_embeddings and pp > 1 \
                         else 0
                     grad = 4.0 * dp * (pieces + mirror_pieces)
-                per_set = n_dense[r] * (split_part if tr == 0 else split_part - unsplit)
-                attention = split_part - 2 * e * tokens * f / tp          # a block without its MLP share
-                per_set += n_moe[r] * ((attention + moe_acts) if tr == 0 else attention - unsplit)
-                cast_set = cast * (own + mirror)   # the forward's compute-dtype weights, kept for the backward
-                backward = BACKWARD_MLP_SETS * 4.0 * tokens * f / tp if n_dense[r] else 0.0
-                if n_moe[r] and tr == 0:
-                    backward = max(backward, MOE_BACKWARD_SHARDS * 4.0 * expert_block
-                                   - MOE_HIDDEN_FREED * e * kept * tokens * f)
-                if recompute == "full" and blocks_per_stage[r]:
-                    # the stage runs as ceil(sqrt(ops)) recomputed blocks: a set keeps their inputs (the
-                    # residual stream, on tensor rank 0), the backward re-runs one block at a time
-                    pieces_n = math.ceil(math.sqrt(full_recompute_ops(blocks_per_stage[r], r, pp)))
-                    per_block = per_set / blocks_per_stage[r]
-                    backward += math.ceil(blocks_per_stage[r] / pieces_n) * (per_block + cast * (own + mirror)
-                                                                             / blocks_per_stage[r])
-                    per_set = pieces_n * e * tokens * d if tr == 0 else 0.0
-                    cast_set = 0.0
-                elif recompute == "selective" and blocks_per_stage[r]:
-                    backward += core_one
-                set_bytes = per_set + cast_set
+                set_bytes, backward = [], 0.0
+                for c in rank_chunks:
+                    own_c, mirror_c, _, _ = params(c, tr)
+                    per_set = n_dense[c] * (split_part if tr == 0 else split_part - unsplit)
+                    attention = split_part - 2 * e * tokens * f / tp          # a block without its MLP share
+                    per_set += n_moe[c] * ((attention + moe_acts) if tr == 0 else attention - unsplit)
+                    cast_set = cast * (own_c + mirror_c)  # the forward's compute-dtype weights, kept for the backward
+                    bwd = BACKWARD_MLP_SETS * 4.0 * tokens * f / tp if n_dense[c] else 0.0
+                    if n_moe[c] and tr == 0:
+                        bwd = max(bwd, MOE_BACKWARD_SHARDS * 4.0 * expert_block
+                                  - MOE_HIDDEN_FREED * e * kept * tokens * f)
+                    if recompute == "full" and blocks_per_stage[c]:
+                        # the stage runs as ceil(sqrt(ops)) recomputed blocks: a set keeps their inputs (the
+                        # residual stream, on tensor rank 0), the backward re-runs one block at a time
+                        pieces_n = math.ceil(math.sqrt(full_recompute_ops(blocks_per_stage[c], c, chunks)))
+                        per_block = per_set / blocks_per_stage[c]
+                        bwd += math.ceil(blocks_per_stage[c] / pieces_n) * (per_block + cast * (own_c + mirror_c)
+                                                                            / blocks_per_stage[c])
+                        per_set = pieces_n * e * tokens * d if tr == 0 else 0.0
+                        cast_set = 0.0
+                    elif recompute == "selective" and blocks_per_stage[c]:
+                        bwd += core_one
+                    set_bytes.append(per_set + cast_set)
+                    backward = max(backward, bwd)
                 head = 0.0
                 if r == pp - 1:  # this rank's logits; on rank 0 the final LayerNorm, the gathered logits, Keras's loss
                     head = e * tokens * V / tp
                     if tr == 0:
                         head += e * tokens * d + (e + 4) * tokens * V
                     head *= last_peak
-                step = step_peak(r, set_bytes, grad, backward) + head + cast * MOE_EXPERT_CASTS * experts
+                # train.grad_accum > 1: the gradients of the replica's earlier accumulation steps (one
+                # set: the step sums a weight's parts in order, each as soon as the next exists)
+                carried = grad if accum > 1 else 0.0
+                step, grads_held, in_bwd = step_peak(r, set_bytes, grad, backward, carried)
+                step += head + cast * MOE_EXPERT_CASTS * experts
                 if gathered and cast:
                     # under a mixed policy the gathered float32 weights are read by the stage's forwards
                     # only (each casts them; the backward reads the casts): whole until the rank's last
                     # forward starts, beside the sets then in flight (one fewer than its peak) and the
                     # gradient sums if a backward ran before it; that forward frees them layer by layer
                     before = grad if microbatches > peaks[r] else 0.0
-                    forward_end = gathered + max(peaks[r] - 1, 0) * set_bytes + before + \
+                    forward_end = gathered + max(peaks[r] - 1, 0) * max(set_bytes) + before + carried + \
                         cast * MOE_EXPERT_CASTS * experts
                     if forward_end > step:
-                        step, working = forward_end, 0.0
+                        step, working, grads_held = forward_end, 0.0, before + carried
                     else:
-                        gathered, working = 0.0, backward
+                        gathered, working = 0.0, backward if in_bwd else 0.0
                 else:
                     step += gathered
-                    working = backward
+                    working = backward if in_bwd else 0.0
                 # the optimizer phase: the gradients summed on each weight's own device
                 summed = 4.0 * ((own + mirror if rep == 0 else 0.0) + (experts if rep < ep else 0.0))
                 if sliced:
@@ -578,9 +760,10 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
                     opt = summed + (PHALANX_OPT_TEMPORARIES * 4.0 * largest if summed else 0.0)
                 device_host = host if (rep, r, tr) == (0, 0, 0) else 0.0
                 if step >= opt:
-                    mem = DeviceMemory(weights + gathered + device_host, optimizer_b, 0.0,
-                                       step - working - gathered, working, held, experts)
+                    mem = DeviceMemory(weights + gathered + device_host, optimizer_b, grads_held,
+                                       step - working - gathered - grads_held, working, held, experts, peaks[r])
                 else:
-                    mem = DeviceMemory(weights + device_host, optimizer_b, summed, 0.0, opt - summed, held, experts)
+                    mem = DeviceMemory(weights + device_host, optimizer_b, summed, 0.0, opt - summed, held, experts,
+                                       peaks[r])
                 out[(rep * pp + r) * tp + tr] = mem
     return out

@@ -21,9 +21,9 @@ from phalanx.core.costs import RECOMPUTE_MODES
 from phalanx.parallel.schedules import SCHEDULE_NAMES
 
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
-# How data-parallel gradients are summed: "one" = add_n onto one device per shard and every
-# replica reads the sum back (the single-process mesh engine, MirroredStrategy with
-# ReductionToOneDevice); "ring" = collective ring all-reduce (MultiWorkerMirroredStrategy, RING).
+# How data-parallel gradients are summed: "one" = add_n onto one device per weight and every
+# replica reads the sum back (the engine in one process); "ring" = collective ring all-reduce
+# (across workers, parallel.strategy=multi_worker).
 REDUCTIONS = ("one", "ring")
 
 
@@ -53,6 +53,7 @@ class Layout:
     accum: int = 1
     reduction: str = "one"
     ep: int = 1
+    parameter_server: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "microbatches", "micro_batch", "virtual_stages", "accum"):
@@ -83,14 +84,16 @@ class Layout:
         sched = self.schedule + (f"(v={self.virtual_stages})" if self.virtual_stages > 1 else "")
         ep = f" ep={self.ep}" if self.ep > 1 else ""
         return (f"dp={self.dp}{ep} tp={self.tp}{'+sp' if self.sequence_parallel else ''} pp={self.pp} "
-                f"m={self.microbatches} b={self.micro_batch}{f' accum={self.accum}' if self.accum > 1 else ''} {sched} zero={self.zero} recompute={self.recompute}")
+                f"m={self.microbatches} b={self.micro_batch}{f' accum={self.accum}' if self.accum > 1 else ''} {sched} zero={self.zero} recompute={self.recompute}"
+                f"{' parameter_server' if self.parameter_server else ''}")
 
     def to_dict(self) -> dict:
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "microbatches": self.microbatches,
                 "micro_batch": self.micro_batch, "schedule": self.schedule,
                 "virtual_stages": self.virtual_stages, "zero": self.zero, "recompute": self.recompute,
                 "sequence_parallel": self.sequence_parallel, "policy": self.policy,
-                "grad_accum": self.accum, "reduction": self.reduction, "ep": self.ep}
+                "grad_accum": self.accum, "reduction": self.reduction, "ep": self.ep,
+                "parameter_server": self.parameter_server}
 
 
 def _divisors(n: int) -> list[int]:

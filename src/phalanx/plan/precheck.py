@@ -1,8 +1,8 @@
 """Will this config fit in memory? Asked before anything is built.
 
 :func:`check_fits` estimates, with the planner's own arithmetic
-(:func:`phalanx.plan.memory.memory_per_device`, the engine's state bytes, stage split
-and schedule), the peak bytes of the most loaded device of the configured layout, and
+(:func:`phalanx.plan.memory.memory_per_device`: the engine's placement, stage split,
+schedule and ZeRO slices), the peak bytes of the most loaded device of the configured layout, and
 refuses with a :class:`~phalanx.config.ConfigError` that gives the figures (needed vs
 available) and the keys that would change them, instead of a TensorFlow
 out-of-memory error minutes later. ``phalanx train`` calls it first; so can any
@@ -87,7 +87,9 @@ def estimate_per_device(cfg: Config, device_count: int | None = None):
     schedule = p.schedule if pp > 1 else "1f1b"
     lay = Layout(dp=dp, tp=tp, pp=pp, microbatches=p.microbatches, micro_batch=micro, schedule=schedule,
                  virtual_stages=p.virtual_stages if schedule == "interleaved" else 1, zero=p.zero,
-                 recompute=p.recompute, policy=cfg.precision.policy, accum=t.grad_accum)
+                 recompute=p.recompute, sequence_parallel=p.sequence_parallel and tp > 1,
+                 policy=cfg.precision.policy, accum=t.grad_accum, ep=p.ep,
+                 parameter_server=p.strategy == "parameter_server")
     return memory_per_device(ModelSpec.from_config(cfg.model), lay, fused=True), count, dp, pp, tp
 
 

@@ -14,8 +14,8 @@ Expert parallelism: for a mixture-of-experts model every ``ep`` that divides bot
 and ``model.experts`` is tried (:func:`ep_choices`); a dense model takes ep=1.
 
 Only layouts the engine runs are ranked as candidates. Layouts the planner can model
-but the engine cannot run (ZeRO-3, the ``zb`` schedule, sequence parallelism, ep > 1 and
-tp/pp/ZeRO/recompute for the built-in MoE GPT; see
+but the engine cannot run (the ``zb`` schedule, ZeRO-3 across nodes or with ep, sequence
+parallelism for the MoE GPT, experts across nodes; see
 :func:`phalanx.plan.engine_rules.plan_only_reasons`) are searched too and returned in
 ``plan_only``, each with its reasons; they are never the best candidate.
 
@@ -118,8 +118,8 @@ def search(m: ModelSpec, hw: Hardware, devices: int, global_batch: int, *, polic
     """The ``top`` fastest fitting layouts of ``devices`` devices for ``global_batch`` sequences per step.
 
     ``fixed``: degrees the user set (``{"dp": 2, "tp": 1, "pp": 2, "microbatches": 4, "ep": 2}``,
-    any subset); only layouts with those values are searched. ``reduction``: how the engine that
-    will run sums gradients (``one`` for the single-process mesh, ``ring`` for multi_worker).
+    any subset); only layouts with those values are searched. ``reduction``: how the engine
+    sums gradients (``one`` in one process, ``ring`` across workers with multi_worker).
     """
     if devices < 1 or global_batch < 1 or top < 1:
         raise ValueError(f"devices, global_batch and top must be >= 1, got {devices}, {global_batch}, {top}")

@@ -9,7 +9,7 @@ Model:
   (:func:`rank0_block_flops`). The default utilisation, 0.5, is about what
   Megatron-LM sustained on A100s for 1T parameters (163 of 312 TFLOP/s, Narayanan
   et al. 2021, Table 1); override it with ``--utilization``.
-* Tensor parallelism, as the mesh engine does it (``models/transformer.py``, ``ShardedGPT``): per block and
+* Tensor parallelism, as the engine's parallel layers do it (``layers/tensor_parallel.py`` ``add_shards``): per block and
   micro-batch, the two row-parallel partial sums are added with ``add_n`` on the group's
   first device (it receives ``t-1`` activations each) and the two LayerNorm outputs are
   read from there by the other ``t-1`` devices (it sends ``t-1`` each); the backward moves
@@ -23,7 +23,7 @@ Model:
   chosen engine sums them (:data:`phalanx.plan.layout.REDUCTIONS`), priced by the bytes
   crossing the busiest device's link in one direction:
 
-  - ``one`` (single-process mesh engine; MirroredStrategy with ReductionToOneDevice):
+  - ``one`` (the engine in one process: each weight's sum formed on the weight's device):
     ZeRO-0: ``add_n`` on the first replica, which receives ``(dp-1) G`` and sends the sum
     back to ``dp-1`` replicas; ZeRO-1: the same sum, then ``G/dp`` pieces out and an
     all-gather of the updated float32 weights (``(dp-1)/dp W``); ZeRO-2: a direct
