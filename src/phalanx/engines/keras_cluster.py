@@ -308,6 +308,25 @@ class WorkerGroup:
                     out[i] = tf.cast(tf.reshape(piece, shape), tensors[i].dtype)
         return out
 
+    def concat_all(self, tensors: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        """Each 1-D tensor (of the same length on every worker) concatenated along axis 0 in
+        worker order: one all-gather per wire dtype, packed flat (ZeRO's slices joined)."""
+        tensors = [tf.convert_to_tensor(t) for t in tensors]
+        out: list[tf.Tensor | None] = [None] * len(tensors)
+        groups: dict[tf.DType, list[int]] = {}
+        for i, t in enumerate(tensors):
+            if t.dtype not in _WIRE:
+                raise TypeError(f"cannot gather a {t.dtype.name} tensor across workers")
+            groups.setdefault(_WIRE[t.dtype], []).append(i)
+        for wire, members in groups.items():
+            with tf.device(self.device):
+                sizes = [int(tensors[i].shape[0]) for i in members]
+                flat = tf.concat([tf.cast(tensors[i], wire) for i in members], 0)
+                table = tf.reshape(self._gather(flat), [self.size, sum(sizes)])  # row w: worker w's
+                for i, piece in zip(members, tf.split(table, sizes, axis=1, num=len(members))):
+                    out[i] = tf.cast(tf.reshape(piece, [-1]), tensors[i].dtype)
+        return out
+
     def gather_rows(self, tensors: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         """Tensors with the same number of rows on one worker (that may differ between
         workers), each concatenated along axis 0 in worker order."""
