@@ -1150,6 +1150,13 @@ class KerasModelEngine:
         they are and refresh the whole copies from them."""
         if self.slices is not None and not from_slices:
             self.slices.load()
+            if self.workers is not None:
+                # The model's whole weights are the same on every worker: the replicas copy them, with no
+                # collective (a worker may call this alone: the chief after writing a checkpoint).
+                for v in (self.model.trainable_variables if self.zero < 3 else []):
+                    for copy in self._whole_copies(v)[1:]:
+                        copy.assign(v.value)
+                return
         self._refresh_copies()
 
     def gather_state(self) -> None:

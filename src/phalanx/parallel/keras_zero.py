@@ -218,13 +218,18 @@ class ZeroSlices:
         decides from all gradients together is decided from every worker's. ``global_clipnorm``
         clips by the norm of every worker's slice gradients (Keras's formula, the squared norms
         summed across workers); a ``LossScaleOptimizer`` skips a step when any worker's slice
-        gradients are not finite. An optimizer with its own apply (``zero_clone``) is refused."""
+        gradients are not finite. An optimizer with its own apply (``zero_clone``) takes a
+        ``sum_across_workers`` function for what it decides from all gradients, or is refused."""
         inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
+        workers = self.workers
+        if hasattr(self.optimizer, "sum_across_workers"):
+            self.optimizer.sum_across_workers = lambda t: workers.sum_all([t])[0]
+            return
         if hasattr(self.user, "zero_clone"):
             raise ConfigError("parallel.zero", f"{self.zero} across {self.world} workers: {type(self.user).__name__} "
                                                f"applies on ZeRO slices with its own update (zero_clone), which sees "
                                                f"only this worker's slices; use parallel.zero=0 across workers")
-        workers, clipnorm = self.workers, getattr(inner, "global_clipnorm", None)
+        clipnorm = getattr(inner, "global_clipnorm", None)
         if clipnorm:
             def clip(grads):  # keras.src.optimizers.base_optimizer.clip_by_global_norm, over all workers
                 local = global_norm(grads)
