@@ -73,10 +73,12 @@ GPT_EP_WITH_RECOMPUTE = True
 # The highest ZeRO stage the Keras-model engine runs with ep (engines/keras_model.py check_zero
 # refuses 3 with ep: expert shards are not gathered from slices), for phalanx train and phalanx.fit.
 KERAS_EP_ZERO = 2
-# True: the Keras-model engine slices (ZeRO 1-3) over the data replicas of every worker under
-# parallel.strategy=multi_worker (parallel/keras_zero.py: workers x local replicas slices, gradients
-# all-reduced across workers and cut, slices all-gathered; engines/keras_cluster.py), so ZeRO-3 layouts
-# across nodes are not plan only. False would list them as "ZeRO-3 across nodes" again.
+# True: the Keras-model engine runs ZeRO 1-3 across nodes: under parallel.strategy=multi_worker it
+# slices over the data replicas of every worker (parallel/keras_zero.py: workers x local replicas
+# slices, gradients all-reduced across workers and cut, slices all-gathered; engines/keras_cluster.py),
+# and under parallel.strategy=mesh over the data replicas of a mesh spanning the workers' devices
+# (tests/test_cluster_train.py), so ZeRO-3 layouts across nodes are not plan only. False would list
+# them as "ZeRO-3 across nodes" again.
 KERAS_ZERO_ACROSS_NODES = True
 
 
