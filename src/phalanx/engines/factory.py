@@ -100,7 +100,7 @@ def refuse_before_build(cfg: Config, task, cluster=None) -> None:
                                        f"or across workers with parallel.strategy=mesh")
         keras_gpt_refusals(cfg)
         if across:
-            refuse_unhonoured(cfg, MULTI_WORKER)  # ZeRO across workers
+            refuse_unhonoured(cfg, MULTI_WORKER)  # (ZeRO across workers runs: slices over every worker's replicas)
         if p.ep > 1 or across:
             return
     if getattr(cluster, "devices", None):  # a mesh across the workers' devices

@@ -327,8 +327,9 @@ class KerasGPTEngine:
     ``workers`` (a :class:`~phalanx.engines.keras_cluster.WorkerGroup`, ``multi_worker`` under
     ``phalanx launch``): ``mesh`` is this worker's own devices, every worker passes the same
     global batch to :meth:`train_step` and trains its rows of it, the gradients are summed across
-    workers before the AdamW apply (the same update on every worker) and the MoE totals averaged;
-    the experts stay within a worker. :meth:`eval_step` runs the whole batch on every worker."""
+    workers before the AdamW apply (the same update on every worker; under ZeRO each worker applies
+    on its slices, the global norm summed across workers, and :meth:`before_checkpoint` gathers
+    them on every worker) and the MoE totals averaged; the experts stay within a worker. :meth:`eval_step` runs the whole batch on every worker."""
 
     def __init__(self, cfg: Config, task: GPTTask, mesh: Mesh, workers=None, stage_calls: bool = True):
         if not isinstance(task, GPTTask):
