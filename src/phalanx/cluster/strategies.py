@@ -155,9 +155,10 @@ def refuse_unhonoured(cfg: Any, name: str, strategy_step: bool = False) -> None:
     >>> from phalanx.config import Config
     >>> refuse_unhonoured(Config().replace(parallel={"zero": 3}), "multi_worker")  # the Keras-model engine's
     >>> refuse_unhonoured(Config().replace(parallel={"zero": 1}), "multi_worker", strategy_step=True)
+    ... # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    phalanx.config.ConfigError: parallel.zero: 1 is not honoured by parallel.strategy=multi_worker (MultiWorkerMirroredStrategy keeps whole optimizer states on every replica); the mesh engine honours it: parallel.strategy=mesh (one process, or across workers under phalanx launch); or set parallel.zero=0
+    phalanx.config.ConfigError: parallel.zero: 1 is not honoured by parallel.strategy=multi_worker (...
     """
     p = cfg.parallel
     if name == MULTI_WORKER and keras_workers(cfg, strategy_step):
