@@ -404,11 +404,11 @@ def _keras_engine_setup(workers=2):
 
 
 @pytest.mark.parametrize("setting", ["model.dropout=0.1", "train.prune.target=0.5", "parallel.recompute=full",
-                                     "parallel.zero=1", "parallel.zero=2"])
+                                     "parallel.zero=1", "parallel.zero=2", "parallel.zero=3"])
 def test_the_builtin_gpt_across_workers_refuses_what_its_engine_does_not_run(setting):
     """phalanx train's multi_worker run is the Keras-model engine on every worker: a key that would
-    need an older engine (engine_rules.OLD_ENGINE_ROWS) or ZeRO across workers is refused, naming it,
-    before anything is built; a key the engine runs is accepted."""
+    need an older engine (engine_rules.OLD_ENGINE_ROWS) is refused, naming it, before anything is
+    built; a key the engine runs (ZeRO, sliced over every worker's replicas, among them) is accepted."""
     from phalanx.config import load_config
     from phalanx.engines.factory import refuse_before_build
     from phalanx.engines.task import GPTTask
@@ -417,8 +417,8 @@ def test_the_builtin_gpt_across_workers_refuses_what_its_engine_does_not_run(set
     cfg = load_config(None, ["parallel.strategy=multi_worker", "model.layers=1", "model.d_model=32",
                              "model.heads=2", "model.seq_len=8", setting])
     key = setting.split("=")[0]
-    # ZeRO is never sliced across workers; the other keys follow the table of what needs an older engine
-    refused = key == "parallel.zero" or bool(GPTRun.of(cfg, cluster="multi_worker").old_engine_reasons())
+    # the keys follow the table of what needs an older engine
+    refused = bool(GPTRun.of(cfg, cluster="multi_worker").old_engine_reasons())
     try:
         refuse_before_build(cfg, GPTTask(cfg.model), _keras_engine_setup())
     except ConfigError as err:

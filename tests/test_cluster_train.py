@@ -11,6 +11,8 @@ process it started is left behind. Tiny model, float32, one shared data cache.
 * a worker crashing mid-run without --restarts: launch exits non-zero within 30 s;
 * pp=2 with one stage per worker (parallel.strategy=mesh: the chief's Keras-model engine places
   stage 1 on worker:1) equals pp=2 on 2 logical CPUs of one process;
+* ZeRO-3 across 2 workers, under multi_worker (2 x dp2, resumed by a second launch) and on a mesh
+  over both workers' devices (dp2), equals Keras's one-device train_on_batch (tests/gpt_oracle.py);
 * SIGTERM (preemption) to one worker of two: both stop at the same step, the chief
   saves a checkpoint, everything exits 0; the same for a single process;
 * parameter_server (chief + 2 workers + 1 ps): the loss falls and its checkpoint loads
@@ -153,6 +155,71 @@ def test_two_workers_equal_one_process_and_resume_after_a_kill(cache, reference,
         keep = np.r_[0:D_MODEL, 2 * D_MODEL:3 * D_MODEL] if name.endswith("attn/qkv/bias") else slice(None)
         a, b = mine[name][keep], ref[name][keep]
         assert np.linalg.norm(a - b) <= 1e-4 * np.linalg.norm(b) + 1e-7, name
+
+
+def test_builtin_gpt_zero3_across_two_workers_equals_keras_and_resumes(cache, tmp_path):
+    """`phalanx train parallel.strategy=multi_worker parallel.zero=3` on 2 workers x dp2: every
+    weight and AdamW moment cut into 4 slices over the 4 replicas of the 2 workers. 3 steps, a
+    checkpoint (the slices all-gathered on both workers, written by the chief), then a second launch
+    resumes it to step 6 (each worker cuts its slices from the restored state). Against the
+    one-device oracle, Keras's own train_on_batch of the same Keras model (tests/gpt_oracle.py)
+    on the same global batches: the losses and gradient norms of every step, and the final weights."""
+    import gpt_oracle
+    from phalanx import checkpoint
+    from phalanx.config import load_config
+    from phalanx.data import pipeline
+
+    run_dir = tmp_path / "run"
+    layout = ["parallel.devices=cpu:2", "parallel.dp=2", "parallel.zero=3", "checkpoint.every=3"]
+    for steps in (3, 6):
+        cmd = launch_cmd("--workers", "2", timeout=150) + [
+            *PHALANX, "train", "parallel.strategy=multi_worker", *overrides(cache, run_dir, *layout,
+                                                                            f"train.steps={steps}")]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env())
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "resumed from" in proc.stderr and "layout dp=4" in proc.stderr, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    cfg = load_config(None, overrides(cache, tmp_path / "oracle", "train.steps=6"))
+    batches = pipeline.make_datasets(cfg, progress=False).train_iterator(0)
+    oracle_losses, oracle_norms, weights = gpt_oracle.run(cfg, [next(batches) for _ in range(6)])
+    # The same computation up to float32 summation order (4 replicas' gradients summed across 2
+    # processes vs one device's tape): ~1e-6 relative in a loss or a norm over 6 steps.
+    np.testing.assert_allclose([r["loss"] for r in rows], oracle_losses, rtol=1e-5)
+    np.testing.assert_allclose([r["grad_norm"] for r in rows], oracle_norms, rtol=1e-4)
+    mine = checkpoint.restore(checkpoint.step_dir(run_dir / "checkpoints", 6)).tensors
+    assert int(mine["optimizer/step"]) == 6
+    for name, ref in weights.items():
+        # AdamW can turn round-off in an element whose gradient is near zero into an lr-sized step
+        # (lr 3e-3 here): a relative bound on each tensor as a whole, the key bias left out (softmax
+        # ignores it: its gradient is round-off alone), as in the test above.
+        keep = np.r_[0:D_MODEL, 2 * D_MODEL:3 * D_MODEL] if name.endswith("attn/qkv/bias") else slice(None)
+        a, b = mine[name][keep], ref[keep]
+        assert np.linalg.norm(a - b) <= 1e-4 * np.linalg.norm(b) + 1e-7, name
+
+
+def test_builtin_gpt_zero3_on_a_mesh_across_two_workers_equals_keras(cache, tmp_path):
+    """`phalanx train parallel.strategy=mesh parallel.dp=2 parallel.zero=3` on 2 workers: one mesh
+    over both workers' devices, driven by the chief, each data replica (and its slices) on its own
+    worker. The losses and gradient norms of Keras's train_on_batch on one device (tests/gpt_oracle.py)."""
+    import gpt_oracle
+    from phalanx.config import load_config
+    from phalanx.data import pipeline
+
+    run_dir = tmp_path / "run"
+    cmd = launch_cmd("--workers", "2", timeout=150) + [
+        *PHALANX, "train", "parallel.strategy=mesh", *overrides(cache, run_dir, "parallel.dp=2", "parallel.zero=3",
+                                                                "train.steps=4")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "layout dp=2 " in proc.stderr and "zero=3" in proc.stderr and "workers=2 (mesh)" in proc.stderr
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    cfg = load_config(None, overrides(cache, tmp_path / "oracle", "train.steps=4"))
+    batches = pipeline.make_datasets(cfg, progress=False).train_iterator(0)
+    oracle_losses, oracle_norms, _ = gpt_oracle.run(cfg, [next(batches) for _ in range(4)])
+    # float32 summation order alone (2 replicas' gradients summed vs one tape)
+    np.testing.assert_allclose([r["loss"] for r in rows], oracle_losses, rtol=1e-5)
+    np.testing.assert_allclose([r["grad_norm"] for r in rows], oracle_norms, rtol=1e-4)
 
 
 def test_crashing_worker_makes_launch_fail_fast(cache, tmp_path):

@@ -74,12 +74,12 @@ def build(kind, seed, optimizer="adam"):
         model = keras.Model(inputs, keras.layers.Dense(3)(h), name="mlp")
     return model
 
-def compile_model(model):
+def compile_model(model, clip=None):
     # Adam epsilon 1e-2 in Keras's fit and the workers alike (Keras's default 1e-7): a gradient's
     # float32 round-off d (~1e-7: sums in another order) moves a step by at most ~2 x lr x d / eps
     # (derivation: tests/helpers.py ADAM_EPS): 2e-7 a step at lr 0.01, so 1.2e-6 in the 6 steps
     # compared with Keras at atol 1e-5 and 8e-7 in the 4 compared with one process at atol 1e-6.
-    model.compile(optimizer=keras.optimizers.Adam(0.01, epsilon=1e-2),
+    model.compile(optimizer=keras.optimizers.Adam(0.01, epsilon=1e-2, global_clipnorm=clip),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
 
 def data(kind, n, seed=7):
@@ -99,7 +99,7 @@ cfg = phalanx.init("parallel.strategy=multi_worker", "run.dir=" + args["run_dir"
 exec(args["models"])
 rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
 model = build(args["kind"], 3 + 100 * rank)  # each worker its own initial weights
-compile_model(model)
+compile_model(model, args.get("clip"))
 x, y = data(args["kind"], args["n"])
 if args.get("bad_data") and rank == 1:
     x = x[::-1].copy()
@@ -143,13 +143,13 @@ def launch(tmp_path: Path, name: str, kind: str, epochs: int, overrides=(), run_
 
 
 def keras_reference(kind: str, epochs: int, chunks: int = 1, val: bool = False, replicas: int = 1, n: int = N,
-                    batch: int = BATCH):
+                    batch: int = BATCH, clip: float | None = None):
     """(per-step losses, history, model, optimizer) of Keras's own fit on one device (of the
     ghost-batch wrapper over ``chunks`` pieces in ``replicas`` groups, tests/helpers.py)."""
     ns = namespace()
     model = ns["build"](kind, 3)
     trained = ghost_batches(model, chunks, replicas=replicas) if chunks > 1 else model
-    ns["compile_model"](trained)
+    ns["compile_model"](trained, clip)
     x, y = ns["data"](kind, n)
     losses: list[float] = []
     record = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: losses.append(float(logs["loss"])))
@@ -286,6 +286,25 @@ def test_two_workers_train_an_uneven_last_batch_as_keras(tmp_path):
     assert len(results) == 2
     for result in results:
         assert len(result["losses"]) == 2 * 4  # every batch trained, the short one included
+        assert_equal_to_keras(result, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero,clip", [(1, None), (3, 0.05)])
+def test_zero_across_two_workers_of_two_replicas_equals_keras_fit(zero, clip, tmp_path):
+    # 2 workers x dp2: every variable cut into 4 slices over the workers' replicas (a [6, 16] kernel
+    # into 4 blocks of 2 rows, the last all padding; a [3] bias into 4 flat pieces of 1, one padding).
+    # Keras's numbers up to float32 summation order: the tolerances of assert_equal_to_keras (Adam's
+    # epsilon of compile_model). global_clipnorm=0.05 clips every step here (the gradient norm of
+    # this MLP is ~0.5-1), so each worker's optimizer must use the norm over all 4 slices, the other
+    # worker's included (one worker's alone would scale its update differently: off by far more).
+    proc, results = launch(tmp_path, f"zero{zero}", "mlp", epochs=2, val=True, clip=clip,
+                           overrides=["parallel.devices=cpu:2", "parallel.dp=2", f"parallel.zero={zero}"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "on layout dp=2 tp=1 pp=1 " in proc.stderr and " workers=2" in proc.stderr
+    reference = keras_reference("mlp", 2, val=True, clip=clip)
+    assert len(results) == 2
+    for result in results:  # weights and the whole optimizer state, gathered from every worker's slices
         assert_equal_to_keras(result, reference)
 
 

@@ -463,13 +463,51 @@ def test_what_zero_on_the_keras_engine_does_not_run_is_refused(tmp_path):
         build_engine(cfg, GPTTask(cfg.model))
     with pytest.raises(ConfigError, match=r"parallel.zero: 3 with parallel.ep=2: .*parallel.zero=2"):
         keras_model.check_zero(3, ep=2)
-    # across workers (keras_cluster's WorkerGroup: only its size is read before the refusal)
+    # across workers: an optimizer with its own apply on the slices (phalanx's AdamW) would see one
+    # worker's slices only (keras_cluster's WorkerGroup: only its size and rank are read before it)
+    from phalanx.parallel.keras_zero import ZeroSlices
+
+    class OwnApply(keras.optimizers.SGD):
+        def zero_clone(self):
+            return keras.optimizers.SGD()
+
+    model = mlp(OwnApply)
+    model.optimizer.build(model.trainable_variables)
+    with pytest.raises(ConfigError, match=r"parallel.zero: 1 across 2 workers: OwnApply .*only this worker's"):
+        ZeroSlices(model.trainable_variables, [[local(1)]] * len(model.trainable_variables), model.optimizer, 1,
+                   workers=types.SimpleNamespace(size=2, rank=1, device=local(0)))
+
+
+def test_across_two_workers_each_replica_holds_a_quarter_of_every_variable():
+    """2 workers of 2 replicas each: every variable is cut into 4 slices; worker 1's replicas
+    hold slices 2 and 3, each beside its quarter of Adam's state (checked against a cut written
+    here with NumPy: blocks of ceil(rows / 4) rows, or the flat values when a variable has fewer
+    than 4 rows, zero-padded at the end)."""
+    from phalanx.parallel.keras_zero import ZeroSlices
+
     model = mlp(adam)
-    batch = (x[:BATCH], y[:BATCH], None)
-    mesh = Mesh.from_devices([local(0), local(1)], 2, 1, 1)
-    with pytest.raises(ConfigError, match=r"parallel.zero: 1: across 2 workers.*parallel.zero=0"):
-        KerasModelEngine(model, Config().replace(parallel={"zero": 1, "dp": 2}), mesh, batch,
-                         workers=types.SimpleNamespace(size=2))
+    model.optimizer.build(model.trainable_variables)
+    variables = model.trainable_variables
+    group = types.SimpleNamespace(size=2, rank=1, device=local(0))  # what ZeroSlices reads of a WorkerGroup
+    zs = ZeroSlices(variables, [[local(1), local(2)]] * len(variables), model.optimizer, 3, workers=group)
+    assert any(v.shape[0] < 4 for v in variables) and any(v.shape[0] % 4 for v in variables)
+    padding = 0  # bytes of zero padding of a variable's 4 slices, summed over the variables
+    for v, row in zip(variables, zs.slices):
+        whole = v.numpy()
+        rows = whole.shape[0] if whole.shape[0] >= 4 else whole.size
+        view = whole if whole.shape[0] >= 4 else whole.reshape(-1)
+        per = -(-rows // 4)
+        padded = np.concatenate([view, np.zeros((4 * per - rows,) + view.shape[1:], view.dtype)])
+        padding += padded.nbytes - view.nbytes
+        assert [s.value.device for s in row] == [local(1), local(2)]
+        for k, piece in zip((2, 3), row):
+            np.testing.assert_array_equal(piece.numpy(), padded[k * per:(k + 1) * per], err_msg=v.path)
+    held = {local(1): 0, local(2): 0}
+    for piece in zs.flat + [s for s in zs.optimizer.variables if len(s.shape)]:
+        held[piece.value.device] += nbytes(piece)
+    weights = sum(nbytes(v) for v in variables)
+    for device, size in held.items():  # weights + Adam's 2 slots: a quarter each, + their padding
+        assert 3 * weights / 4 <= size <= 3 * (weights / 4 + padding), (device, size, weights, padding)
 
 
 def test_the_docstring_examples_run():

@@ -86,7 +86,7 @@ def test_dp_gradient_sync_priced_as_each_strategy_sums():
     assert mesh.time.dp_comm_s == pytest.approx(ring.time.dp_comm_s * 4)   # 7 G vs 1.75 G
 
 
-def test_plan_cli_strategy_picks_reduction_and_plan_only_values(capsys):
+def test_plan_cli_strategy_picks_reduction_and_plan_only_values(capsys, monkeypatch):
     assert cli.main(["parallel.dp=2", "--hardware", "a100-40gb", "--json", "parallel.strategy=multi_worker"]) == 0
     assert json.loads(capsys.readouterr().out)["layout"]["reduction"] == "ring"
     assert cli.main(["parallel.dp=2", "--hardware", "a100-40gb", "--json"]) == 0
@@ -95,7 +95,11 @@ def test_plan_cli_strategy_picks_reduction_and_plan_only_values(capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["layout"]["zero"] == 3 and doc["runs_on_engine"]       # the Keras-model engine, one node
     assert cli.main(["parallel.dp=16", "parallel.zero=3", "--hardware", "a100-40gb", "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)                          # two nodes of 8: one process no more
+    doc = json.loads(capsys.readouterr().out)                          # two nodes of 8: slices across workers
+    assert doc["runs_on_engine"] and not doc["plan_only_reasons"]
+    monkeypatch.setattr(engine_rules, "KERAS_ZERO_ACROSS_NODES", False)  # the flag decides it
+    assert cli.main(["parallel.dp=16", "parallel.zero=3", "--hardware", "a100-40gb", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
     assert not doc["runs_on_engine"] and "ZeRO-3 across nodes" in doc["plan_only_reasons"][0]
     assert cli.main(["parallel.dp=4", "parallel.schedule=zb", "parallel.pp=2", "parallel.dp=2",
                      "parallel.microbatches=2", "--hardware", "a100-40gb", "--json"]) == 0

@@ -460,15 +460,18 @@ def test_values_a_multi_process_strategy_cannot_honour_are_refused(strategy, str
 
 
 @pytest.mark.parametrize("strategy", ["multi_worker", "auto"])
-def test_the_builtin_gpts_multi_worker_run_refuses_zero_and_takes_each_workers_layout(strategy):
+def test_the_builtin_gpts_multi_worker_run_takes_zero_and_each_workers_layout(strategy):
     """phalanx train's multi_worker run is each worker's own layout on the Keras-model engine:
-    its devices and micro-batches are honoured there; ZeRO (no slices across workers) is refused."""
+    its devices, micro-batches and ZeRO (sliced over every worker's replicas) are honoured there;
+    tf.distribute's step (strategy_step) still refuses ZeRO."""
     from phalanx.cluster.strategies import resolve_strategy_name
 
-    for zero in (1, 2):
-        with pytest.raises(ConfigError, match=r"parallel.zero: .* is not honoured by parallel.strategy=multi_worker"
-                                              r".*across workers"):
-            resolve_strategy_name(Config().replace(parallel={"strategy": strategy, "zero": zero}), cluster(2))
+    for zero in (1, 2, 3):
+        assert resolve_strategy_name(Config().replace(parallel={"strategy": strategy, "zero": zero}),
+                                     cluster(2)) == "multi_worker"
+        with pytest.raises(ConfigError, match=r"parallel.zero: .* is not honoured by parallel.strategy=multi_worker"):
+            resolve_strategy_name(Config().replace(parallel={"strategy": strategy, "zero": zero}), cluster(2),
+                                  strategy_step=True)
     assert resolve_strategy_name(Config().replace(parallel={"strategy": strategy, "devices": "cpu:2", "pp": 2,
                                                             "microbatches": 2}), cluster(2)) == "multi_worker" \
         or strategy == "auto"  # (auto with pp > 1 picks the mesh across workers)

@@ -149,23 +149,19 @@ def refuse_unhonoured(cfg: Any, name: str, strategy_step: bool = False) -> None:
     train with more memory than asked, or differently, without a word.
     ``multi_worker`` without ``strategy_step`` (:func:`keras_workers`) is not the strategy's step
     but the Keras-model engine's on each worker's own layout (module docstring): it honours
-    ``parallel.devices``, micro-batches and tp/pp; its own refusals apply
-    (:func:`phalanx.engines.keras_gpt.refuse_unhonoured`), and ZeRO across workers is refused here.
+    ``parallel.devices``, micro-batches, tp/pp and ZeRO (sliced over every worker's replicas);
+    its own refusals apply (:func:`phalanx.engines.keras_gpt.refuse_unhonoured`).
 
     >>> from phalanx.config import Config
-    >>> refuse_unhonoured(Config().replace(parallel={"zero": 1}), "multi_worker")  # doctest: +ELLIPSIS
+    >>> refuse_unhonoured(Config().replace(parallel={"zero": 3}), "multi_worker")  # the Keras-model engine's
+    >>> refuse_unhonoured(Config().replace(parallel={"zero": 1}), "multi_worker", strategy_step=True)
+    ... # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    phalanx.config.ConfigError: parallel.zero: 1 is not honoured by parallel.strategy=multi_worker: ...across workers...
+    phalanx.config.ConfigError: parallel.zero: 1 is not honoured by parallel.strategy=multi_worker (...
     """
     p = cfg.parallel
     if name == MULTI_WORKER and keras_workers(cfg, strategy_step):
-        if p.zero:  # (the Keras-model engine's own rule across workers: keras_model.check_zero)
-            raise ConfigError("parallel.zero", f"{p.zero} is not honoured by parallel.strategy=multi_worker: the "
-                                               f"Keras-model engine does not slice the optimizer state, gradients or "
-                                               f"weights across workers (every worker applies the whole update after "
-                                               f"the gradient all-reduce); set parallel.zero=0, or parallel."
-                                               f"strategy=mesh (one mesh over the workers' devices)")
         return
     # "mirrored" chosen by "auto" is not refused: in one process the trainer then builds the
     # mesh engine for these keys (phalanx.engines.factory.needs_mesh_engine).

@@ -100,7 +100,7 @@ def refuse_before_build(cfg: Config, task, cluster=None) -> None:
                                        f"or across workers with parallel.strategy=mesh")
         keras_gpt_refusals(cfg)
         if across:
-            refuse_unhonoured(cfg, MULTI_WORKER)  # ZeRO across workers
+            refuse_unhonoured(cfg, MULTI_WORKER)  # (ZeRO across workers runs: slices over every worker's replicas)
         if p.ep > 1 or across:
             return
     if getattr(cluster, "devices", None):  # a mesh across the workers' devices
@@ -144,15 +144,15 @@ def build_engine(cfg: Config, task, cluster=None):
         return _keras_gpt_across_workers(cfg, task, cluster)  # each worker's own layout, the workers data parallel
     if isinstance(task, GPTTask) and cluster is None and gpt_run(cfg).engine() == "keras":
         return gpt_engine(cfg, build_mesh(cfg), task)
+    if getattr(cluster, "devices", None) and isinstance(task, GPTTask):  # a mesh whose devices span the workers:
+        # the Keras-model engine on the remote devices (ZeRO sliced over the mesh's data replicas)
+        return gpt_engine(cfg, build_mesh(cfg, list(cluster.devices)), task, cluster)
     if cfg.parallel.zero == 3:
         raise ConfigError("parallel.zero", "3: ZeRO-3 (sliced weights) runs on the Keras-model engine, which this "
                                            "run's other keys (pruning, dropout, a cluster strategy) do not train "
                                            "on yet; use parallel.zero=2")
     if getattr(cluster, "devices", None):  # cluster: a mesh whose devices span the workers
-        mesh = build_mesh(cfg, list(cluster.devices))
-        if isinstance(task, GPTTask):  # the Keras-model engine on the remote devices, or the mesh engine
-            return gpt_engine(cfg, mesh, task, cluster)
-        return make_mesh_engine(cfg, mesh, task)
+        return make_mesh_engine(cfg, build_mesh(cfg, list(cluster.devices)), task)
     if cluster is not None:  # a multi-process strategy, built first (cluster.strategies.setup_cluster)
         if cluster.coordinator is not None:  # cluster: parameter servers, steps scheduled on the workers
             return ParameterServerEngine(cfg, task, cluster.strategy, cluster.coordinator, cluster.info.num_workers)

@@ -43,6 +43,11 @@ global batch:
   one device — except a lookup whose indices are the same in every micro-batch (a
   position table), whose values are summed in the all-reduce (:mod:`phalanx.parallel.gradients`). Every worker then applies the model's
   own optimizer to the same gradients (identical updates, no broadcast needed).
+* **ZeRO** (``parallel.zero=1|2|3``): the slices span every data replica of the run, ``W x dp``
+  of each weight, worker ``w``'s replica ``k`` holding slice ``w dp + k``
+  (:mod:`phalanx.parallel.keras_zero`); each worker applies its optimizer on its own slices
+  after the exchange above (each device keeping its slice of the summed gradient), and the
+  slices are joined across workers with one all-gather per dtype (:meth:`WorkerGroup.concat_all`).
 * **Metrics.** The loss tracker and the compiled metrics accumulate additive states
   (totals and counts): each worker's change of every metric variable during the step
   is summed across workers in the same all-reduce, so every worker's logs are the global
@@ -240,6 +245,16 @@ def _fingerprint(batch) -> int:
     return crc & 0x3FFFFFFF
 
 
+def _wire_groups(tensors: Sequence[tf.Tensor], verb: str) -> dict[tf.DType, list[int]]:
+    """The positions of ``tensors`` by the dtype each travels as (``_WIRE``)."""
+    groups: dict[tf.DType, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.dtype not in _WIRE:
+            raise TypeError(f"cannot {verb} a {t.dtype.name} tensor across workers")
+        groups.setdefault(_WIRE[t.dtype], []).append(i)
+    return groups
+
+
 def _rows(batch, start: int, size: int):
     return tf.nest.map_structure(lambda t: None if t is None else t[start:start + size], batch)
 
@@ -290,12 +305,7 @@ class WorkerGroup:
         """Each tensor summed across workers: one all-reduce per wire dtype, packed flat."""
         tensors = [tf.convert_to_tensor(t) for t in tensors]
         out: list[tf.Tensor | None] = [None] * len(tensors)
-        groups: dict[tf.DType, list[int]] = {}
-        for i, t in enumerate(tensors):
-            if t.dtype not in _WIRE:
-                raise TypeError(f"cannot sum a {t.dtype.name} tensor across workers")
-            groups.setdefault(_WIRE[t.dtype], []).append(i)
-        for wire, members in groups.items():
+        for wire, members in _wire_groups(tensors, "sum").items():
             with tf.device(self.device):
                 flat = tf.concat([tf.reshape(tf.cast(tensors[i], wire), [-1]) for i in members], 0)
                 total = self._sum(flat)
@@ -306,6 +316,20 @@ class WorkerGroup:
                 for i, piece in zip(members, tf.split(total, sizes, num=len(members))):
                     shape = tensors[i].shape if tensors[i].shape.is_fully_defined() else tf.shape(tensors[i])
                     out[i] = tf.cast(tf.reshape(piece, shape), tensors[i].dtype)
+        return out
+
+    def concat_all(self, tensors: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        """Each 1-D tensor (of the same length on every worker) concatenated along axis 0 in
+        worker order: one all-gather per wire dtype, packed flat (ZeRO's slices joined)."""
+        tensors = [tf.convert_to_tensor(t) for t in tensors]
+        out: list[tf.Tensor | None] = [None] * len(tensors)
+        for wire, members in _wire_groups(tensors, "gather").items():
+            with tf.device(self.device):
+                sizes = [int(tensors[i].shape[0]) for i in members]
+                flat = tf.concat([tf.cast(tensors[i], wire) for i in members], 0)
+                table = tf.reshape(self._gather(flat), [self.size, sum(sizes)])  # row w: worker w's
+                for i, piece in zip(members, tf.split(table, sizes, axis=1, num=len(members))):
+                    out[i] = tf.cast(tf.reshape(piece, [-1]), tensors[i].dtype)
         return out
 
     def gather_rows(self, tensors: Sequence[tf.Tensor]) -> list[tf.Tensor]:

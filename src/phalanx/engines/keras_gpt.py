@@ -158,6 +158,9 @@ class PhalanxAdamW(keras.optimizers.Optimizer):
         self.m: list = []
         self.v: list = []
         self._by_path: dict[str, bool] | None = None
+        # ZeRO across workers (parallel.keras_zero): a float32 tensor -> its sum over the workers, so
+        # that the global norm (clipping, the non-finite skip) is that of every worker's slices
+        self.sum_across_workers = None
         # pruning: id(variable applied on) -> its 0/1 mask's value (a function, read in the step):
         # the masked weights and their moments are zeroed after every update
         self.masks: dict = {}
@@ -196,7 +199,10 @@ class PhalanxAdamW(keras.optimizers.Optimizer):
                 dense.append(tf.zeros(var.shape, tf.float32) if grad is None
                              else tf.cast(tf.convert_to_tensor(grad), tf.float32))
         t = self.cfg.train
-        s = optim.step_scalars(optim.global_norm(dense), self.loss_scale.scale.read_value(), self.step, t)
+        norm = optim.global_norm(dense)
+        if self.sum_across_workers is not None:
+            norm = tf.sqrt(self.sum_across_workers(tf.square(norm)))
+        s = optim.step_scalars(norm, self.loss_scale.scale.read_value(), self.step, t)
         for var, grad, m, v in zip(variables, dense, self.m, self.v):
             with tf.device(var.value.device):
                 mask = self.masks.get(id(var))
@@ -321,8 +327,9 @@ class KerasGPTEngine:
     ``workers`` (a :class:`~phalanx.engines.keras_cluster.WorkerGroup`, ``multi_worker`` under
     ``phalanx launch``): ``mesh`` is this worker's own devices, every worker passes the same
     global batch to :meth:`train_step` and trains its rows of it, the gradients are summed across
-    workers before the AdamW apply (the same update on every worker) and the MoE totals averaged;
-    the experts stay within a worker. :meth:`eval_step` runs the whole batch on every worker."""
+    workers before the AdamW apply (the same update on every worker; under ZeRO each worker applies
+    on its slices, the global norm summed across workers, and :meth:`before_checkpoint` gathers
+    them on every worker) and the MoE totals averaged; the experts stay within a worker. :meth:`eval_step` runs the whole batch on every worker."""
 
     def __init__(self, cfg: Config, task: GPTTask, mesh: Mesh, workers=None):
         if not isinstance(task, GPTTask):
@@ -509,13 +516,16 @@ class KerasGPTEngine:
         checkpoint (the mesh engine's included) restores into it box by box."""
         # what was assigned since the last step (a mask installed) reaches the slices before they are saved
         self._sync()
+        # Under ZeRO across workers this process holds its own slices only: the checkpoint holds the
+        # whole state, all-gathered on every worker by before_checkpoint, and a restore cuts it again.
+        sliced = self.engine.slices is not None and self.workers is None
         # a restore assigns the weights outside a step: under ZeRO into the slices themselves
-        self._stale = "slices" if self.engine.slices is not None else "whole"
+        self._stale = "slices" if sliced else "whole"
         first = self.mesh.device(0, 0, 0)
         slots = [(first, _scalar_slot("optimizer/step", self.optimizer.step))]
         slots += [(first, _scalar_slot(k, v)) for k, v in self.loss_scale.state().items()]
         state = self._logical_variables()
-        if self.engine.slices is not None:  # the weights and moments are the slices' (below); masks stay whole
+        if sliced:  # the weights and moments are the slices' (below); masks stay whole
             state = {k: v for k, v in state.items() if k.startswith(prune.MASK_PREFIX)}
         for name, joined in state.items():
             shape = tuple(int(n) for n in joined.shape)
@@ -532,7 +542,7 @@ class KerasGPTEngine:
                     slots.append((device, _joined_slot(name, shape, parts, bound)))
                 else:
                     slots += [(device, _part_slot(name, shape, var, box)) for var, box in parts]
-        if self.engine.slices is not None:
+        if sliced:
             slots += self._sliced_slots()
         names = {}  # device -> its set's name in mesh order, as the mesh engine names them
         for d in range(self.mesh.dp):
@@ -550,6 +560,15 @@ class KerasGPTEngine:
             slot.optional = slot.name.startswith(prune.MASK_PREFIX)
         order = {name: i for i, name in enumerate(names.values())}
         return sorted(sets.values(), key=lambda s: (order.get(s.name, len(order)), s.name))
+
+    def before_checkpoint(self) -> None:
+        """Called on every worker before the chief saves a checkpoint: under ZeRO across workers
+        the slices are all-gathered into the model's weights and the whole AdamW moments (a
+        collective; one process needs nothing)."""
+        if self.workers is not None and self.engine.slices is not None:
+            self._sync()
+            self.engine.gather_state()
+            self._whole = True
 
     def _sliced_slots(self) -> list[tuple[str, checkpoint.Slot]]:
         """Under ZeRO, ``(device, slot)`` of every slice: the weights (the slices are the

@@ -30,8 +30,19 @@ compiled metrics. The engine only decides *where* things run:
   (a concat on its device) at the stage's first forward of the step, keeps them for its
   later micro-batches and its backward (not gathered again), and the gradient of each slice
   flows back to the slice's device (a reduce-scatter). With ``pp=1`` the whole model is the
-  gathered stage (it is not cut into smaller gather chunks). Not across workers; stage 3 not
-  with expert parallelism.
+  gathered stage (it is not cut into smaller gather chunks). Stage 3 not with expert
+  parallelism. **Across workers** the slices span every data replica of the run: with ``W``
+  workers of ``dp`` local replicas each variable is cut into ``W x dp`` slices and worker ``w``'s
+  replica ``k`` holds slice ``w dp + k``, so each device holds ``1/(W dp)`` of the optimizer
+  state (and at stage 3 of the weights; ``model.optimizer``'s whole host copy aside). Each
+  worker sums its replicas' gradients on one device, the workers sum them with a collective
+  all-reduce (the step's exchange) and each device keeps its slice of the sum: TensorFlow's
+  reduce-scatter collective has no CPU implementation, so at stage 2 and 3 a worker holds the
+  whole summed gradient during the exchange, as at stage 1. The updated slices (stage 1, 2) and a
+  stage's weights (stage 3, once per step and stage, shared by the worker's replicas) are
+  all-gathered across workers on the worker's first device and copied to its replicas.
+  ``global_clipnorm`` clips by the norm over every worker's slices and a ``LossScaleOptimizer``
+  skips a step when any worker's slices are not finite.
 * **The step** (one ``tf.function``): every replica cuts its rows of the global batch into
   ``grad_accum x microbatches`` micro-batches and runs the pipeline schedule
   (:func:`phalanx.parallel.pipeline.run_schedule`); each stage runs *statelessly* on the
@@ -285,25 +296,20 @@ def check_tensor_layout(model, tp: int) -> None:
 
 def check_zero(zero: int, workers: int = 1, ep: int = 1) -> None:
     """Refuse a ZeRO stage the Keras-model engine does not run: it runs 0, 1, 2 and 3 (see
-    the module docstring) in one process (``workers``: the number of workers of the fit);
-    stage 3 without expert parallelism (``ep``).
+    the module docstring), in one process or across ``workers`` workers; stage 3 without
+    expert parallelism (``ep``).
 
     Example:
-        >>> check_zero(3)
+        >>> check_zero(3), check_zero(1, workers=2)
+        (None, None)
         >>> try:
-        ...     check_zero(1, workers=2)
+        ...     check_zero(3, ep=2)
         ... except ConfigError as err:
         ...     print(err.key)
         parallel.zero
     """
     if zero not in (0, 1, 2, 3):
         raise ConfigError("parallel.zero", f"{zero}: the Keras-model engine runs parallel.zero=0, 1, 2 or 3")
-    if zero and workers > 1:
-        raise ConfigError("parallel.zero", f"{zero}: across {workers} workers (parallel.strategy=multi_worker) "
-                                           f"the Keras-model engine does not slice the optimizer state, gradients "
-                                           f"or weights: every worker applies the whole update after the gradient "
-                                           f"all-reduce; use parallel.zero=0 across workers (ZeRO 1-3 run over "
-                                           f"the data replicas of one process)")
     if zero == 3 and ep > 1:
         raise ConfigError("parallel.zero", f"3 with parallel.ep={ep}: the expert shards would be gathered from "
                                            f"slices over the expert groups, which the Keras-model engine does not "
@@ -649,7 +655,8 @@ class KerasModelEngine:
             for var in (opt.variables if opt is not None else []):
                 place_variable(var, self.host)
         variables = list(self.model.trainable_variables)
-        slices = ZeroSlices(variables, [self._slice_devices(v) for v in variables], user, self.zero)
+        slices = ZeroSlices(variables, [self._slice_devices(v) for v in variables], user, self.zero,
+                            workers=self.workers)
         self.optimizer = slices.optimizer  # the loss scale of a mixed_float16 step is the sliced optimizer's
         return slices
 
@@ -808,13 +815,12 @@ class KerasModelEngine:
         gathered again for the backward)."""
         stage = self.stages[s]
         if self.zero == 3:
-            values = []
-            for v in stage.trainable_variables:
-                key = (replica, s, id(v))
-                if key not in self._gathered:
-                    self._gathered[key] = self.slices.gather(v, self.variable_device(v, replica, s))
-                values.append(self._gathered[key])
-            return values
+            need = [v for v in stage.trainable_variables if (replica, s, id(v)) not in self._gathered]
+            # (across workers one all-gather per stage and step: the cache keeps it for the other replicas)
+            for v, value in zip(need, self.slices.gather_many(need, [self.variable_device(v, replica, s) for v in need],
+                                                              cache=self._gathered)):
+                self._gathered[(replica, s, id(v))] = value
+            return [self._gathered[(replica, s, id(v))] for v in stage.trainable_variables]
         values = []
         for v, param in zip(stage.trainable_variables, self._params(replica, s)):
             if placement_of(v) is None:
@@ -939,7 +945,8 @@ class KerasModelEngine:
     def _regularization(self):
         """(value, gradients) of the weight-regularisation loss of a cut model (under ZeRO-3:
         of the weights gathered on their home devices, gradients by id of each slice)."""
-        sources = [v.value if self.zero < 3 else self.slices.gather(v, self._reg_device(v)) for v in self.regularized]
+        sources = [v.value for v in self.regularized] if self.zero < 3 else \
+            self.slices.gather_many(self.regularized, [self._reg_device(v) for v in self.regularized])
         with tf.GradientTape() as tape:
             tape.watch([t for t in sources if isinstance(t, tf.Tensor)])
             terms = []
@@ -1006,13 +1013,17 @@ class KerasModelEngine:
         # Sum every variable's gradients over replicas and the stages that read it, on the
         # variable's own device (under ZeRO on each slice's: _sliced_gradients).
         grads, variables = [], []
-        if self.zero:
+        # ZeRO in one process: reduced into the slices here. Across workers each worker sums its
+        # replicas' gradients whole, the exchange sums them over the workers and each device keeps
+        # its slice of the sum (ZeroSlices.cut; module docstring).
+        sliced_here = self.zero and self.workers is None
+        if sliced_here:
             grads, variables = self._sliced_gradients(acc, reg_grads, scale), self.slices.flat
         parts: dict[int, list] = {}
         for s, stage in enumerate(self.stages):
             for j, v in enumerate(stage.trainable_variables):
                 parts.setdefault(id(v), []).extend(g for _, g in acc[s][j])
-        for v in (self.model.trainable_variables if not self.zero else []):
+        for v in (self.model.trainable_variables if not sliced_here else []):
             with tf.device(v.value.device):
                 g = None
                 for part in parts[id(v)]:  # sparse ones as one device's tape gives them (parallel.gradients)
@@ -1037,6 +1048,8 @@ class KerasModelEngine:
                                                               rules=[rules[s][k] for s, k in changed])
             for (s, k), value in zip(changed, combined):
                 state[s][k] = value
+        if self.zero and self.workers is not None:
+            grads, variables = self.slices.cut(grads), self.slices.flat
         joined = grads
         grads = []
         for g, v in zip(joined, variables):
@@ -1140,6 +1153,13 @@ class KerasModelEngine:
         they are and refresh the whole copies from them."""
         if self.slices is not None and not from_slices:
             self.slices.load()
+            if self.workers is not None:
+                # The model's whole weights are the same on every worker: the replicas copy them, with no
+                # collective (a worker may call this alone: the chief after writing a checkpoint).
+                for v in (self.model.trainable_variables if self.zero < 3 else []):
+                    for copy in self._whole_copies(v)[1:]:
+                        copy.assign(v.value)
+                return
         self._refresh_copies()
 
     def gather_state(self) -> None:

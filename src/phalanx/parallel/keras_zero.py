@@ -46,6 +46,8 @@ import numpy as np
 import tensorflow as tf
 
 from phalanx.config import ConfigError
+from keras.src.optimizers.base_optimizer import global_norm  # Keras's own, for its global_clipnorm across workers
+
 from phalanx.parallel.gradients import SparseGradient, densify, finish, join_gradients
 
 # Optimizers that scale an update by statistics of a whole weight (a slice does not see them).
@@ -95,7 +97,12 @@ class SliceLayout:
 
     def join(self, pieces: Sequence) -> tf.Tensor:
         """The whole value from its ``n`` slices (the all-gather: a concat where it runs)."""
-        joined = tf.concat([tf.convert_to_tensor(p) for p in pieces], axis=0)
+        return self.from_concat(tf.concat([tf.convert_to_tensor(p) for p in pieces], axis=0))
+
+    def from_concat(self, joined) -> tf.Tensor:
+        """The whole value from the concatenation of its ``n`` slices (or that, flattened)."""
+        if joined.shape.rank != 1 + len(self.rest):
+            joined = tf.reshape(joined, (self.per * self.n,) + self.rest)
         if self.per * self.n != self.rows:  # (no slice op otherwise: an embedding's gradient stays sparse)
             joined = joined[:self.rows]
         return joined if self.by_rows else tf.reshape(joined, self.shape)
@@ -170,16 +177,23 @@ def _scope_of(path: str):
 class ZeroSlices:
     """The slices of ``variables`` and the user's ``optimizer`` applied on them.
 
-    ``devices[i]``: the device of each slice of ``variables[i]`` (its length is the number of
-    slices). ``optimizer`` is the user's (built); its state is cut into the slices by
-    :meth:`load`, which runs here once.
+    ``devices[i]``: the device of each slice of ``variables[i]`` this process holds. In one
+    process that is every slice. Across the ``W`` workers of a fit (``workers``, a
+    :class:`~phalanx.engines.keras_cluster.WorkerGroup`) every worker lists its own ``L``
+    devices, the variable is cut into ``W x L`` slices, and worker ``w`` holds slices
+    ``w L .. w L + L - 1`` (see :meth:`gather_many`, :meth:`cut`). ``optimizer`` is the user's
+    (built); its state is cut into the slices by :meth:`load`, which runs here once.
     """
 
-    def __init__(self, variables: Sequence, devices: Sequence[Sequence[str]], optimizer, zero: int):
+    def __init__(self, variables: Sequence, devices: Sequence[Sequence[str]], optimizer, zero: int, workers=None):
         check_sliceable(optimizer, zero)
         self.zero = zero
+        self.workers = workers
+        self.world = 1 if workers is None else workers.size
         self.variables = list(variables)
-        self.layouts = [SliceLayout(v.shape, len(d)) for v, d in zip(self.variables, devices)]
+        self.layouts = [SliceLayout(v.shape, len(d) * self.world) for v, d in zip(self.variables, devices)]
+        # the index of this process's first slice of each variable
+        self.first = [(0 if workers is None else workers.rank) * len(d) for d in devices]
         self.devices = [list(d) for d in devices]
         self.slices: list[list] = []
         for v, layout, where in zip(self.variables, self.layouts, self.devices):
@@ -194,8 +208,44 @@ class ZeroSlices:
         self.index = {id(v): i for i, v in enumerate(self.variables)}
         self.user = optimizer
         self.optimizer = _clone(optimizer, zero)
+        if self.world > 1:
+            self._agree_across_workers()
         self._map_state()
         self.load()
+
+    def _agree_across_workers(self) -> None:
+        """Across workers each worker's optimizer applies on its own slices only: what it
+        decides from all gradients together is decided from every worker's. ``global_clipnorm``
+        clips by the norm of every worker's slice gradients (Keras's formula, the squared norms
+        summed across workers); a ``LossScaleOptimizer`` skips a step when any worker's slice
+        gradients are not finite. An optimizer with its own apply (``zero_clone``) takes a
+        ``sum_across_workers`` function for what it decides from all gradients, or is refused."""
+        inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
+        workers = self.workers
+        if hasattr(self.optimizer, "sum_across_workers"):
+            self.optimizer.sum_across_workers = lambda t: workers.sum_all([t])[0]
+            return
+        if hasattr(self.user, "zero_clone"):
+            raise ConfigError("parallel.zero", f"{self.zero} across {self.world} workers: {type(self.user).__name__} "
+                                               f"applies on ZeRO slices with its own update (zero_clone), which sees "
+                                               f"only this worker's slices; use parallel.zero=0 across workers")
+        clipnorm = getattr(inner, "global_clipnorm", None)
+        if clipnorm:
+            def clip(grads):  # keras.src.optimizers.base_optimizer.clip_by_global_norm, over all workers
+                local = global_norm(grads)
+                use_norm = keras.ops.sqrt(workers.sum_all([keras.ops.square(local)])[0])
+                scale = clipnorm * keras.ops.minimum(1.0 / use_norm, 1.0 / clipnorm) + (use_norm - use_norm)
+                return [g * scale if g is not None else g for g in grads]
+
+            inner._clip_gradients = clip
+        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+            own = self.optimizer.check_finite
+
+            def check_finite(grads):
+                bad = tf.cast(tf.logical_not(tf.convert_to_tensor(own(grads))), tf.int32)
+                return tf.equal(workers.sum_all([bad])[0], 0)
+
+            self.optimizer.check_finite = check_finite
 
     # -- the optimizer's state, the user's and the slices' ------------------------------------
 
@@ -258,36 +308,72 @@ class ZeroSlices:
 
     def load(self) -> None:
         """Cut the model's weights and ``model.optimizer``'s state into the slices (eagerly)."""
+        firsts = dict(zip(map(id, self.layouts), self.first))
         for v, layout, row in zip(self.variables, self.layouts, self.slices):
             value = tf.convert_to_tensor(v.value)
             for k, s in enumerate(row):
-                s.assign(layout.piece(value, k))
+                s.assign(layout.piece(value, firsts[id(layout)] + k))
         for user, layout, row in self.slots:
             value = tf.convert_to_tensor(user.value)
             for k, s in enumerate(row):
-                s.assign(layout.piece(value, k))
+                s.assign(layout.piece(value, firsts[id(layout)] + k))
         for user, mine in self.scalars:
             mine.assign(user.value)
 
     def store(self, weights: bool = True) -> None:
-        """Join the slices into the model's weights (``weights``) and ``model.optimizer``'s state."""
-        if weights:
-            for v, layout, row in zip(self.variables, self.layouts, self.slices):
-                with tf.device(v.value.device):
-                    v.assign(layout.join(row))
-        for user, layout, row in self.slots:
-            with tf.device(user.value.device):
-                user.assign(layout.join(row))
+        """Join the slices into the model's weights (``weights``) and ``model.optimizer``'s state
+        (across workers every worker must call it: the slices are all-gathered)."""
+        pairs = ([(v.value, layout, row) for v, layout, row in zip(self.variables, self.layouts, self.slices)]
+                 if weights else []) + [(user.value, layout, row) for user, layout, row in self.slots]
+        for (target, _, _), whole in zip(pairs, self._whole([(layout, row) for _, layout, row in pairs],
+                                                          [t.device for t, _, _ in pairs])):
+            target.assign(whole)
         for user, mine in self.scalars:
             user.assign(mine.value)
+
+    def _whole(self, items: Sequence[tuple[SliceLayout, list]], devices: Sequence[str]) -> list[tf.Tensor]:
+        """The whole value of each ``(layout, this process's slices)``, on its device in
+        ``devices``: the concat of the slices (the all-gather of one process), or across workers
+        this worker's slices concatenated and all-gathered in worker order (one collective per
+        dtype for all of them), then cut to the variable's shape."""
+        if self.world == 1:
+            out = []
+            for (layout, row), device in zip(items, devices):
+                with tf.device(device):
+                    out.append(layout.join(row))
+            return out
+        with tf.device(self.workers.device):
+            local = [tf.concat([tf.reshape(tf.convert_to_tensor(s), [-1]) for s in row], 0) for _, row in items]
+        gathered = self.workers.concat_all(local) if local else []
+        out = []
+        for (layout, _), flat, device in zip(items, gathered, devices):
+            with tf.device(device):
+                out.append(layout.from_concat(tf.identity(flat)))
+        return out
 
     # -- a step --------------------------------------------------------------------------------
 
     def gather(self, variable, device: str) -> tf.Tensor:
         """``variable``'s whole value on ``device``: the concat of its slices there."""
-        i = self.index[id(variable)]
-        with tf.device(device):
-            return self.layouts[i].join(self.slices[i])
+        return self.gather_many([variable], [device])[0]
+
+    def gather_many(self, variables: Sequence, devices: Sequence[str], cache: dict | None = None) -> list[tf.Tensor]:
+        """Each of ``variables``' whole value on its device in ``devices``. Across workers the
+        all-gather runs once for all of them, on this worker's collective device, and a ``cache``
+        (a dict kept for one step) keeps its result for the worker's other replicas, which copy it
+        to their device."""
+        if self.world == 1:
+            return self._whole([(self.layouts[self.index[id(v)]], self.slices_of(v)) for v in variables], devices)
+        cache = {} if cache is None else cache
+        need = [v for v in variables if ("workers", id(v)) not in cache]
+        for v, whole in zip(need, self._whole([(self.layouts[self.index[id(v)]], self.slices_of(v)) for v in need],
+                                              [self.workers.device] * len(need))):
+            cache[("workers", id(v))] = whole
+        out = []
+        for v, device in zip(variables, devices):
+            with tf.device(device):
+                out.append(tf.identity(cache[("workers", id(v))]))
+        return out
 
     def slices_of(self, variable) -> list:
         return self.slices[self.index[id(variable)]]
@@ -327,6 +413,20 @@ class ZeroSlices:
                     out.append(self.cast(finish(total), v.dtype))
         return out
 
+    def cut(self, grads: list) -> list:
+        """Across workers: slice gradients, aligned with :attr:`flat`, from each variable's whole
+        gradient summed over every worker (``grads``, aligned with :attr:`variables`): each
+        device keeps its slice of the sum."""
+        out = []
+        for g, v, layout, where, first in zip(grads, self.variables, self.layouts, self.devices, self.first):
+            for k, device in enumerate(where):
+                if g is None:
+                    out.append(None)
+                    continue
+                with tf.device(device):
+                    out.append(self.cast(finish(layout.grad_piece(g, first + k)), v.dtype))
+        return out
+
     @staticmethod
     def cast(g, dtype):
         if isinstance(g, tf.IndexedSlices):
@@ -348,8 +448,16 @@ class ZeroSlices:
 
     def refresh(self, targets: Callable[[object], list]) -> None:
         """The all-gather: assign each variable's joined slices to every whole copy
-        ``targets(variable)`` lists (gathered on the copy's device)."""
-        for v, layout, row in zip(self.variables, self.layouts, self.slices):
+        ``targets(variable)`` lists (gathered on the copy's device; across workers gathered once
+        on this worker's collective device and copied)."""
+        if self.world == 1:
+            for v, layout, row in zip(self.variables, self.layouts, self.slices):
+                for copy in targets(v):
+                    with tf.device(copy.device):
+                        copy.assign(layout.join(row))
+            return
+        wholes = self.gather_many(self.variables, [self.workers.device] * len(self.variables))
+        for v, whole in zip(self.variables, wholes):
             for copy in targets(v):
                 with tf.device(copy.device):
-                    copy.assign(layout.join(row))
+                    copy.assign(whole)

@@ -10,8 +10,8 @@ rules where they can be probed:
   ``parallel.zero`` and ``parallel.schedule`` (the same checks the engine relies on). ZeRO-1/2/3
   (3: weights sliced too) run on the Keras-model engine
   (:class:`~phalanx.engines.keras_model.KerasModelEngine`, :mod:`phalanx.parallel.keras_zero`),
-  ``phalanx train``'s for the built-in GPT and ``phalanx.fit``'s, in one process
-  (:data:`KERAS_ZERO_ACROSS_NODES`), ZeRO-3 without expert parallelism;
+  ``phalanx train``'s for the built-in GPT and ``phalanx.fit``'s, in one process and across
+  nodes (:data:`KERAS_ZERO_ACROSS_NODES`), ZeRO-3 without expert parallelism;
 * the stage split: the engine's cost-balanced :func:`phalanx.parallel.partition.partition`
   over :func:`phalanx.core.costs.layer_costs` (FLOPs per token of each block,
   the embedding and the head), not equal layer counts;
@@ -32,8 +32,8 @@ Example:
     >>> m = ModelSpec(layers=4, d_model=64, heads=4, vocab=256, seq_len=32)
     >>> plan_only_reasons(m, Layout(dp=2, zero=3)), plan_only_reasons(m, Layout(dp=2, zero=2))
     ([], [])
-    >>> plan_only_reasons(m, Layout(dp=16, zero=3), get_hardware("a100-80gb"))   # 2 nodes of 8  # doctest: +ELLIPSIS
-    ['ZeRO-3 across nodes (...)']
+    >>> plan_only_reasons(m, Layout(dp=16, zero=3), get_hardware("a100-80gb"))   # 2 nodes of 8
+    []
     >>> moe = ModelSpec(layers=4, d_model=64, heads=4, vocab=256, seq_len=32, experts=4)
     >>> plan_only_reasons(moe, Layout(dp=4)), plan_only_reasons(moe, Layout(dp=4, ep=2))
     ([], [])
@@ -69,11 +69,13 @@ GPT_EP_WITH_RECOMPUTE = True
 # The highest ZeRO stage the Keras-model engine runs with ep (engines/keras_model.py check_zero
 # refuses 3 with ep: expert shards are not gathered from slices), for phalanx train and phalanx.fit.
 KERAS_EP_ZERO = 2
-# False while the Keras-model engine slices (ZeRO 1-3) over the data replicas of one process only:
-# phalanx.fit across workers refuses parallel.zero >= 1 (keras_model.check_zero), and no command drives
-# it over a mesh spanning nodes (parallel.strategy=mesh). Flip it when one does: ZeRO-3 layouts across
-# nodes then leave the plan-only list.
-KERAS_ZERO_ACROSS_NODES = False
+# True: the Keras-model engine runs ZeRO 1-3 across nodes: under parallel.strategy=multi_worker it
+# slices over the data replicas of every worker (parallel/keras_zero.py: workers x local replicas
+# slices, gradients all-reduced across workers and cut, slices all-gathered; engines/keras_cluster.py),
+# and under parallel.strategy=mesh over the data replicas of a mesh spanning the workers' devices
+# (tests/test_cluster_train.py), so ZeRO-3 layouts across nodes are not plan only. False would list
+# them as "ZeRO-3 across nodes" again.
+KERAS_ZERO_ACROSS_NODES = True
 
 
 # -- which engine trains the built-in GPT -----------------------------------------------------

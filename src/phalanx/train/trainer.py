@@ -193,6 +193,9 @@ class Trainer:
                                                   f"model.* keys or use a new run.dir")
 
     def _save(self, step: int, iterator) -> Path | None:
+        prepare = getattr(self.engine, "before_checkpoint", None)
+        if prepare is not None:  # every worker (under ZeRO across workers: the slices all-gathered)
+            prepare()
         if not self.is_chief:
             return None
         writers = {}
