@@ -67,7 +67,7 @@ def test_multi_worker_is_each_workers_own_layout_unless_it_is_tf_distributes_ste
 
 
 def test_mesh_is_not_built_here():
-    with pytest.raises(ConfigError, match="parallel.strategy: mesh .* built by the mesh engine"):
+    with pytest.raises(ConfigError, match="parallel.strategy: mesh .* placed by the engine itself"):
         make_strategy(cfg("mesh", pp=2), SINGLE)
 
 

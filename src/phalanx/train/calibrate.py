@@ -56,7 +56,6 @@ import time
 from dataclasses import dataclass
 
 from phalanx.mesh import build_mesh
-from phalanx.plan.engine_memory import engine_memory_per_device
 
 # Inter-op threads of the calibration process (see prepare_devices).
 INTER_OP_THREADS = 1
@@ -84,7 +83,7 @@ def calibrate(cfg, plan=None, steps: int = 3, predicted_per_device: dict | None 
 
     ``predicted_per_device``: device index (in ``dp, pp, tp`` mesh order, as
     ``parallel.devices`` numbers them) -> predicted bytes; from
-    :func:`phalanx.plan.engine_memory.engine_memory_per_device` when ``plan`` is given.
+    :func:`phalanx.plan.keras_memory.keras_memory_per_device` when ``plan`` is given.
     Errors are ``(predicted - measured) / measured``.
     """
     _check_steps(steps)
@@ -92,42 +91,34 @@ def calibrate(cfg, plan=None, steps: int = 3, predicted_per_device: dict | None 
     import tensorflow as tf
 
     from phalanx.engines.task import GPTTask
-    from phalanx.engines.factory import build_engine, gpt_engine, refuse_before_build
+    from phalanx.engines.factory import gpt_engine, refuse_before_build
     from phalanx.mesh import build_mesh
 
-    from phalanx.engines.keras_gpt import KerasGPTEngine, wants_keras_gpt
     from phalanx.plan.keras_memory import check_calibrated, keras_memory_per_device
 
-    if wants_keras_gpt(cfg) and predicted_per_device is None and plan is not None:
+    if predicted_per_device is None and plan is not None:
         check_calibrated(cfg, cfg.parallel.dp, "phalanx")  # before building anything
     task = GPTTask(cfg.model, cfg.precision.policy, cfg.train.seed)
-    if wants_keras_gpt(cfg):
-        # The engine phalanx train builds, with every stage inlined per micro-batch: inside a
-        # traced stage call (parallel/stage_calls.py) the profiler's allocation events name no device.
-        refuse_before_build(cfg, task)
-        engine = gpt_engine(cfg, build_mesh(cfg), task, stage_calls=False)
-    else:
-        engine = build_engine(cfg, task)
+    # The engine phalanx train builds, with every stage inlined per micro-batch: inside a
+    # traced stage call (parallel/stage_calls.py) the profiler's allocation events name no device.
+    refuse_before_build(cfg, task)
+    engine = gpt_engine(cfg, build_mesh(cfg), task, stage_calls=False)
     rng = np.random.default_rng(cfg.train.seed)
     batch = tf.constant(rng.integers(0, cfg.model.vocab, (cfg.train.global_batch, cfg.model.seq_len + 1)),
                         dtype=tf.int32)
-    variables = None
-    if isinstance(engine, KerasGPTEngine):
-        # the Keras-model engine with phalanx's AdamW: its moments (Keras slots, by their
-        # tf.Variables) counted once beside what the engine keeps
-        opt = engine.optimizer
-        variables = keras_engine_variables(engine.engine)
-        seen = {id(v) for v in variables}
-        for slot in list(opt.m) + list(opt.v):
-            tv = slot if isinstance(slot, tf.Variable) else slot.value
-            if id(tv) not in seen:
-                seen.add(id(tv))
-                variables.append(tv)
-        if predicted_per_device is None and plan is not None:
-            predicted_per_device = {d: m.total for d, m in keras_memory_per_device(
-                cfg, engine_blocks_per_stage(engine.engine), optimizer="phalanx").items()}
+    # the Keras-model engine with phalanx's AdamW: its moments (Keras slots, by their
+    # tf.Variables) counted once beside what the engine keeps
+    opt = engine.optimizer
+    variables = keras_engine_variables(engine.engine)
+    seen = {id(v) for v in variables}
+    for slot in list(opt.m) + list(opt.v):
+        tv = slot if isinstance(slot, tf.Variable) else slot.value
+        if id(tv) not in seen:
+            seen.add(id(tv))
+            variables.append(tv)
     if predicted_per_device is None and plan is not None:
-        predicted_per_device = {d: m.total for d, m in engine_memory_per_device(cfg).items()}
+        predicted_per_device = {d: m.total for d, m in keras_memory_per_device(
+            cfg, engine_blocks_per_stage(engine.engine), optimizer="phalanx").items()}
     return _calibrate_engine(engine, batch, steps, predicted_per_device, plan, variables)
 
 
