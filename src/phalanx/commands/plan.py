@@ -185,7 +185,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.keras:
         if args.search:
             raise ConfigError("--keras", "plans one layout on the Keras-model engine; --search proposes layouts "
-                                         "for the mesh engine: drop one of them")
+                                         "for phalanx train's engine: drop one of them")
         # refuses, naming the key, what the Keras-engine memory model was not measured for
         keras_mem = keras_memory_per_device(cfg.replace(parallel={"dp": dp, "pp": pp, "tp": tp}), optimizer="keras")
     if args.calibrate and not args.search:
