@@ -31,9 +31,12 @@ drawn from the same seed state again, and the state it returns in the backward i
 
 Example:
     >>> import tensorflow as tf
-    >>> f = wrap_block(lambda x, w: x * w, "full")
-    >>> float(f(tf.constant(2.0), tf.constant(3.0)))
-    6.0
+    >>> x = tf.constant(2.0)
+    >>> with tf.GradientTape() as tape:
+    ...     tape.watch(x)
+    ...     y = recompute(lambda v: [v * v * 3.0], [x])[0]
+    >>> float(y), float(tape.gradient(y, x))
+    (12.0, 12.0)
 """
 
 from __future__ import annotations
