@@ -120,11 +120,6 @@ def _logical(names: list, var_names: list, variables: list, boxes_of: list) -> d
     return out
 
 
-def _join(variable, values: list) -> np.ndarray:
-    """The logical array of ``variable`` (as :func:`_logical` made it) from arrays shaped as its variables."""
-    return variable.join(values) if isinstance(variable, JoinedVariable) else values[0]
-
-
 class StrategyEngine:
     """Data-parallel training step through a ``tf.distribute`` strategy."""
 
@@ -216,20 +211,9 @@ class StrategyEngine:
             tf.distribute.ReduceOp.SUM, list(zip(grads, variables)))
         return grads, self.strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None)
 
-    def gradients(self, batch) -> dict[str, np.ndarray]:
-        """The (unscaled) gradients of the mean loss over ``batch``, by name. Changes no weight
-        or optimizer state; the MoE statistics totals then hold this batch's, as after a step."""
-        if not hasattr(self, "_grad_fn"):
-            self._grad_fn = tf.function(lambda b: self._step_gradients(b)[0])
-        grads = self._grad_fn(batch)
-        scale = float(self.loss_scale.scale.numpy())
-        grads = [np.asarray(tf.convert_to_tensor(g)) / scale for g in grads]
-        return {n: _join(self.variables[n], [g for g, m in zip(grads, self._var_names) if m == n]) for n in self.names}
-
     def _step_gradients(self, batch):
-        """:meth:`_reduced_grads` of a step: the step totals start at zero (every step and
-        :meth:`gradients` call sees only its own batch; the one replica of a parameter-server
-        step adds the whole batch's)."""
+        """:meth:`_reduced_grads` of a step: the step totals start at zero (every step sees only
+        its own batch; the one replica of a parameter-server step adds the whole batch's)."""
         for var in self.step_totals:
             var.assign(tf.zeros(var.shape, var.dtype))
         return self._reduced_grads(batch)
