@@ -1,21 +1,19 @@
 """Step build time of the built-in GPT: the first step (engine construction, tracing, the
-step itself) and the later steps, on the engine ``phalanx train`` builds now (the
-Keras-model engine, :class:`~phalanx.engines.keras_gpt.KerasGPTEngine`) beside the mesh
-engine it replaced for these layouts, in one run.
+step itself) and the later steps, on the engine ``phalanx train`` builds (the Keras-model
+engine, :class:`~phalanx.engines.keras_gpt.KerasGPTEngine`). The "before" figures of the
+mesh engine it replaced are in docs/benchmarks.md (that engine is deleted).
 
-Run by hand (minutes; the mesh engine's largest case alone took 501 s on a quiet 2-core machine):
+Run by hand (minutes):
 
-    .venv/bin/python benchmarks/bench_build.py                      # the four cases, both engines
-    .venv/bin/python benchmarks/bench_build.py --engines keras      # the new engine only
+    .venv/bin/python benchmarks/bench_build.py                      # the four cases
     .venv/bin/python benchmarks/bench_build.py --cases 0,1 --steps 3
 
 The cases (a d_model 64 GPT, 4 heads, ffn 256, vocab 256, seq_len 32, 2 rows per
 micro-batch, float32, on 8 logical CPUs): 4 layers pp2 with 2 micro-batches; 4 layers pp2
-with 8; 16 layers tp2 x pp2 with 8; 32 layers tp2 x pp4 with 16 (1F1B). Every (case,
-engine) runs in a fresh process (nothing traced is shared), the engines of a case one after
-the other. Times are wall seconds: on a machine loaded by others, compare the engines by
-their ratio in the same run, not with another run's figures. The table starts with the CPU
-model, the date and the load averages.
+with 8; 16 layers tp2 x pp2 with 8; 32 layers tp2 x pp4 with 16 (1F1B). Every case runs in
+a fresh process (nothing traced is shared). Times are wall seconds: on a machine loaded by
+others, compare cases within one run, not with another run's figures. The table starts with
+the CPU model, the date and the load averages.
 """
 
 from __future__ import annotations
@@ -38,11 +36,8 @@ CASES = [  # layers, tp, pp, micro-batches
     (16, 2, 2, 8),
     (32, 2, 4, 16),
 ]
-ENGINES = ("keras", "mesh")
-
-
-def _one(case: int, engine: str, steps: int) -> dict:
-    """In this process: build ``engine`` for case ``case``, time the first and later steps."""
+def _one(case: int, steps: int) -> dict:
+    """In this process: build the engine for case ``case``, time the first and later steps."""
     import tensorflow as tf
 
     tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
@@ -65,11 +60,7 @@ def _one(case: int, engine: str, steps: int) -> dict:
     rng = np.random.default_rng(0)
     data = [rng.integers(0, 256, (2 * micro, 33)).astype(np.int32) for _ in range(steps + 1)]
     start = time.perf_counter()
-    if engine == "mesh":  # the "before" of the build-time note; goes with the mesh engine
-        from phalanx.engines.mesh import MeshEngine
-        built = MeshEngine(cfg, mesh, GPTTask(cfg.model))
-    else:  # the engine phalanx train builds (engines/factory.py)
-        built = make_engine(GPTTask(cfg.model), mesh, cfg)
+    built = make_engine(GPTTask(cfg.model), mesh, cfg)  # the engine phalanx train builds (engines/factory.py)
     construct = time.perf_counter() - start
     float(built.train_step(data[0])["loss"])
     first = time.perf_counter() - start
@@ -86,19 +77,16 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default=",".join(str(i) for i in range(len(CASES))),
                         help="comma-separated case indices (0-3)")
-    parser.add_argument("--engines", default=",".join(ENGINES), help="keras, mesh or both (run in that order)")
     parser.add_argument("--steps", type=int, default=3, help="later steps timed (median)")
-    parser.add_argument("--one", help=argparse.SUPPRESS)  # "case,engine": run one in this process
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # a case index: run it in this process
     args = parser.parse_args(argv)
     if args.one:
-        case, engine = args.one.split(",")
-        print(json.dumps(_one(int(case), engine, args.steps)))
+        print(json.dumps(_one(int(args.one), args.steps)))
         return 0
     cases = [int(c) for c in args.cases.split(",")]
-    engines = [e for e in args.engines.split(",") if e]
-    bad = [e for e in engines if e not in ENGINES] + [str(c) for c in cases if not 0 <= c < len(CASES)]
+    bad = [str(c) for c in cases if not 0 <= c < len(CASES)]
     if bad:
-        parser.error(f"unknown engine or case {bad}: engines are {ENGINES}, cases 0..{len(CASES) - 1}")
+        parser.error(f"unknown case {bad}: cases are 0..{len(CASES) - 1}")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from machine_report import load, machine
 
@@ -106,24 +94,18 @@ def main(argv=None) -> int:
     print(f"# Build time of the built-in GPT ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)\n")
     print(f"CPU: {info['model']} ({info['cores']} cores; {info['flags']}); TF {info['tf']}, Keras "
           f"{info['keras']}; oneDNN {info['onednn']}; load at start {load()}\n")
-    print("| case | engine | construct s | first step s | later step s | first: mesh / keras | load |")
-    print("|---|---|---|---|---|---|---|")
+    print("| case | construct s | first step s | later step s | load |")
+    print("|---|---|---|---|---|")
     for case in cases:
         layers, tp, pp, micro = CASES[case]
         name = f"{layers} layers tp{tp} x pp{pp}, {micro} micro-batches"
-        got = {}
-        for engine in engines:
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", f"{case},{engine}",
-                                  "--steps", str(args.steps)], capture_output=True, text=True)
-            if out.returncode:
-                print(f"| {name} | {engine} | failed: {out.stderr.strip().splitlines()[-1:]} | | | | |")
-                continue
-            got[engine] = json.loads(out.stdout.strip().splitlines()[-1])
-            ratio = (f"{got['mesh']['first_s'] / got['keras']['first_s']:.1f}x"
-                     if len(got) == 2 and engine == engines[-1] else "")
-            r = got[engine]
-            print(f"| {name} | {engine} | {r['construct_s']:.1f} | {r['first_s']:.1f} | {r['step_s']:.3f} | "
-                  f"{ratio} | {load()} |", flush=True)
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", str(case),
+                              "--steps", str(args.steps)], capture_output=True, text=True)
+        if out.returncode:
+            print(f"| {name} | failed: {out.stderr.strip().splitlines()[-1:]} | | | |")
+            continue
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"| {name} | {r['construct_s']:.1f} | {r['first_s']:.1f} | {r['step_s']:.3f} | {load()} |", flush=True)
     return 0
 
 

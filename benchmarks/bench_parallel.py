@@ -28,8 +28,6 @@ Memory: the process's peak bytes during one step of the layout alone, less what 
 allocated before the layout's engine was built (``get_memory_info``; logical CPUs share
 one allocator, so it is the sum over devices), and the optimizer-state bytes the most loaded
 device holds (exact, from the optimizer's slot variables) with and without ZeRO-1.
-Layouts ``phalanx train`` still routes to an older engine (plan/engine_rules.py
-``OLD_ENGINE_ROWS``: recomputation today) are timed on that engine, whichever it is.
 """
 
 from __future__ import annotations
@@ -138,8 +136,6 @@ def main(argv: list[str] | None = None) -> int:
     def optimizer_state_bytes(engine) -> int:
         """The most loaded device's optimizer-state bytes: every slot variable of the engine's
         optimizers (the Keras-model engine's ZeRO slices and the whole moments), by device."""
-        if hasattr(engine.optimizer, "state_bytes_per_device"):  # an older engine's sharded optimizer
-            return max(engine.optimizer.state_bytes_per_device().values())
         slots = {}
         for opt in {id(o): o for o in (engine.optimizer, getattr(engine.engine, "optimizer", None)) if o}.values():
             for v in opt.m + opt.v:

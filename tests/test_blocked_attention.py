@@ -178,11 +178,13 @@ def test_gpt_trained_with_blocked_attention_equals_plain(small_blocks, tmp_path)
                                        err_msg=f"{what} {mine.path}")
 
 
-def test_mesh_engine_tp2_with_blocked_attention_equals_one_device_plain(small_blocks, devices):
-    """The mesh engine (tp=2: each device runs the blocked core on its heads) trains the losses
-    of the one-device tf.distribute engine with the plain core."""
-    from phalanx.engines.mesh import MeshEngine
-    from phalanx.engines.strategy import StrategyEngine
+def test_phalanx_train_tp2_with_blocked_attention_equals_keras_one_device_plain(small_blocks, devices):
+    """The engine phalanx train builds (the Keras-model engine; tp=2: each device runs the
+    blocked core on its heads) trains the losses of Keras's own one-device train_on_batch of
+    the plain-attention GPT (tests/gpt_oracle.py)."""
+    import gpt_oracle
+    from phalanx.engines.factory import make_engine
+    from phalanx.engines.keras_gpt import KerasGPTEngine
     from phalanx.engines.task import GPTTask
     from phalanx.mesh import Mesh
 
@@ -192,12 +194,11 @@ def test_mesh_engine_tp2_with_blocked_attention_equals_one_device_plain(small_bl
 
     rng = np.random.default_rng(2)
     data = [rng.integers(0, CFG["vocab"], size=(4, CFG["seq_len"] + 1)).astype(np.int32) for _ in range(3)]
-    plain = cfg("plain")
-    reference = StrategyEngine(plain, GPTTask(plain.model))
-    want = [float(reference.train_step(b)["loss"]) for b in data]
+    want = gpt_oracle.run(cfg("plain"), data)[0]
     assert not small_blocks
     blocked = cfg("blocked", tp=2)
-    engine = MeshEngine(blocked, Mesh.from_devices(devices[:2], 1, 1, 2), GPTTask(blocked.model))
+    engine = make_engine(GPTTask(blocked.model), Mesh.from_devices(devices[:2], 1, 1, 2), blocked)
+    assert isinstance(engine, KerasGPTEngine)
     got = [float(engine.train_step(b)["loss"]) for b in data]
     assert small_blocks, "the blocked core did not run"
     # AdamW steps of lr 1e-3 from the same weights: float32 round-off of the two cores moves

@@ -67,8 +67,32 @@ def test_multi_worker_is_each_workers_own_layout_unless_it_is_tf_distributes_ste
 
 
 def test_mesh_is_not_built_here():
-    with pytest.raises(ConfigError, match="parallel.strategy: mesh .* built by the mesh engine"):
+    with pytest.raises(ConfigError, match="parallel.strategy: mesh .* placed by the engine itself"):
         make_strategy(cfg("mesh", pp=2), SINGLE)
+
+
+def test_a_one_process_mirrored_set_up_trains_the_builtin_gpt_on_the_keras_model_engine(devices):
+    """A set-up made in one process for ``mirrored`` (Trainer(cfg, cluster=setup_cluster(cfg)))
+    trains the built-in GPT on the engine phalanx train builds in one process, over the
+    strategy's devices; its losses are Keras's own one-device train_on_batch's (tests/gpt_oracle.py)."""
+    import gpt_oracle
+    from phalanx.engines.factory import build_engine
+    from phalanx.engines.keras_gpt import KerasGPTEngine
+    from phalanx.engines.task import GPTTask
+
+    model = {"layers": 1, "d_model": 16, "heads": 2, "ffn": 32, "vocab": 256, "seq_len": 8}
+    train = {"global_batch": 4, "warmup": 1, "lr": 1e-3}
+    c = Config().replace(parallel={"strategy": "mirrored", "dp": 2}, model=model, train=train)
+    setup = strategies.setup_cluster(c, SINGLE, devices=devices[:2])
+    engine = build_engine(c, GPTTask(c.model, "float32", c.train.seed), setup)
+    assert type(engine) is KerasGPTEngine and engine.dp == 2
+    rng = np.random.default_rng(0)
+    data = [rng.integers(0, 256, size=(4, 9)).astype(np.int32) for _ in range(2)]
+    got = [float(engine.train_step(b)["loss"]) for b in data]
+    want = gpt_oracle.run(Config().replace(model=model, train=train), data)[0]
+    # float32: the same sums over two replicas in another order (~1e-7 relative); one AdamW step
+    # of lr 1e-3 between the losses; a wrong gradient or replica split moves the second by ~1e-3
+    np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
 def test_local_strategies(devices):

@@ -83,7 +83,7 @@ ELSEWHERE = {
     "model.tie_embeddings": "tests/test_weight_names.py, tests/test_transformer_gpt.py: an untied head has its own "
                             "weight (on a pipeline it replaces the last stage's mirror of the embedding: the same "
                             "bytes, so the plan of the fullest device may not change)",
-    "parallel.sequence_parallel": "tests/test_mesh_sp_dropout.py, tests/test_keras_tp.py: sequence chunks per "
+    "parallel.sequence_parallel": "tests/test_sequence_parallel.py, tests/test_keras_tp.py: sequence chunks per "
                                   "tensor rank (the planner does not model them)",
     "model.capacity_factor": "tests/test_moe.py: tokens past an expert's capacity dropped, as the reference",
     "model.aux_loss_coef": "tests/test_moe.py: the load-balancing loss's coefficient in the logged loss",

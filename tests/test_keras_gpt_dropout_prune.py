@@ -108,6 +108,8 @@ DROPOUT_LAYOUTS = {  # id: parallel / train keys
     "pp2-gpipe-dp2": dict(dp=2, pp=2, microbatches=2, schedule="gpipe"),
     "grad_accum2": dict(train={"grad_accum": 2}),
     "tp2-sp": dict(tp=2, sequence_parallel=True),
+    "tp2-pp2-mb2-sp": dict(tp=2, pp=2, microbatches=2, sequence_parallel=True),
+    "tp2-sp-recompute": dict(tp=2, sequence_parallel=True, recompute="full"),  # the same masks drawn again
 }
 
 

@@ -1,20 +1,13 @@
-"""The memory pre-check's host term is what the run really holds on the host (issue 12,
-item 2 "Scale"): per shard on the mesh engine (initialisation, checkpoint save/restore and
-pruning move one shard at a time), per variable on the tf.distribute engines (initial
-weights assigned one tensor at a time, checkpoints written and restored one variable at a
-time per thread).
+"""The memory pre-check's host term is what the run really holds on the host: per shard on
+the engine phalanx train builds (initialisation, checkpoint save/restore and pruning move one
+part at a time).
 
 * a model whose whole float32 weights exceed the (simulated) host RAM, split tp=4 over
   4 GPUs, is accepted when the per-shard peak fits the host, and refused with the figures
   when it does not;
-* the same model on the tf.distribute engine (one device) is accepted on a host smaller
-  than the model when a few copies of its largest variable per writer thread fit, and
-  refused with those figures when they do not;
 * the planner's engine rule agrees with the engine factory's;
-* the host figure bounds the NumPy memory (tracemalloc) a real tp=2 mesh engine uses to
-  save, restore and prune, and a real dp=2 StrategyEngine uses to initialise, save and
-  restore, and is not far above it; the StrategyEngine's peaks are a small multiple of its
-  largest variable, well under its whole weights.
+* the host figure bounds the NumPy memory (tracemalloc) a real tp=2 engine uses to save,
+  restore and prune, and is not far above it.
 """
 
 from __future__ import annotations
@@ -99,7 +92,7 @@ def test_the_planner_picks_the_engine_the_factory_builds(overrides, devices):
 
 
 @pytest.mark.memory_peak
-def test_the_host_figure_bounds_what_a_real_mesh_engine_holds(devices, tmp_path):
+def test_the_host_figure_bounds_what_a_real_tp2_engine_holds(devices, tmp_path):
     """Save, restore and a pruning step of the tp=2 engine phalanx train builds (engines/factory.py),
     whose largest shard is half the token embedding: measured NumPy transients (peak less what the
     variables keep) <= the pre-check's figure <= 4 x the largest peak."""

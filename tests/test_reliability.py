@@ -478,7 +478,7 @@ def test_the_builtin_gpts_multi_worker_run_takes_zero_and_each_workers_layout(st
 
 
 @pytest.mark.parametrize("parallel,key", UNHONOURED[:5], ids=[f"{k}={list(p.values())[0]}" for p, k in UNHONOURED[:5]])
-def test_explicit_mirrored_refuses_what_only_the_mesh_engine_does(parallel, key):
+def test_explicit_mirrored_refuses_what_it_does_not_honour(parallel, key):
     from phalanx.engines.task import GPTTask
     from phalanx.engines.factory import build_engine
 

@@ -100,7 +100,7 @@ class ParallelConfig:
     ``ep``: expert parallelism — the experts of ``phalanx.layers.MoE(ep=...)`` layers are
     sharded over groups of ``ep`` data replicas (``ep`` divides ``dp``).
     ``sequence_parallel``: Megatron sequence parallelism alongside ``tp > 1`` (Korthikanti et
-    al. 2022): the built-in dense GPT on the mesh engine (``tp`` must divide ``model.seq_len``),
+    al. 2022): the built-in dense GPT (``tp`` must divide ``model.seq_len``),
     or the ``phalanx.layers.TransformerBlock`` layers of a Keras model through ``phalanx.fit``.
     """
 

@@ -1,7 +1,6 @@
 """A mesh whose devices span the workers of a TF_CONFIG cluster (``parallel.strategy=mesh``).
 
-The engine (the Keras-model engine for the built-in GPT; the mesh engine for what only it
-runs) places every weight, activation and gradient with ``tf.device`` on the device names of
+The engine (the Keras-model engine for the built-in GPT) places every weight, activation and gradient with ``tf.device`` on the device names of
 its :class:`~phalanx.mesh.Mesh`. Those names may be remote:
 once a process has called ``tf.config.experimental_connect_to_cluster``, a
 ``tf.function`` can place ops on ``/job:worker/replica:0/task:1/device:CPU:0`` and

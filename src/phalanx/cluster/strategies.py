@@ -13,8 +13,8 @@
   (:func:`serve_if_server_task`);
 * ``auto`` -- ``parameter_server`` when TF_CONFIG has ps tasks, ``multi_worker`` when
   it names several workers, ``mesh`` when ``parallel.tp``/``pp`` > 1, else ``mirrored``;
-* ``mesh`` -- placed by the engine itself (the Keras-model engine for the built-in GPT, the
-  mesh engine for what only it runs), not here; under a TF_CONFIG cluster
+* ``mesh`` -- placed by the engine itself (the Keras-model engine for the built-in GPT),
+  not here; under a TF_CONFIG cluster
   :func:`setup_cluster` joins it and names the mesh's devices on every task, which the
   chief's engine places on (:mod:`phalanx.cluster.mesh_cluster`).
 
@@ -143,7 +143,7 @@ def refuse_unhonoured(cfg: Any, name: str, strategy_step: bool = False) -> None:
     multi_worker, parameter_server and mirrored train with tf.distribute's own step
     (:class:`~phalanx.engines.strategy.StrategyEngine`): whole AdamW states on every
     replica, no activation recomputation, no pipeline micro-batches, the devices the
-    strategy finds. Only the mesh engine honours ``parallel.zero``,
+    strategy finds. Only the Keras-model engine honours ``parallel.zero``,
     ``parallel.recompute`` and ``parallel.microbatches`` (one process, or across the
     workers of a cluster with ``parallel.strategy=mesh``); silently dropping them would
     train with more memory than asked, or differently, without a word.
@@ -163,11 +163,11 @@ def refuse_unhonoured(cfg: Any, name: str, strategy_step: bool = False) -> None:
     p = cfg.parallel
     if name == MULTI_WORKER and keras_workers(cfg, strategy_step):
         return
-    # "mirrored" chosen by "auto" is not refused: in one process the trainer then builds the
-    # mesh engine for these keys (phalanx.engines.factory.needs_mesh_engine).
+    # "mirrored" chosen by "auto" is not refused: in one process phalanx train builds the
+    # Keras-model engine, which honours these keys (phalanx.engines.factory.build_engine).
     if name not in (MULTI_WORKER, PARAMETER_SERVER) and not (name == LOCAL and p.strategy == LOCAL):
         return
-    mesh_hint = ("the mesh engine honours it: parallel.strategy=mesh (one process, or across workers "
+    mesh_hint = ("the Keras-model engine honours it: parallel.strategy=mesh (one process, or across workers "
                  "under phalanx launch)" if name != LOCAL else "parallel.strategy=auto or mesh honours it")
     why = {MULTI_WORKER: "MultiWorkerMirroredStrategy", PARAMETER_SERVER: "ParameterServerStrategy",
            LOCAL: "MirroredStrategy"}[name]
@@ -201,8 +201,8 @@ def make_strategy(cfg: Any, info: ClusterInfo | None = None,
     info = cluster_info_from_env() if info is None else info
     name = resolve_strategy_name(cfg, info)
     if name == MESH:
-        raise ConfigError("parallel.strategy", "mesh (tensor/pipeline parallel) is built by the mesh engine "
-                                               "(phalanx.parallel), not by a tf.distribute strategy")
+        raise ConfigError("parallel.strategy", "mesh (tensor/pipeline parallel) is placed by the engine "
+                                               "itself (the Keras-model engine), not by a tf.distribute strategy")
     if name == LOCAL:
         return local_strategy(devices if devices is not None else _default_devices(cfg.parallel.dp))
     if name == MULTI_WORKER:
@@ -453,7 +453,7 @@ def setup_cluster(cfg: Any, info: ClusterInfo | None = None, devices: Sequence[s
     info = cluster_info_from_env() if info is None else info
     name = resolve_strategy_name(cfg, info, strategy_step)  # config errors before a server starts
     if name == MESH and info.is_distributed:
-        # The mesh engine's devices span the tasks; non-chief tasks serve in here and never return.
+        # The mesh's devices span the tasks; non-chief tasks serve in here and never return.
         devices = setup_mesh_cluster(cfg, info)
         return ClusterSetup(info=info, strategy=None, coordinator=None, name=name, data_index=0, data_count=1,
                             local_batch=cfg.train.global_batch, devices=tuple(devices))

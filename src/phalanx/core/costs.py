@@ -2,7 +2,7 @@
 
 Every FLOP figure of phalanx comes from here: MFU (:func:`gpt_training_flops_per_token`,
 through the trainer's task), the pipeline partitioner's stage costs (:func:`layer_costs`,
-used by the mesh engine and by the planner's stage split) and the planner's time and
+used by the planner's stage split) and the planner's time and
 memory estimates (``phalanx.plan``).
 
 Dense layers follow phalanx's GPT (docs/DESIGN.md): pre-LayerNorm blocks with

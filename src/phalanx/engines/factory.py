@@ -8,17 +8,15 @@ The model code is written for one device; this step decides how it runs on the m
   :class:`~phalanx.engines.keras_gpt.KerasGPTEngine` (the Keras-model engine: one device, dp,
   tp, pp with any schedule, sequence parallelism, ep, grad accumulation, mixed precision,
   ZeRO-1/2/3, recomputation, dropout, pruning; across workers with ``parallel.strategy=multi_worker``, each worker's own layout,
-  :func:`_keras_gpt_across_workers`). Only
-  what that engine does not run yet goes to an older engine, decided in one place:
-  :meth:`phalanx.plan.engine_rules.GPTRun.engine` with its table
-  :data:`~phalanx.plan.engine_rules.OLD_ENGINE_ROWS` (the parameter-server engine); a mesh spanning the workers
-  (``parallel.strategy=mesh``) is driven by the chief with the same choice.
+  :func:`_keras_gpt_across_workers`; on a mesh spanning the workers, ``parallel.strategy=mesh``,
+  driven by the chief), except under parameter servers (``parallel.strategy=parameter_server``:
+  :class:`~phalanx.engines.ps.ParameterServerEngine`).
   A Keras task of the Trainer trains on tf.distribute (data parallel; across workers with
   ``setup_cluster(cfg, strategy_step=True)``);
 * :func:`make_engine` applies a given mesh to a model from outside:
 
   - the built-in GPT (a :class:`~phalanx.engines.task.GPTTask` or a ``ModelConfig``) ->
-    :func:`gpt_engine`, the same choice on that mesh;
+    :func:`gpt_engine` (:class:`~phalanx.engines.keras_gpt.KerasGPTEngine` on that mesh);
   - a user's compiled ``keras.Model`` (with ``sample_batch``) ->
     :class:`~phalanx.engines.keras_model.KerasModelEngine` (the model's own optimizer,
     loss and metrics). :func:`phalanx.fit` does this for you.
@@ -36,6 +34,8 @@ Example:
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import keras
 
 from phalanx.engines.ps import ParameterServerEngine
@@ -43,29 +43,11 @@ from phalanx.cluster.strategies import MULTI_WORKER, local_strategy, refuse_unho
 from phalanx.config import Config, ConfigError, ModelConfig, given
 from phalanx.engines import keras_cluster
 from phalanx.engines.keras_model import KerasModelEngine
-from phalanx.engines.keras_gpt import KerasGPTEngine, wants_keras_gpt
+from phalanx.engines.keras_gpt import KerasGPTEngine
 from phalanx.engines.keras_gpt import refuse_unhonoured as keras_gpt_refusals
 from phalanx.engines.strategy import StrategyEngine
 from phalanx.engines.task import GPTTask, KerasTask
 from phalanx.mesh import Mesh, build_mesh
-from phalanx.engines.mesh import MeshEngine
-from phalanx.plan.engine_rules import GPTRun
-
-
-def gpt_run(cfg: Config, cluster=None, mesh: Mesh | None = None) -> GPTRun:
-    """What decides the engine of ``cfg`` (:class:`~phalanx.plan.engine_rules.GPTRun`): its keys,
-    the resolved degrees of ``mesh`` and the strategy ``cluster`` was set up for."""
-    name = None
-    if cluster is not None:
-        name = "mesh" if getattr(cluster, "devices", None) else \
-            "parameter_server" if getattr(cluster, "coordinator", None) is not None else getattr(cluster, "name", None)
-    tp, pp = (mesh.tp, mesh.pp) if mesh is not None else (None, None)
-    return GPTRun.of(cfg, tp, pp, cluster=name)
-
-
-def needs_mesh_engine(cfg: Config) -> bool:
-    """Whether ``phalanx train`` runs ``cfg`` (in one process) on the mesh engine."""
-    return gpt_run(cfg).engine() == "mesh"
 
 
 def refuse_before_build(cfg: Config, task, cluster=None) -> None:
@@ -77,35 +59,25 @@ def refuse_before_build(cfg: Config, task, cluster=None) -> None:
             raise ConfigError(key, f"is ignored under precision.policy={cfg.precision.policy}: loss scaling applies "
                                    f"to precision.policy=mixed_float16 only; set that, or remove {key}")
     if p.sequence_parallel and (p.ep > 1 or cfg.model.experts):
-        raise ConfigError("parallel.sequence_parallel", "true: the mesh engine runs sequence parallelism for the "
+        raise ConfigError("parallel.sequence_parallel", "true: phalanx train runs sequence parallelism for the "
                                                         "dense GPT; the mixture-of-experts GPT (model.experts, "
                                                         "parallel.ep) does not run it yet")
     across = isinstance(task, GPTTask) and _worker_group_cluster(cluster)
-    if p.ep > 1 or across or (isinstance(task, GPTTask) and cluster is None and wants_keras_gpt(cfg)):
+    if p.ep > 1 or across or (isinstance(task, GPTTask) and cluster is None):
         # the GPT of parallel Keras layers on the Keras-model engine (expert parallelism included)
         if not isinstance(task, GPTTask):
             raise ConfigError("parallel.ep", f"{p.ep}: phalanx train runs expert parallelism for the "
                                              f"built-in GPT (in one process, or across workers with parallel."
                                              f"strategy=multi_worker); for another task use parallel.ep=1 (a Keras "
                                              f"model: phalanx.layers.MoE(ep=N) through phalanx.fit)")
-        if across and p.ep == 1:
-            # Across workers the dense GPT trains on the Keras-model engine only: what that engine does
-            # not run yet (GPTRun's older-engine rows) is refused here, naming its key.
-            reasons = gpt_run(cfg, cluster).old_engine_reasons()
-            if reasons:
-                key = reasons[0].split("=", 1)[0]
-                raise ConfigError(key, f"{reasons[0].split('=', 1)[1]}; across workers (parallel.strategy="
-                                       f"multi_worker) phalanx train runs the built-in GPT on the Keras-model engine "
-                                       f"(each worker's own layout), which does not run it: train it in one process, "
-                                       f"or across workers with parallel.strategy=mesh")
         keras_gpt_refusals(cfg)
         if across:
             refuse_unhonoured(cfg, MULTI_WORKER)  # (ZeRO across workers runs: slices over every worker's replicas)
         if p.ep > 1 or across:
             return
     if getattr(cluster, "devices", None):  # a mesh across the workers' devices
-        if isinstance(task, GPTTask) and gpt_run(cfg, cluster).engine() == "keras":
-            keras_gpt_refusals(cfg)  # (else the mesh engine's own checks)
+        if isinstance(task, GPTTask):
+            keras_gpt_refusals(cfg)
         return
     elif cluster is not None:
         refuse_unhonoured(cfg, cluster.name, strategy_step=True)
@@ -130,10 +102,9 @@ def _refuse_microbatches(n: int) -> None:
 
 def build_engine(cfg: Config, task, cluster=None):
     """The engine ``phalanx train`` runs for ``cfg``: for the built-in GPT the Keras-model
-    engine (:class:`KerasGPTEngine`) unless a row of
-    :data:`~phalanx.plan.engine_rules.OLD_ENGINE_ROWS` applies (then the mesh engine,
-    tf.distribute's or the parameter-server engine, :meth:`GPTRun.engine`); tf.distribute for a
-    Keras task. ``cluster``: what ``setup_cluster`` returned (None on one process)."""
+    engine (:class:`KerasGPTEngine`), under parameter servers the parameter-server engine;
+    tf.distribute for a Keras task. ``cluster``: what ``setup_cluster`` returned (None on one
+    process)."""
     refuse_before_build(cfg, task, cluster)
     if cfg.parallel.ep > 1:  # expert parallelism: the GPT of parallel Keras layers on the Keras-model engine
         if cluster is None:
@@ -142,17 +113,20 @@ def build_engine(cfg: Config, task, cluster=None):
     if isinstance(task, GPTTask) and getattr(cluster, "name", None) == MULTI_WORKER \
             and not getattr(cluster, "devices", None):
         return _keras_gpt_across_workers(cfg, task, cluster)  # each worker's own layout, the workers data parallel
-    if isinstance(task, GPTTask) and cluster is None and gpt_run(cfg).engine() == "keras":
+    if isinstance(task, GPTTask) and cluster is None:
         return gpt_engine(cfg, build_mesh(cfg), task)
     if getattr(cluster, "devices", None) and isinstance(task, GPTTask):  # a mesh whose devices span the workers:
         # the Keras-model engine on the remote devices (ZeRO sliced over the mesh's data replicas)
         return gpt_engine(cfg, build_mesh(cfg, list(cluster.devices)), task, cluster)
     if cfg.parallel.zero == 3:
-        raise ConfigError("parallel.zero", "3: ZeRO-3 (sliced weights) runs on the Keras-model engine, which this "
-                                           "run's other keys (pruning, dropout, a cluster strategy) do not train "
-                                           "on yet; use parallel.zero=2")
+        raise ConfigError("parallel.zero", "3: ZeRO-3 (sliced weights) runs on the Keras-model engine in one "
+                                           "process, not with this run's cluster strategy or task; use "
+                                           "parallel.zero=2")
     if getattr(cluster, "devices", None):  # cluster: a mesh whose devices span the workers
-        return make_mesh_engine(cfg, build_mesh(cfg, list(cluster.devices)), task)
+        mesh = build_mesh(cfg, list(cluster.devices))
+        if isinstance(task, GPTTask):  # the Keras-model engine on the remote devices
+            return gpt_engine(cfg, mesh, task)
+        _refuse_placed_task(task)
     if cluster is not None:  # a multi-process strategy, built first (cluster.strategies.setup_cluster)
         if cluster.coordinator is not None:  # cluster: parameter servers, steps scheduled on the workers
             return ParameterServerEngine(cfg, task, cluster.strategy, cluster.coordinator, cluster.info.num_workers)
@@ -162,39 +136,31 @@ def build_engine(cfg: Config, task, cluster=None):
                                                    f"a {type(task).__name__} trains on tf.distribute's step: set it "
                                                    f"up with phalanx.cluster.strategies.setup_cluster(cfg, "
                                                    f"strategy_step=True)")
+        if isinstance(task, GPTTask):  # a one-process set-up (mirrored): the Keras-model engine on its devices
+            return gpt_engine(cfg, build_mesh(cfg, list(cluster.strategy.extended.worker_devices)), task)
         return StrategyEngine(cfg, task, cluster.strategy)
     mesh = build_mesh(cfg)
     if cfg.parallel.sequence_parallel and mesh.tp < 2:
         raise ConfigError("parallel.sequence_parallel", f"true needs tensor parallelism: parallel.tp > 1 (the "
                                                         f"layout has tp={mesh.tp})")
-    if mesh.tp > 1 or mesh.pp > 1 or needs_mesh_engine(cfg):  # (mesh: -1 degrees resolved)
-        return make_mesh_engine(cfg, mesh, task)
+    if mesh.tp > 1 or mesh.pp > 1:  # (mesh: -1 degrees resolved)
+        _refuse_placed_task(task)
     if cfg.parallel.microbatches != 1:  # (parallel.pp=-1 filled with 1)
         _refuse_microbatches(cfg.parallel.microbatches)
     return StrategyEngine(cfg, task, local_strategy(mesh.devices))
 
 
-def gpt_engine(cfg: Config, mesh: Mesh, task: GPTTask, cluster=None):
+def gpt_engine(cfg: Config, mesh: Mesh, task: GPTTask) -> KerasGPTEngine:
     """The engine that trains the built-in GPT ``task`` on ``mesh`` (driven by this process, its
-    devices local or, with a ``mesh`` ``cluster``, the workers' over gRPC):
-    :class:`KerasGPTEngine`, or the mesh engine / tf.distribute's for what only they run
-    (:meth:`~phalanx.plan.engine_rules.GPTRun.engine` on the mesh's resolved degrees)."""
+    devices local or, on a mesh spanning the workers, theirs over gRPC): :class:`KerasGPTEngine`."""
     if task.cfg != cfg.model:
         raise ConfigError("model", "the GPTTask's ModelConfig differs from cfg.model; build the task from cfg.model")
-    which = gpt_run(cfg, cluster, mesh=mesh).engine()
-    if which == "keras":
-        if cfg.parallel.sequence_parallel and mesh.tp < 2:
-            raise ConfigError("parallel.sequence_parallel", f"true needs tensor parallelism: parallel.tp > 1 (the "
-                                                            f"layout has tp={mesh.tp})")
-        if cfg.parallel.microbatches != 1 and mesh.pp == 1:
-            raise ConfigError("parallel.microbatches", f"{cfg.parallel.microbatches} splits a pipeline's batch, "
-                                                       f"but parallel.pp=1 trains without a pipeline; use train."
-                                                       f"grad_accum={cfg.parallel.microbatches} to split each "
-                                                       f"step's batch")
-        return KerasGPTEngine(cfg, task, mesh)
-    if which == "mesh":
-        return MeshEngine(cfg, mesh, task)
-    return StrategyEngine(cfg, task, local_strategy(mesh.devices))
+    if cfg.parallel.sequence_parallel and mesh.tp < 2:
+        raise ConfigError("parallel.sequence_parallel", f"true needs tensor parallelism: parallel.tp > 1 (the "
+                                                        f"layout has tp={mesh.tp})")
+    if cfg.parallel.microbatches != 1 and mesh.pp == 1:
+        _refuse_microbatches(cfg.parallel.microbatches)
+    return KerasGPTEngine(cfg, task, mesh)
 
 
 def _keras_gpt_across_workers(cfg: Config, task: GPTTask, cluster) -> KerasGPTEngine:
@@ -223,17 +189,15 @@ def _keras_gpt_across_workers(cfg: Config, task: GPTTask, cluster) -> KerasGPTEn
     return KerasGPTEngine(cfg, task, mesh, workers=keras_cluster.WorkerGroup(cluster.info))
 
 
-def make_mesh_engine(cfg: Config, mesh: Mesh, task):
-    """The mesh engine for ``task`` (GPTTask or KerasTask) on ``mesh``."""
-    if isinstance(task, GPTTask):
-        if task.cfg != cfg.model:
-            raise ConfigError("model", "the GPTTask's ModelConfig differs from cfg.model; build the task from cfg.model")
-        return MeshEngine(cfg, mesh, task)
+def _refuse_placed_task(task) -> NoReturn:
+    """A task other than the built-in GPT on a tensor/pipeline layout (the Trainer's KerasTask
+    trains data parallel only)."""
     if isinstance(task, KerasTask):
         raise ConfigError("parallel.pp", "a Keras model trains on tensor/pipeline layouts through "
                                          "phalanx.fit(model, x, y, ...) with its compiled optimizer; the "
                                          "Trainer's KerasTask supports data parallelism only")
-    raise TypeError(f"make_mesh_engine takes a GPTTask, got {type(task).__name__}")
+    raise TypeError(f"a tensor/pipeline layout takes a GPTTask (or a Keras model through phalanx.fit), got "
+                    f"{type(task).__name__}")
 
 
 def make_engine(model_or_task, mesh: Mesh, cfg: Config, sample_batch=None):
@@ -253,4 +217,4 @@ def make_engine(model_or_task, mesh: Mesh, cfg: Config, sample_batch=None):
         return KerasModelEngine(model_or_task, cfg, mesh, sample_batch)
     if isinstance(task, GPTTask):
         return gpt_engine(cfg, mesh, task)
-    return make_mesh_engine(cfg, mesh, task)
+    _refuse_placed_task(task)

@@ -1,8 +1,7 @@
 """The built-in GPT config trained by :class:`~phalanx.engines.keras_model.KerasModelEngine`:
-what ``phalanx train`` runs for the built-in GPT on every layout but the rows of
-:data:`phalanx.plan.engine_rules.OLD_ENGINE_ROWS` (one device, dp, tp, pp with any schedule,
-sequence parallelism, ep for ``model.experts``, grad accumulation, mixed precision, ZeRO-1/2/3,
-recomputation).
+what ``phalanx train`` runs for the built-in GPT on every layout but parameter servers (one
+device, dp, tp, pp with any schedule, sequence parallelism, ep for ``model.experts``, grad
+accumulation, mixed precision, ZeRO-1/2/3, recomputation).
 
 The model is :func:`phalanx.models.transformer.gpt` — the built-in GPT written from
 phalanx's parallel Keras layers, equal logits — with its experts cut into ``parallel.ep``
@@ -20,7 +19,7 @@ and not a Keras ``fit``:
   the one AdamW apply (:func:`phalanx.core.optim.apply_adamw`) with the built-in decay mask
   (:func:`phalanx.models.gpt.decays`), the trainer's learning-rate schedule, global-norm
   clipping (``train.clip_norm``) and :class:`~phalanx.core.loss_scale.LossScale`
-  (``mixed_float16``), exactly as :class:`~phalanx.engines.strategy.StrategyEngine`;
+  (``mixed_float16``), exactly as the parameter-server engine's;
 * **the state** has the built-in GPT's logical names (weights, ``optimizer/m/*``,
   ``optimizer/v/*``, ``optimizer/step``, ``loss_scale/*``), written per device by box: a
   checkpoint written here resumes on any layout, the one-device engine's included, and back;
@@ -78,14 +77,7 @@ from phalanx.layers import dropout as dropout_lib
 from phalanx.mesh import Mesh
 from phalanx.models import gpt as builtin
 from phalanx.models import transformer
-from phalanx.plan.engine_rules import GPTRun
 from phalanx.prune.shards import WeightShard
-
-
-def wants_keras_gpt(cfg: Config) -> bool:
-    """Whether ``phalanx train`` runs ``cfg`` in one process on :class:`KerasGPTEngine`
-    (:meth:`phalanx.plan.engine_rules.GPTRun.engine`)."""
-    return GPTRun.of(cfg).engine() == "keras"
 
 
 def refuse_unhonoured(cfg: Config, mesh: Mesh | None = None) -> None:
@@ -510,10 +502,10 @@ class KerasGPTEngine:
     def checkpoint_slots(self) -> list[checkpoint.ShardSet]:
         """The state as one shard set per device holding it: each variable's part of a logical
         tensor (weights, ``optimizer/m|v/*``) a slot by logical name and box, and
-        ``optimizer/step`` and the loss scale on the first device (the mesh engine's format,
+        ``optimizer/step`` and the loss scale on the first device (the sharded format,
         docs/checkpoint_format.md). A save reads, and a restore assigns, one part at a time per
         writer thread, so the host never holds a whole tensor of a sharded weight; any layout's
-        checkpoint (the mesh engine's included) restores into it box by box."""
+        checkpoint (those of the former mesh engine included) restores into it box by box."""
         # what was assigned since the last step (a mask installed) reaches the slices before they are saved
         self._sync()
         # Under ZeRO across workers this process holds its own slices only: the checkpoint holds the
@@ -544,7 +536,7 @@ class KerasGPTEngine:
                     slots += [(device, _part_slot(name, shape, var, box)) for var, box in parts]
         if sliced:
             slots += self._sliced_slots()
-        names = {}  # device -> its set's name in mesh order, as the mesh engine names them
+        names = {}  # device -> its set's name in mesh order (as the former mesh engine named them)
         for d in range(self.mesh.dp):
             for r in range(self.mesh.pp):
                 for t in range(self.mesh.tp):

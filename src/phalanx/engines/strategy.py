@@ -1,9 +1,12 @@
 """Engines run one training step; :class:`StrategyEngine` does it with tf.distribute.
 
-The trainer drives any engine through :class:`Engine` (docs/DESIGN.md). This one
-covers one device (``OneDeviceStrategy``), data parallelism on one host
-(``MirroredStrategy``) and across workers (``MultiWorkerMirroredStrategy``, built by
-:mod:`phalanx.cluster`). The step is, in order:
+The trainer drives any engine through :class:`Engine` (docs/DESIGN.md). This one trains the
+Trainer's Keras task (:class:`~phalanx.engines.task.KerasTask`) on one device
+(``OneDeviceStrategy``), data parallel on one host (``MirroredStrategy``) and across workers
+(``MultiWorkerMirroredStrategy``, built by :mod:`phalanx.cluster`), and is the step the
+parameter-server engine (:class:`~phalanx.engines.ps.ParameterServerEngine`) schedules for the
+built-in GPT (``phalanx train`` builds the Keras-model engine for the GPT everywhere else). The
+step is, in order:
 
 1. each replica takes its rows of the batch and runs ``grad_accum`` micro-batches,
    summing float32 gradients of ``loss x loss_scale / (replicas x grad_accum)``
@@ -117,11 +120,6 @@ def _logical(names: list, var_names: list, variables: list, boxes_of: list) -> d
     return out
 
 
-def _join(variable, values: list) -> np.ndarray:
-    """The logical array of ``variable`` (as :func:`_logical` made it) from arrays shaped as its variables."""
-    return variable.join(values) if isinstance(variable, JoinedVariable) else values[0]
-
-
 class StrategyEngine:
     """Data-parallel training step through a ``tf.distribute`` strategy."""
 
@@ -213,33 +211,12 @@ class StrategyEngine:
             tf.distribute.ReduceOp.SUM, list(zip(grads, variables)))
         return grads, self.strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None)
 
-    def gradients(self, batch) -> dict[str, np.ndarray]:
-        """The (unscaled) gradients of the mean loss over ``batch``, by name. Changes no weight
-        or optimizer state; the MoE statistics totals then hold this batch's, as after a step."""
-        if not hasattr(self, "_grad_fn"):
-            self._grad_fn = tf.function(lambda b: self._step_gradients(b)[0])
-        grads = self._grad_fn(batch)
-        scale = float(self.loss_scale.scale.numpy())
-        grads = [np.asarray(tf.convert_to_tensor(g)) / scale for g in grads]
-        return {n: _join(self.variables[n], [g for g, m in zip(grads, self._var_names) if m == n]) for n in self.names}
-
-    def _sum_step_totals(self) -> None:
-        """After a step's replicas each added their calls to their own copy of the step totals
-        (started at zero): every copy gets the sum, the whole batch's."""
-        if not self.step_totals or self.strategy.num_replicas_in_sync == 1:
-            return
-        copies = self.strategy.run(lambda: [tf.identity(v) for v in self.step_totals])
-        for var, copy in zip(self.step_totals, copies):
-            var.assign(self.strategy.reduce(tf.distribute.ReduceOp.SUM, copy, axis=None))
-
     def _step_gradients(self, batch):
-        """:meth:`_reduced_grads` of a step: the step totals start at zero and end as the sum
-        over the replicas (every step and :meth:`gradients` call sees only its own batch)."""
+        """:meth:`_reduced_grads` of a step: the step totals start at zero (every step sees only
+        its own batch; the one replica of a parameter-server step adds the whole batch's)."""
         for var in self.step_totals:
             var.assign(tf.zeros(var.shape, var.dtype))
-        grads, loss = self._reduced_grads(batch)
-        self._sum_step_totals()
-        return grads, loss
+        return self._reduced_grads(batch)
 
     def _train_step(self, batch):
         grads, loss = self._step_gradients(batch)

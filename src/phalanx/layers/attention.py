@@ -198,7 +198,7 @@ class ParallelSelfAttention(ShardedLayer):
         """The per-shard partial outputs (before their sum and ``output_bias``) when shard
         ``r`` reads input ``xs[r]`` ``[B, T, D]`` with ``weights[r]``. The one definition of
         the attention's per-shard math: :meth:`call`, the sequence-parallel
-        :class:`~phalanx.layers.transformer.TransformerBlock` and the mesh engine run it.
+        :class:`~phalanx.layers.transformer.TransformerBlock` runs it.
 
         ``weights[r]``: as :meth:`shard_weights` gives them (any tensors of those shapes,
         flattened or not), or with the projections fused, ``qkv`` ``[D, (H + 2 KV) hd / tp]``

@@ -8,8 +8,7 @@ numerics of the Keras / keras-hub layers these layers replace (float32 softmax w
 additive mask, ``tf.nn.moments`` LayerNorm). phalanx's GPT runs the fused XLA kernels of
 :mod:`phalanx.models.gpt_ops` instead (:class:`phalanx.models.transformer.FusedKernels`):
 the same functions of the same inputs, measured 15-25% faster in bfloat16. A layer takes its
-kernels as a constructor argument (saved in its config when not :data:`PLAIN`), and the
-mesh engine passes them to the layers' per-shard functions directly.
+kernels as a constructor argument (saved in its config when not :data:`PLAIN`).
 
 Example:
     >>> import numpy as np

@@ -73,8 +73,7 @@ def matmul(x, w, transpose_b: bool = False, bias=None):
 
 
 def shard_scope(devices, r: int, anchor):
-    """The device scope of shard ``r``: ``devices[r]`` when the caller names the devices (the
-    mesh engine), else the device ``anchor`` (a value of shard ``r``) was made on."""
+    """The device scope of shard ``r``: ``devices[r]`` when the caller names the devices, else the device ``anchor`` (a value of shard ``r``) was made on."""
     return tf.device(devices[r]) if devices else on_device_of(anchor)
 
 
@@ -447,7 +446,7 @@ def vocab_parallel_cross_entropy(hidden, table, labels, sample_weight=None, redu
         reduction: as a Keras loss: ``"sum_over_batch_size"`` (sum of weighted losses / number
             of tokens), ``"mean_with_sample_weight"`` (/ sum of weights), ``"sum"`` or ``"none"``.
             Unlike a Keras loss object it does not rescale under a distribution strategy.
-        devices: shard ``r``'s device (the mesh engine), or None to follow the shards' devices.
+        devices: shard ``r``'s device, or None to follow the shards' devices.
         kernels: the :class:`~phalanx.layers.kernels.Kernels` of the one-shard loss (the
             whole logits on one device, in the compute dtype of ``hidden``).
 
@@ -568,7 +567,7 @@ class ParallelMLP(ShardedLayer):
         ``r`` reads input ``xs[r]`` with ``weights[r]`` (as :meth:`shard_weights` gives them;
         any tensors of those shapes, e.g. an engine's own shard variables). The one
         definition of the MLP's per-shard math: :meth:`call`, the sequence-parallel
-        :class:`~phalanx.layers.transformer.TransformerBlock` and the mesh engine run it.
+        :class:`~phalanx.layers.transformer.TransformerBlock` runs it.
 
         ``devices``: shard ``r``'s device (else the device of its ``down`` value);
         ``kernels``: the :class:`~phalanx.layers.kernels.Kernels` (default the layer's).

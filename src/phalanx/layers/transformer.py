@@ -378,7 +378,7 @@ class TransformerBlock(ShardedLayer):
         """The block on ``x [B, T, D]`` with ``weights`` (as :meth:`own_weights` gives them, or
         an engine's own tensors of those shapes: the attention's may have the fused ``qkv``,
         see :meth:`~phalanx.layers.attention.ParallelSelfAttention.partials`). ``devices``:
-        the device of each tensor rank (the mesh engine), else the weights' devices;
+        the device of each tensor rank (when the caller places them), else the weights' devices;
         ``kernels`` (default the block's) and ``wrap_core`` as for the attention's ``partials``.
         The residual stream, the LayerNorms and the output sums run on rank 0's device, or
         with sequence parallelism on the ranks' sequence chunks. ``dropout_key`` (a uint32

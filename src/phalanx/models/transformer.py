@@ -9,13 +9,11 @@ definition runs at ``tp=1`` (plain Keras layers, Keras's own ``fit``) and, throu
 :func:`phalanx.fit`, on any ``dp x tp x pp`` layout (``ep`` for the experts), with
 ``sequence_parallel`` for the blocks.
 
-It is the built-in GPT of every engine: at ``tp=1`` the tf.distribute engines train it
-(:class:`phalanx.engines.task.GPTTask`), the mesh engine computes the same blocks on its own
-shard variables (:class:`ShardedGPT`), and the Keras engines run it as it is.
+It is the built-in GPT of every engine: the Keras engines run it as it is, and at ``tp=1`` the
+parameter-server engine trains it (:class:`phalanx.engines.task.GPTTask`).
 
 Its weights are also known by the built-in GPT's logical names
-(:func:`phalanx.models.gpt.weight_shapes`, which checkpoints, the mesh engine and the export
-use): :func:`weight_parts` says which variables hold each name, :func:`gpt_weights` /
+(:func:`phalanx.models.gpt.weight_shapes`, which checkpoints and the export use): :func:`weight_parts` says which variables hold each name, :func:`gpt_weights` /
 :func:`load_gpt_weights` convert. A name is the layer's own (``block_i/ln1/gamma``,
 ``block_i/moe/w_in``, ``final_ln/beta``, ``head/kernel``) but for ``embed/tokens`` /
 ``embed/positions`` (the ``embed`` and ``positions`` layers' ``embeddings``) and a block's
@@ -39,7 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import keras
 import numpy as np
@@ -47,16 +45,12 @@ import tensorflow as tf
 
 from phalanx.checkpoint import boxes
 from phalanx.config import ModelConfig
-from phalanx.layers import dropout as dropout_lib
 from phalanx.layers.dropout import PositionalDropout
-from phalanx.layers.attention import ParallelSelfAttention
 from phalanx.layers.kernels import Kernels
-from phalanx.layers.sharding import Split
-from phalanx.layers.tensor_parallel import (ColumnParallelDense, ParallelMLP, VocabParallelEmbedding,
-                                            embedding_lookup, vocab_parallel_cross_entropy)
+from phalanx.layers.tensor_parallel import ColumnParallelDense, VocabParallelEmbedding
 from phalanx.layers.transformer import LayerNorm, PositionEmbedding, TransformerBlock, gelu_approximate
 from phalanx.models import gpt_ops
-from phalanx.models.gpt import INIT_STD, block_index, block_prefix, initial_weights, weight_shapes
+from phalanx.models.gpt import INIT_STD, initial_weights, weight_shapes
 from phalanx.models.gpt_ops import LAYER_NORM_EPS
 
 
@@ -316,63 +310,6 @@ def load_gpt_weights(model, weights: dict) -> None:
             p.variable.assign(value[boxes.index(p.box)].reshape(p.variable.shape))
 
 
-# -- the GPT on weights held outside Keras (the mesh engine's shard variables) ---------------
-
-#: a LayerNorm's two weights, in the order :meth:`LayerNorm.normalize` takes them
-_LN_PAIR = ("gamma", "beta")
-
-
-def _block_slot(short: str) -> tuple[str, Any] | None:
-    """Where :meth:`TransformerBlock.forward` takes the built-in block weight ``short`` (its name
-    after ``block_i/``): (its ``weights`` entry, the key in a shard's dict or the index in the
-    LayerNorm pair); None for a weight it does not take (the experts'). Derived from
-    :data:`_FUSED` (the one mapping of the block's names to the sub-layers') and the sub-layers'
-    declared splits: a projection's bias cut with its shards goes with them (the attention's
-    fused ``qkv_bias``, ``up_bias``), an uncut one is whole, added after the sum
-    (``attention_bias`` / ``mlp_bias``, as :meth:`TransformerBlock.own_weights` names them)."""
-    group, _, leaf = short.rpartition("/")
-    if group in _FUSED:
-        sources, _ = _FUSED[group]
-        entry, weight = sources[0].split("/")
-        key = "qkv" if len(sources) > 1 else weight  # ParallelSelfAttention.partials' fused projection
-        if leaf == "kernel":
-            return entry, key
-        split_axes = ParallelSelfAttention.SPLIT_AXES if entry == "attention" else ParallelMLP.SPLIT_AXES
-        return (f"{entry}_bias", None) if split_axes[f"{weight}_bias"] is None else (entry, f"{key}_bias")
-    if leaf in _LN_PAIR:
-        return group, _LN_PAIR.index(leaf)
-    return None
-
-
-def _split_of(name: str) -> Split:
-    """The :class:`Split` of built-in weight ``name``, from the split its layer declares."""
-    if name == "embed/tokens":
-        return Split.of_axis(VocabParallelEmbedding.SPLIT_AXES["embeddings"])
-    if name == "head/kernel":
-        return Split.of_axis(ColumnParallelDense.SPLIT_AXES["kernel"])
-    slot = _block_slot(name.split("/", 1)[-1]) if block_index(name) is not None else None
-    entry, key = slot if slot is not None else (None, None)
-    if entry == "attention":
-        # q, k and v side by side, each cut by heads (ParallelSelfAttention's query/key/value axis)
-        return Split("qkv") if key.startswith("qkv") else Split.of_axis(ParallelSelfAttention.SPLIT_AXES[key])
-    if entry == "mlp":
-        return Split.of_axis(ParallelMLP.SPLIT_AXES[key])
-    return Split("replicated")
-
-
-def gpt_splits(cfg: ModelConfig) -> dict[str, Split]:
-    """The :class:`~phalanx.layers.sharding.Split` over the ``tensor`` axis of every built-in
-    GPT weight (:func:`~phalanx.models.gpt.weight_shapes` names), as the parallel layers cut them.
-
-    Example:
-        >>> cfg = ModelConfig(layers=1, d_model=16, heads=2, ffn=32, vocab=32, seq_len=8)
-        >>> splits = gpt_splits(cfg)
-        >>> splits["block_0/attn/qkv/kernel"], splits["block_0/mlp/fc/kernel"], splits["final_ln/beta"]
-        (Split(kind='qkv', axis=0), Split(kind='axis', axis=1), Split(kind='replicated', axis=0))
-    """
-    return {name: _split_of(name) for name in weight_shapes(cfg)}
-
-
 def check_tp(cfg: ModelConfig, tp: int) -> None:
     """Raise ``ValueError`` naming the model dim that ``tp`` does not divide."""
     for key, value in (("model.heads", cfg.heads), ("model.ffn", cfg.ffn_dim), ("model.vocab", cfg.vocab)):
@@ -380,113 +317,5 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
             raise ValueError(f"parallel.tp={tp} does not divide {key}={value}")
 
 
-#: ``w(name, t)``: shard ``t`` of built-in weight ``name`` (``t`` is 0 for a whole weight)
-Weights = Callable[[str, int], object]
-
-
-class ShardedGPT:
-    """phalanx's GPT computed on weights held outside Keras, by the parallel layers' own
-    per-shard code: :func:`~phalanx.layers.tensor_parallel.embedding_lookup`,
-    :meth:`TransformerBlock.forward` and
-    :func:`~phalanx.layers.tensor_parallel.vocab_parallel_cross_entropy`, with the fused
-    kernels (:data:`FUSED`). The mesh engine keeps the weights (shard variables keyed by the
-    built-in names and :func:`gpt_splits`) and hands them in as ``w(name, t)``; ``devices[t]``
-    is the device of tensor rank ``t``. The layers here are templates: never built, they
-    hold only the configuration.
-
-    Example:
-        >>> cfg = ModelConfig(layers=1, d_model=16, heads=2, ffn=32, vocab=32, seq_len=8)
-        >>> weights = initial_weights(cfg, 0)
-        >>> net = ShardedGPT(cfg, tp=2)
-        >>> shards = {(n, t): p for n, s in gpt_splits(cfg).items() for t, p in enumerate(s.shard(weights[n], 2))}
-        >>> w, devices = (lambda n, t: tf.constant(shards[(n, t)])), ["/device:CPU:0"] * 2
-        >>> tokens = tf.zeros([2, 9], tf.int32)
-        >>> x = net.block(net.embed(tokens[:, :-1], w, devices), w, 0, devices)
-        >>> loss = float(net.loss(x, tokens[:, 1:], w, devices))
-        >>> from phalanx.models.gpt import lm_loss
-        >>> one = gpt(cfg, seed=None)
-        >>> load_gpt_weights(one, weights)
-        >>> abs(loss - float(lm_loss(one(tokens[:, :-1]), tokens[:, 1:]))) < 1e-5
-        True
-    """
-
-    #: the layer word of the embedding's dropout key (the blocks use their index)
-    EMBED_LAYER = -1
-
-    def __init__(self, cfg: ModelConfig, tp: int = 1, dtype_policy: str = "float32",
-                 sequence_parallel: bool = False):
-        if cfg.experts:
-            raise ValueError("ShardedGPT: a mixture-of-experts GPT runs as a Keras model (phalanx.fit)")
-        check_tp(cfg, tp)
-        if sequence_parallel and (tp < 2 or cfg.seq_len % tp):
-            raise ValueError(f"sequence parallelism needs tp > 1 dividing model.seq_len={cfg.seq_len}, got tp={tp}")
-        self.cfg, self.tp, self.sequence_parallel = cfg, tp, bool(sequence_parallel)
-        self.template = _block(cfg, 0, tp, sequence_parallel=self.sequence_parallel, dtype_policy=dtype_policy)
-        self.positions = PositionEmbedding(cfg.seq_len, name="positions", dtype=dtype_policy)
-        self.final_ln = LayerNorm(LAYER_NORM_EPS, kernels=FUSED, name="final_ln", dtype=dtype_policy)
-        # each block's weights (weight_shapes names and order) and where forward takes them
-        self._block_slots: dict[int, list] = {}
-        for name in weight_shapes(cfg):
-            i = block_index(name)
-            if i is not None:
-                self._block_slots.setdefault(i, []).append((name, _block_slot(name[len(block_prefix(i)):])))
-
-    def _shards(self, w: Weights, name: str) -> list:
-        return [w(name, t) for t in range(self.tp)]
-
-    def embed(self, tokens, w: Weights, devices: Sequence[str], dropout=None):
-        """Token (vocabulary-parallel) + position embeddings of ``tokens [B, T]``, on ``devices[0]``.
-
-        ``dropout``: ``(key, row_offset)`` to train with ``cfg.dropout``: ``key`` (uint32, e.g.
-        :func:`phalanx.layers.dropout.fold` of the seed and the step) is folded with the layer
-        (:attr:`EMBED_LAYER`, a block's index), ``row_offset`` is the first row of ``tokens`` in
-        the whole batch, so every layout draws the same masks; None: no dropout."""
-        x = embedding_lookup(tokens, self._shards(w, "embed/tokens"), devices)
-        with tf.device(devices[0]):
-            x = self.positions.add_positions(x, w("embed/positions", 0))
-            if dropout is not None and self.cfg.dropout:
-                key, rows = dropout
-                x = dropout_lib.dropout(x, self.cfg.dropout, dropout_lib.fold(key, self.EMBED_LAYER), rows)
-            return x
-
-    def block_weights(self, w: Weights, i: int) -> dict:
-        """Block ``i``'s weights in the form :meth:`TransformerBlock.forward` takes."""
-        out = {"attention": [{} for _ in range(self.tp)], "mlp": [{} for _ in range(self.tp)],
-               "ln1": [None, None], "ln2": [None, None]}
-        for name, (entry, key) in self._block_slots[i]:
-            if entry in ("attention", "mlp"):
-                for t in range(self.tp):
-                    out[entry][t][key] = w(name, t)
-            elif key is None:
-                out[entry] = w(name, 0)
-            else:
-                out[entry][key] = w(name, 0)
-        return out
-
-    def block(self, x, w: Weights, i: int, devices: Sequence[str], wrap_core=None, dropout=None):
-        """Block ``i`` on the residual stream ``x`` (on ``devices[0]``; with sequence parallelism
-        the chunks of ``x`` on the tensor ranks' devices); ``dropout`` as for :meth:`embed`."""
-        key, rows = (None, 0) if dropout is None else dropout
-        with tf.name_scope(f"block_{i}"):
-            return self.template.forward(x, self.block_weights(w, i), training=dropout is not None, devices=devices,
-                                         kernels=FUSED, wrap_core=wrap_core,
-                                         dropout_key=None if key is None else dropout_lib.fold(key, i),
-                                         row_offset=rows)
-
-    def loss(self, x, targets, w: Weights, devices: Sequence[str]):
-        """Final LayerNorm, vocabulary-parallel logits and the mean token cross-entropy (float32);
-        the full ``[tokens, vocab]`` logits exist on no device when ``tp > 1``."""
-        with tf.device(devices[0]):
-            h = self.final_ln.normalize(x, w("final_ln/gamma", 0), w("final_ln/beta", 0))
-        shards = self._shards(w, self.head_weight)
-        return vocab_parallel_cross_entropy(h, shards, targets, transposed=not self.cfg.tie_embeddings,
-                                            devices=devices, kernels=FUSED)
-
-    @property
-    def head_weight(self) -> str:
-        """The weight :meth:`loss` multiplies by: the token table when the head is tied."""
-        return "embed/tokens" if self.cfg.tie_embeddings else "head/kernel"
-
-
-__all__ = ["gpt", "blocks", "weight_parts", "Part", "gpt_weights", "load_gpt_weights", "gpt_splits", "check_tp",
-           "ShardedGPT", "FusedKernels", "FUSED"]
+__all__ = ["gpt", "blocks", "weight_parts", "Part", "gpt_weights", "load_gpt_weights", "check_tp",
+           "FusedKernels", "FUSED"]

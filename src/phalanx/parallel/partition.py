@@ -2,9 +2,10 @@
 
 :func:`partition` cuts a chain of layers into ``pp x virtual_stages`` contiguous
 chunks minimising the most expensive chunk, with the embedding counted on the first
-chunk and the head on the last (Lingvo's cost-balanced partitioner idea). The mesh
-engine cuts the GPT with it over :func:`phalanx.core.costs.layer_costs`, the Keras graph
-splitter over estimated layer FLOPs, and the planner predicts the engine's cut with it.
+chunk and the head on the last (Lingvo's cost-balanced partitioner idea). The Keras graph
+splitter cuts a model with it over estimated layer FLOPs, recomputation cuts a stage into
+pieces with it, and the planner predicts the engine's cut with it over
+:func:`phalanx.core.costs.layer_costs`.
 Plain Python: no TensorFlow.
 
 Example:

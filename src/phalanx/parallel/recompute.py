@@ -7,9 +7,7 @@
   whose ``[batch, heads, seq, seq]`` tensors dominate activation memory at long
   sequence lengths for little compute (Korthikanti et al. 2022).
 
-The GPT mesh engine wraps its blocks with :func:`wrap_block` and its attention cores with
-:func:`core_wrapper` (``tf.recompute_grad``). Any Keras model on the Keras-model engine
-goes through :func:`recompute` (a ``tf.custom_gradient`` whose backward runs the forward
+Any Keras model on the Keras-model engine (the built-in GPT's included) goes through :func:`recompute` (a ``tf.custom_gradient`` whose backward runs the forward
 again and differentiates that copy) by way of :func:`stage_runner`:
 
 * ``full``: a stage's forward on a micro-batch is cut into *blocks*, each run under
@@ -33,9 +31,12 @@ drawn from the same seed state again, and the state it returns in the backward i
 
 Example:
     >>> import tensorflow as tf
-    >>> f = wrap_block(lambda x, w: x * w, "full")
-    >>> float(f(tf.constant(2.0), tf.constant(3.0)))
-    6.0
+    >>> x = tf.constant(2.0)
+    >>> with tf.GradientTape() as tape:
+    ...     tape.watch(x)
+    ...     y = recompute(lambda v: [v * v * 3.0], [x])[0]
+    >>> float(y), float(tape.gradient(y, x))
+    (12.0, 12.0)
 """
 
 from __future__ import annotations
@@ -57,24 +58,6 @@ from phalanx.parallel.partition import partition
 def check_mode(mode: str) -> None:
     if mode not in RECOMPUTE:
         raise ValueError(f"parallel.recompute={mode!r} is not valid; choose one of: {', '.join(RECOMPUTE)}")
-
-
-def wrap_block(fn: Callable, mode: str) -> Callable:
-    """``fn(x, *weights)`` recomputed in the backward when ``mode == "full"``.
-
-    The weights are passed as tensors (not captured variables) so their gradients
-    flow through the recomputed function's inputs.
-    """
-    check_mode(mode)
-    return tf.recompute_grad(fn) if mode == "full" else fn
-
-
-def core_wrapper(mode: str) -> Callable[[Callable], Callable] | None:
-    """What wraps the attention core ``(q, k, v) -> o`` (the ``wrap_core`` of
-    :meth:`phalanx.layers.ParallelSelfAttention.partials`): ``tf.recompute_grad`` when
-    ``mode == "selective"``, else None."""
-    check_mode(mode)
-    return tf.recompute_grad if mode == "selective" else None
 
 
 # -- one recomputed call ---------------------------------------------------------------------

@@ -57,34 +57,15 @@ class WeightShard:
 def weight_shards(engine, prunable: Callable[[str], bool]) -> dict[str, list[WeightShard]]:
     """The prunable weights of ``engine`` by name, each as the shards its devices hold.
 
-    The mesh engine (``engine.params``, a ShardedParams, and an optimizer with
-    ``set_shard_mask``): one shard per tensor-parallel part, read from replica 0's primary
-    copy, installed in every copy and replica. The tf.distribute engines (``engine.masks``,
-    ``engine.variables``, ``engine.apply_masks``): one whole tensor per weight, which each
-    replica holds anyway. An engine with a ``weight_shards(prunable)`` method (the Keras GPT
-    engine: one shard per variable holding a part of a weight) gives its own.
+    The tf.distribute engines (``engine.masks``, ``engine.variables``, ``engine.apply_masks``):
+    one whole tensor per weight, which each replica holds anyway. An engine with a
+    ``weight_shards(prunable)`` method (the Keras GPT engine: one shard per variable holding a
+    part of a weight) gives its own.
     Anything else: ConfigError naming ``train.prune.target``.
     """
     if hasattr(engine, "weight_shards"):
         return engine.weight_shards(prunable)
-    params, optimizer = getattr(engine, "params", None), getattr(engine, "optimizer", None)
     out: dict[str, list[WeightShard]] = {}
-    if params is not None and hasattr(optimizer, "set_shard_mask"):
-        for name in params.names:
-            if not prunable(name):
-                continue
-            for key in params.keys_of(name):
-                var = params.shards[key].copies[0][0]
-
-                def install(mask, key=key, var=var):
-                    import tensorflow as tf
-
-                    mask = tf.convert_to_tensor(mask, tf.float32)  # one host-to-device copy, used twice
-                    optimizer.set_shard_mask(key, mask)
-                    params.assign_shard(key, var.read_value() * mask)
-                out.setdefault(name, []).append(WeightShard(name, params.full_shapes[name], params.regions(*key),
-                                                            fetch=var.numpy, install=install))
-        return out
     if all(hasattr(engine, a) for a in ("masks", "variables", "apply_masks")):
         for name, var in engine.variables.items():
             if prunable(name):

@@ -95,10 +95,9 @@ def calibrate(cfg, plan=None, steps: int = 3, predicted_per_device: dict | None 
     from phalanx.engines.task import GPTTask
     from phalanx.engines.factory import build_engine
 
-    from phalanx.engines.keras_gpt import wants_keras_gpt
     from phalanx.plan.keras_memory import check_calibrated, keras_memory_per_device
 
-    if not wants_keras_gpt(cfg):
+    if cfg.parallel.strategy == "parameter_server":
         raise ConfigError("parallel.strategy", f"{cfg.parallel.strategy}: --calibrate measures the Keras-model "
                                                f"engine in this process; parameter servers run across processes")
     if predicted_per_device is None and plan is not None:

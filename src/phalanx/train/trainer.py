@@ -1,8 +1,8 @@
 """The training loop: parse -> build -> train -> close.
 
-:class:`Trainer` builds the engine for the config (tf.distribute for data
-parallelism, the mesh engine for tensor/pipeline parallelism, ZeRO or
-recomputation), the input pipeline, resumes from the newest checkpoint in
+:class:`Trainer` builds the engine for the config (the Keras-model engine for the
+built-in GPT on every layout but parameter servers, tf.distribute for a Keras task;
+:func:`phalanx.engines.factory.build_engine`), the input pipeline, resumes from the newest checkpoint in
 ``<run.dir>/checkpoints``, then runs ``train.steps`` steps with logging, periodic
 evaluation and checkpoints. SIGTERM (preemption) or SIGINT (Ctrl-C) saves a
 checkpoint at the next step boundary and returns normally (``Summary.stopped_early``;
