@@ -272,11 +272,12 @@ PARAMETER_SERVER_SCRIPT = textwrap.dedent('''
         engine.join()
         return float(engine.model.get_metrics_result()["loss"])
 
-    losses = [mean_loss()]
+    losses, logs = [mean_loss()], []
     for k in range(20):
-        engine.train_step((X[(k * 16) % 64:][:16], Y[(k * 16) % 64:][:16]))
+        logs.append(engine.train_step((X[(k * 16) % 64:][:16], Y[(k * 16) % 64:][:16])))
         if k % 5 == 4:
             losses.append(mean_loss())
+    print("RAN", sum(bool(np.isfinite(float(step["loss"]))) for step in logs))  # each step's logs, from its worker
     print("DEVICE", engine.variable_devices()[0])
     print("STEP", int(engine.model.optimizer.iterations.numpy()))
     print("LOSSES", json.dumps(losses))
@@ -322,7 +323,10 @@ def test_parameter_server_training_converges(tmp_path):
     script.write_text(PARAMETER_SERVER_SCRIPT)
     out, pids = run_launch(["--workers", "2", "--ps", "1"], script)
     assert tagged(out.stdout, "DEVICE", "[chief:0] ") == ["/job:ps/replica:0/task:0/device:CPU:0"]
-    assert tagged(out.stdout, "STEP", "[chief:0] ") == ["20"]
+    assert tagged(out.stdout, "RAN", "[chief:0] ") == ["20"]
+    # Keras's optimizer counts its iterations with a read and a write (KerasVariable.assign_add):
+    # two steps in flight on two workers can count once (measured: 18 of 20). Asynchronous training.
+    assert 10 <= int(tagged(out.stdout, "STEP", "[chief:0] ")[0]) <= 20
     [losses] = [json.loads(x) for x in tagged(out.stdout, "LOSSES", "[chief:0] ")]
     assert len(losses) == 5 and all(np.isfinite(losses))  # before training, then every 5 steps
     assert losses[-1] < 0.2 * losses[0], losses
