@@ -23,8 +23,6 @@ import pytest
 import gpt_oracle
 from cluster_helpers import PHALANX, TINY, assert_gone, env, task_pids
 
-pytestmark = pytest.mark.slow
-
 STEPS, FIRST = 6, 3
 
 
@@ -38,6 +36,7 @@ def _train(cache, run_dir, steps, *extra):
     return out.stderr
 
 
+@pytest.mark.slow
 def test_one_worker_gives_keras_one_device_losses_across_a_resume(tmp_path):
     from phalanx.config import load_config
     from phalanx.data import pipeline
@@ -75,3 +74,33 @@ def test_one_worker_gives_keras_one_device_losses_across_a_resume(tmp_path):
     np.testing.assert_allclose(got[FIRST:], losses[FIRST:], rtol=1e-4)
     np.testing.assert_allclose(got_norms[FIRST:], norms[FIRST:], rtol=1e-4)
     assert got[-1] < got[0]  # the steps do train (not no-ops)
+
+
+PS_REFUSED = [({"parallel": {"dp": 2}}, "parallel.dp"),
+              ({"parallel": {"sequence_parallel": True}}, "parallel.sequence_parallel"),
+              ({"train": {"prune": {"target": 0.5}}}, "train.prune.target"),
+              ({"parallel": {"zero": 1}}, "parallel.zero"),
+              ({"parallel": {"recompute": "full"}}, "parallel.recompute")]
+
+
+@pytest.mark.parametrize("keys,key", PS_REFUSED, ids=[k for _, k in PS_REFUSED])
+def test_what_parameter_servers_cannot_honour_is_refused_before_anything_is_built(keys, key):
+    """phalanx train's refusals (engines.factory.refuse_before_build, run before the run directory
+    is touched) under a parameter-server set-up: a ConfigError naming the key."""
+    from types import SimpleNamespace
+
+    from phalanx.config import Config, ConfigError
+    from phalanx.engines.factory import refuse_before_build
+    from phalanx.engines.task import GPTTask, KerasTask
+
+    ps = SimpleNamespace(name="parameter_server", coordinator=object(), devices=(), data_count=1)
+    tiny = {"layers": 1, "d_model": 16, "heads": 2, "ffn": 32, "seq_len": 8}
+    cfg = Config().replace(model=tiny, parallel={"strategy": "parameter_server"}, train={"global_batch": 8})
+    refuse_before_build(cfg, GPTTask(cfg.model), ps)  # the plain run is accepted
+    with pytest.raises(ConfigError) as err:
+        bad = cfg.replace(**keys)  # (a deep update: the other keys stay)
+        refuse_before_build(bad, GPTTask(bad.model), ps)
+    assert err.value.key == key, err.value
+    with pytest.raises(ConfigError, match=r"parameter_server: .*phalanx\.fit\(build_model") as err:
+        refuse_before_build(cfg, KerasTask(lambda: None, None), ps)
+    assert err.value.key == "parallel.strategy"

@@ -58,22 +58,22 @@ from phalanx.models import transformer
 
 def refuse_unhonoured(cfg: Config) -> None:
     """Raise :class:`ConfigError` naming the first key a parameter-server run of the built-in
-    GPT would not honour (beyond the strategy's own refusals)."""
+    GPT would not honour (beyond the strategy's own refusals and the config's: sequence
+    parallelism without tp, a batch grad_accum does not divide).
+
+    >>> refuse_unhonoured(Config().replace(parallel={"dp": 2}))
+    Traceback (most recent call last):
+    ...
+    phalanx.config.ConfigError: parallel.dp: 2: under parameter_server every step is one worker's (the cluster's workers run steps concurrently); leave parallel.dp=1
+    """
     p, t = cfg.parallel, cfg.train
     if p.dp not in (1, -1):
         raise ConfigError("parallel.dp", f"{p.dp}: under parameter_server every step is one worker's (the "
                                          f"cluster's workers run steps concurrently); leave parallel.dp=1")
-    if p.sequence_parallel:
-        raise ConfigError("parallel.sequence_parallel", "true needs tensor parallelism, which parameter_server does "
-                                                        "not run; set it false")
     if t.prune.target > 0:
         raise ConfigError("train.prune.target", f"{t.prune.target}: pruning is not built for parameter_server "
                                                 f"(asynchronous steps in flight would race the mask updates); train "
                                                 f"in one process or with multi_worker, or set train.prune.target=0")
-    if t.global_batch % t.grad_accum:
-        raise ConfigError("train.grad_accum", f"{t.grad_accum} does not divide train.global_batch="
-                                              f"{t.global_batch}: each step's batch is cut into grad_accum equal "
-                                              f"micro-batches")
 
 
 class GPTParameterServerEngine:
