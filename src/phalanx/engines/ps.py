@@ -138,6 +138,17 @@ class _LostSteps:
                   "logged means", file=sys.stderr, flush=True)
 
 
+def replica_function(strategy: tf.distribute.Strategy, step) -> Any:
+    """``tf.function`` of ``strategy.run(step, (data,))``: what the coordinator schedules on a
+    worker (traced as written: ``step`` is a Keras step or a step written for one replica)."""
+
+    @tf.autograph.experimental.do_not_convert
+    def run(data):
+        return strategy.run(step, args=(data,))
+
+    return tf.function(run, reduce_retracing=True)
+
+
 def _done(remote: Any) -> bool:
     status = getattr(remote, "_status", None)
     # RemoteValue has no public "is it ready" query; fall back to "not done" (kept until fetched).
@@ -197,18 +208,8 @@ class KerasParameterServerEngine:
             self.model._maybe_symbolic_build(data_batch=keras_data(sample_batch))
             if self.model.optimizer is not None and not self.model.optimizer.built:
                 self.model.optimizer.build(self.model.trainable_variables)
-        model = self.model
-
-        @tf.autograph.experimental.do_not_convert
-        def train(data):
-            return strategy.run(model.train_step, args=(data,))
-
-        @tf.autograph.experimental.do_not_convert
-        def test(data):
-            return strategy.run(model.test_step, args=(data,))
-
-        self._train_fn = tf.function(train, reduce_retracing=True)
-        self._test_fn = tf.function(test, reduce_retracing=True)
+        self._train_fn = replica_function(strategy, self.model.train_step)
+        self._test_fn = replica_function(strategy, self.model.test_step)
         self._keys: dict[str, list[str]] = {}
 
     def variable_devices(self) -> list[str]:

@@ -48,7 +48,7 @@ import tensorflow as tf
 from phalanx import checkpoint
 from phalanx.config import Config, ConfigError
 from phalanx.engines.keras_gpt import compiled_gpt
-from phalanx.engines.ps import KerasParameterServerEngine, RemoteScalar
+from phalanx.engines.ps import KerasParameterServerEngine, RemoteScalar, replica_function
 from phalanx.engines.task import GPTTask, _tf_variable, for_config
 from phalanx.layers import dropout as dropout_lib
 from phalanx.layers.moe import MoE
@@ -115,17 +115,8 @@ class GPTParameterServerEngine:
                      if isinstance(layer, MoE)]
         self._state = self._state_variables()
         self._restored = False  # a restore assigned the state: the dropout seeds follow it before the next step
-
-        @tf.autograph.experimental.do_not_convert
-        def train(tokens):
-            return strategy.run(self._replica_step, args=(tokens,))
-
-        @tf.autograph.experimental.do_not_convert
-        def evaluate(tokens):
-            return strategy.run(self._replica_eval, args=(tokens,))
-
-        self._train_fn = tf.function(train, reduce_retracing=True)
-        self._eval_fn = tf.function(evaluate, reduce_retracing=True)
+        self._train_fn = replica_function(strategy, self._replica_step)
+        self._eval_fn = replica_function(strategy, self._replica_eval)
 
     # -- the step (traced, run on a worker) --------------------------------------------------
 
