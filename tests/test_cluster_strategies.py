@@ -203,8 +203,6 @@ MULTI_WORKER_SCRIPT = textwrap.dedent('''
         print("LOSSES", json.dumps(losses))
 ''')
 
-# A Keras linear regression through the ParameterServerEngine: variables on the ps task,
-# 20 steps scheduled on the workers by the chief (asynchronously), fed by the chief.
 def test_a_step_whose_worker_died_after_running_it_is_lost_not_fatal(capsys, monkeypatch):
     """A step's results stay on its worker until the chief copies them: when a worker dies
     the copy can fail though the step ran (its update is on the ps). A copy cancelled while
@@ -265,32 +263,50 @@ def test_a_step_whose_worker_died_after_running_it_is_lost_not_fatal(capsys, mon
     assert lost_steps.count == 1
 
 
+# A Keras linear regression through the parameter-server engine: variables on the ps task,
+# 20 steps scheduled on the workers by the chief (asynchronously), fed by the chief.
 PARAMETER_SERVER_SCRIPT = textwrap.dedent('''
     import json
     import numpy as np
     from phalanx.config import Config
     from phalanx.cluster.strategies import setup_cluster
-    cfg = Config().replace(parallel={"strategy": "parameter_server"},
-                           train={"global_batch": 16, "lr": 0.3, "warmup": 0, "weight_decay": 0.0, "steps": 20})
+    cfg = Config().replace(parallel={"strategy": "parameter_server"}, train={"global_batch": 16, "steps": 20})
     setup = setup_cluster(cfg)                   # worker and ps tasks serve in here, then exit 0
     assert (setup.data_index, setup.data_count, setup.is_chief) == (0, 1, True)
     import keras
-    from phalanx.engines.ps import ParameterServerEngine
-    from phalanx.engines.task import KerasTask
+    from phalanx.engines.ps import KerasParameterServerEngine
     rng = np.random.default_rng(0)
     X = rng.normal(size=(64, 4)).astype("float32")
     Y = X @ rng.normal(size=(4, 1)).astype("float32")
     keras.utils.set_random_seed(0)
-    task = KerasTask(lambda: keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]),
-                     keras.losses.MeanSquaredError())
-    engine = ParameterServerEngine(cfg, task, setup.strategy, setup.coordinator, setup.info.num_workers)
-    results = [engine.train_step((X[i:i + 16], Y[i:i + 16])) for i in [(k * 16) % 64 for k in range(20)]]
-    losses = [float(r["loss"]) for r in results]
-    state = engine.state_dict()
-    print("DEVICE", engine.variables[engine.names[0]].device)
-    print("STEP", int(state["optimizer/step"]))
+
+    def build():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.Adam(0.3), loss="mse")
+        return model
+
+    engine = KerasParameterServerEngine(build, setup.strategy, setup.coordinator, (X[:16], Y[:16]),
+                                        setup.info.num_workers)
+
+    def mean_loss():                             # the loss of all 64 rows on the weights now
+        engine.join()
+        engine.model.reset_metrics()
+        for i in range(0, 64, 16):
+            engine.test_step((X[i:i + 16], Y[i:i + 16]))
+        engine.join()
+        return float(engine.model.get_metrics_result()["loss"])
+
+    losses, logs = [mean_loss()], []
+    for k in range(20):
+        logs.append(engine.train_step((X[(k * 16) % 64:][:16], Y[(k * 16) % 64:][:16])))
+        if k % 5 == 4:
+            losses.append(mean_loss())
+    print("RAN", sum(bool(np.isfinite(float(step["loss"]))) for step in logs))  # each step's logs, from its worker
+    print("DEVICE", engine.variable_devices()[0])
+    print("STEP", int(engine.model.optimizer.iterations.numpy()))
     print("LOSSES", json.dumps(losses))
 ''')
+
 
 
 def run_launch(args, script, mode=None, timeout=120):
@@ -331,10 +347,13 @@ def test_parameter_server_training_converges(tmp_path):
     script.write_text(PARAMETER_SERVER_SCRIPT)
     out, pids = run_launch(["--workers", "2", "--ps", "1"], script)
     assert tagged(out.stdout, "DEVICE", "[chief:0] ") == ["/job:ps/replica:0/task:0/device:CPU:0"]
-    assert tagged(out.stdout, "STEP", "[chief:0] ") == ["20"]
+    assert tagged(out.stdout, "RAN", "[chief:0] ") == ["20"]
+    # Keras's optimizer counts its iterations with a read and a write (KerasVariable.assign_add):
+    # two steps in flight on two workers can count once (measured: 18 of 20). Asynchronous training.
+    assert 10 <= int(tagged(out.stdout, "STEP", "[chief:0] ")[0]) <= 20
     [losses] = [json.loads(x) for x in tagged(out.stdout, "LOSSES", "[chief:0] ")]
-    assert len(losses) == 20 and all(np.isfinite(losses))
-    assert np.mean(losses[-4:]) < 0.2 * np.mean(losses[:4])  # the 4 batches' losses differ: compare cycles
+    assert len(losses) == 5 and all(np.isfinite(losses))  # before training, then every 5 steps
+    assert losses[-1] < 0.2 * losses[0], losses
     _assert_gone(pids)
 
 

@@ -304,7 +304,7 @@ def test_parameter_server_trains_and_its_checkpoint_loads(cache, tmp_path, capsy
     assert [r["step"] for r in rows] == list(range(5, steps + 1, 5))
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5, rows  # it trains (asynchronously: not bit-exact)
     meta = json.loads((run_dir / "checkpoints" / f"step-{steps:08d}" / "meta.json").read_text())
-    assert meta["layout"]["engine"] == "ParameterServerEngine"
+    assert meta["layout"]["engine"] == "GPTParameterServerEngine"
     assert_gone(task_pids(out.stderr).values())
 
     # One process (this one), no cluster: the chief's checkpoint loads and evaluates to the chief's own eval loss.

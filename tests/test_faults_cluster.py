@@ -155,7 +155,7 @@ def test_parameter_server_resumes_after_a_worker_is_killed(cache, tmp_path, caps
     assert after[-1] < losses[1] - 0.5, (losses[1], after)  # it trains on after the resume
     assert checkpoint_steps(run_dir)[-1] == PS_STEPS
     meta = json.loads((run_dir / "checkpoints" / f"step-{PS_STEPS:08d}" / "meta.json").read_text())
-    assert meta["layout"]["engine"] == "ParameterServerEngine"
+    assert meta["layout"]["engine"] == "GPTParameterServerEngine"
     assert_gone(first_pids | set(task_pids(err).values()))
 
     # The final checkpoint loads in one process (this one, no cluster).

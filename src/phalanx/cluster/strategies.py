@@ -9,7 +9,8 @@
   GPUs); every worker runs the same custom training loop on its share of the batch;
 * ``parameter_server`` -- ``ParameterServerStrategy``: variables live on the ps
   tasks, the chief (coordinator) runs the loop and schedules steps on the workers
-  through a ``ClusterCoordinator``; worker and ps tasks only serve
+  through a ``ClusterCoordinator`` (a Keras model's own steps:
+  :mod:`phalanx.engines.ps`, the built-in GPT's included); worker and ps tasks only serve
   (:func:`serve_if_server_task`);
 * ``auto`` -- ``parameter_server`` when TF_CONFIG has ps tasks, ``multi_worker`` when
   it names several workers, ``mesh`` when ``parallel.tp``/``pp`` > 1, else ``mirrored``;
@@ -140,10 +141,11 @@ def keras_workers(cfg: Any, strategy_step: bool = False) -> bool:
 def refuse_unhonoured(cfg: Any, name: str, strategy_step: bool = False) -> None:
     """Raise :class:`ConfigError` for a ``parallel.*`` value the strategy ``name`` would ignore.
 
-    multi_worker, parameter_server and mirrored train with tf.distribute's own step
-    (:class:`~phalanx.engines.strategy.StrategyEngine`): whole AdamW states on every
-    replica, no activation recomputation, no pipeline micro-batches, the devices the
-    strategy finds. Only the Keras-model engine honours ``parallel.zero``,
+    multi_worker and mirrored train with tf.distribute's own step
+    (:class:`~phalanx.engines.strategy.StrategyEngine`), parameter_server a Keras model's
+    whole step on one worker (:mod:`phalanx.engines.ps`): whole AdamW states on every
+    replica or ps task, no activation recomputation, no pipeline micro-batches, the devices
+    the strategy finds. Only the Keras-model engine honours ``parallel.zero``,
     ``parallel.recompute`` and ``parallel.microbatches`` (one process, or across the
     workers of a cluster with ``parallel.strategy=mesh``); silently dropping them would
     train with more memory than asked, or differently, without a word.

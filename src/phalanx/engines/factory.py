@@ -38,7 +38,8 @@ from typing import NoReturn
 
 import keras
 
-from phalanx.engines.ps import ParameterServerEngine
+from phalanx.engines.ps_gpt import GPTParameterServerEngine
+from phalanx.engines.ps_gpt import refuse_unhonoured as refuse_ps_gpt
 from phalanx.cluster.strategies import MULTI_WORKER, local_strategy, refuse_unhonoured
 from phalanx.config import Config, ConfigError, ModelConfig, given
 from phalanx.engines import keras_cluster
@@ -81,6 +82,13 @@ def refuse_before_build(cfg: Config, task, cluster=None) -> None:
         return
     elif cluster is not None:
         refuse_unhonoured(cfg, cluster.name, strategy_step=True)
+        if getattr(cluster, "coordinator", None) is not None:  # parameter servers
+            if not isinstance(task, GPTTask):
+                raise ConfigError("parallel.strategy", f"parameter_server: phalanx train trains the built-in GPT on "
+                                                       f"parameter servers; a Keras model ({type(task).__name__}) "
+                                                       f"trains there through phalanx.fit(build_model, ...) (see "
+                                                       f"docs/clusters.md)")
+            refuse_ps_gpt(cfg)
     else:  # (parallel.microbatches with parallel.pp=1: config.refuse_ignored; with pp=-1: at build)
         refuse_unhonoured(cfg, p.strategy)  # e.g. an explicit "mirrored" with parallel.zero=1
         if p.zero and p.dp == 1:
@@ -129,7 +137,8 @@ def build_engine(cfg: Config, task, cluster=None):
         _refuse_placed_task(task)
     if cluster is not None:  # a multi-process strategy, built first (cluster.strategies.setup_cluster)
         if cluster.coordinator is not None:  # cluster: parameter servers, steps scheduled on the workers
-            return ParameterServerEngine(cfg, task, cluster.strategy, cluster.coordinator, cluster.info.num_workers)
+            return GPTParameterServerEngine(cfg, task, cluster.strategy, cluster.coordinator,
+                                            cluster.info.num_workers)
         if _worker_group_cluster(cluster) and cluster.info.num_workers > 1:
             raise ConfigError("parallel.strategy", f"multi_worker: this cluster was set up for the built-in GPT on "
                                                    f"the Keras-model engine (every worker reads the whole batch); "

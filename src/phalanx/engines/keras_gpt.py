@@ -200,8 +200,13 @@ class PhalanxAdamW(keras.optimizers.Optimizer):
                 mask = self.masks.get(id(var))
                 optim.apply_adamw(var.value, m.value, v.value, grad, step=s.count, lr=s.lr, factor=s.factor, finite=s.finite,
                                   cfg=t, decay=self._decays[id(var)], mask=None if mask is None else mask())
-        for key, value in optim.finish_step(s, self.step, self.loss_scale).items():
-            self.last[key].assign(tf.cast(value, tf.float32))
+        figures = {key: tf.cast(value, tf.float32) for key, value in
+                   optim.finish_step(s, self.step, self.loss_scale).items()}
+        for key, value in figures.items():
+            self.last[key].assign(value)
+        # this call's own figures (tensors of the graph being traced): a parameter-server step returns
+        # them, since ``last`` may hold another worker's step by the time it is read
+        self.step_figures = figures
 
 
 class _Converter:
@@ -311,6 +316,43 @@ def _joined_slot(name: str, shape: tuple, parts: list, bound) -> checkpoint.Slot
                            assign=lambda x: joined.assign(np.asarray(x, dtype)))
 
 
+def compiled_gpt(cfg: Config, task: GPTTask, device: str, tp: int = 1, ep: int = 1) -> tuple:
+    """``(model, converter)``: the built-in GPT of ``cfg.model`` as the Keras model every engine
+    trains (:func:`phalanx.models.transformer.gpt`, ``tp`` tensor shards, ``ep`` expert shards),
+    holding the built-in initial weights and compiled with :class:`PhalanxAdamW` (its scalars on
+    ``device``; the decay mask of :func:`phalanx.models.gpt.decays`) and the mean token
+    cross-entropy; ``converter`` maps its variables to the built-in logical names. The
+    variables are made where the caller's scope puts them (a strategy's: on its ps tasks).
+
+    Example:
+        >>> from phalanx.config import Config
+        >>> cfg = Config().replace(model={"layers": 1, "d_model": 16, "heads": 2, "ffn": 32, "seq_len": 8})
+        >>> model, convert = compiled_gpt(cfg, GPTTask(cfg.model), "/device:CPU:0")
+        >>> type(model.optimizer).__name__, sorted(convert.parts) == sorted(builtin.weight_shapes(cfg.model))
+        ('PhalanxAdamW', True)
+    """
+    task = for_config(task, cfg)
+    model = transformer.gpt(cfg.model, tp=tp, ep=ep, seed=None, dtype_policy=task.dtype_policy,
+                            sequence_parallel=cfg.parallel.sequence_parallel, dropout_seed=task.seed)
+    convert = _Converter(model)
+    # the built-in initial weights (gpt.initial_weights' values, drawn in seeded tiles), each
+    # variable's part made alone: the host never holds the whole initial model
+    init = builtin.initializer(cfg.model, task.seed)
+    for name, joined in convert.joined([_tf_variable(v) for v in model.trainable_variables]).items():
+        for var, box in joined.parts:
+            var.assign(np.reshape(init(name, box), tuple(var.shape)))
+    # each variable holds a part of one logical weight (_Converter checks it): its decay flag
+    variables = model.trainable_variables
+    decays = {id(variables[i]): builtin.decays(name) for name, (indices, _) in convert.parts.items()
+              for i in indices}
+    optimizer = PhalanxAdamW(cfg, decays, device)
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    # Keras wraps any optimizer in its LossScaleOptimizer under mixed_float16; this one scales
+    # the loss itself (phalanx's LossScale, the other engines' state and checkpoint names).
+    model.optimizer = optimizer
+    return model, convert
+
+
 class KerasGPTEngine:
     """The built-in GPT (``cfg.model``) with tensor shards over ``mesh.tp``, stages over
     ``mesh.pp`` and experts over ``parallel.ep``, trained by :class:`KerasModelEngine` on
@@ -342,27 +384,9 @@ class KerasGPTEngine:
         self.names = list(builtin.weight_shapes(cfg.model))
         # Cut for the mesh's tensor ranks; the Keras engine cuts it into pipeline stages itself
         # (split_keras_model, as for phalanx.fit) and places each tensor shard on its rank.
-        self.model = transformer.gpt(cfg.model, tp=self.tp, ep=self.ep, seed=None,
-                                     dtype_policy=task.dtype_policy,
-                                     sequence_parallel=cfg.parallel.sequence_parallel, dropout_seed=task.seed)
-        self._convert = _Converter(self.model)
-        # the built-in initial weights (gpt.initial_weights' values, drawn in seeded tiles), each
-        # variable's part made alone: the host never holds the whole initial model
-        init = builtin.initializer(cfg.model, task.seed)
-        for name, joined in self._convert.joined([_tf_variable(v) for v in self.model.trainable_variables]).items():
-            for var, box in joined.parts:
-                var.assign(np.reshape(init(name, box), tuple(var.shape)))
-        # each variable holds a part of one logical weight (_Converter checks it): its decay flag
-        variables = self.model.trainable_variables
-        decays = {id(variables[i]): builtin.decays(name) for name, (indices, _) in self._convert.parts.items()
-                  for i in indices}
-        self.optimizer = PhalanxAdamW(cfg, decays, mesh.device(0, 0, 0))
+        self.model, self._convert = compiled_gpt(cfg, task, mesh.device(0, 0, 0), tp=self.tp, ep=self.ep)
+        self.optimizer = self.model.optimizer
         self.loss_scale = self.optimizer.loss_scale
-        self.model.compile(optimizer=self.optimizer,
-                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        # Keras wraps any optimizer in its LossScaleOptimizer under mixed_float16; this one scales
-        # the loss itself (phalanx's LossScale, the other engines' state and checkpoint names).
-        self.model.optimizer = self.optimizer
         tokens = np.zeros([cfg.train.global_batch, cfg.model.seq_len], np.int32)
         self.engine = KerasModelEngine(self.model, cfg, mesh, (tokens, tokens, None), workers=workers)
         # False, or what was assigned outside a step and the rest must follow: "whole" (the model's

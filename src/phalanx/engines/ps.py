@@ -1,37 +1,38 @@
-"""Training under ``ParameterServerStrategy``: steps scheduled on the workers by the chief.
+"""Training under ``ParameterServerStrategy``: any Keras model's steps scheduled on the workers by the chief.
 
-:class:`ParameterServerEngine` is the :class:`~phalanx.engines.strategy.StrategyEngine`
-step (same loss, clipping, loss scaling, AdamW, same ``state_dict`` names), run the
-parameter-server way:
+:class:`KerasParameterServerEngine` is the one parameter-server engine, for ``phalanx.fit``
+(:mod:`phalanx.train.keras_ps`) and ``phalanx train``'s built-in GPT
+(:class:`~phalanx.engines.ps_gpt.GPTParameterServerEngine`, the same Keras model every other
+layout trains):
 
-* every variable (weights, AdamW moments, step, loss scale) is created in the
-  strategy's scope and so lives on a ps task (whole, round-robin over the ps tasks);
-* the chief runs the training loop; :meth:`train_step` hands the step to the
-  :class:`~tf.distribute.experimental.coordinator.ClusterCoordinator`, which runs it
-  on whichever worker is free: the worker reads the weights from the ps tasks,
-  computes the gradients of the whole global batch and applies AdamW to the ps
-  variables. It returns at once: up to ``max_in_flight`` steps run concurrently on
-  different workers, each on the weights it read (asynchronous training, as
-  parameter servers do it), so losses are not bit-identical from run to run;
-* the data: the chief feeds batch ``k`` of the deterministic global stream to step
-  ``k`` (:mod:`phalanx.data.pipeline`), sent to the worker with the step. Every
-  example is seen exactly once per epoch across the workers, whichever worker runs
-  the step, and the checkpointed position resumes exactly. (TensorFlow's per-worker
-  datasets, ``coordinator.create_per_worker_dataset``, would save that transfer, but
-  give the dataset function no worker index to shard by and no position to resume at.)
-* :meth:`checkpoint_slots` (and :meth:`state_dict`) first waits for every scheduled step
-  (``coordinator.join``); the chief's checkpoint writer then reads the ps variables one
-  at a time (never the whole state on the chief) into an ordinary checkpoint that any
-  layout, e.g. one process (``phalanx eval RUN_DIR``), loads.
-
-The values :meth:`train_step` returns are fetched when converted with ``float()``
-(the trainer does that at log boundaries), so the chief does not wait for each step.
+* a function builds and compiles the model inside the strategy's scope, so every variable
+  (weights, optimizer slots and step, loss scale, metric totals) lives on a ps task (whole,
+  round-robin over the ps tasks);
+* the chief runs the training loop; a step is handed to the
+  :class:`~tf.distribute.experimental.coordinator.ClusterCoordinator`, which runs it on
+  whichever worker is free: the worker reads the weights from the ps tasks, computes the
+  gradient of the whole batch and has the model's optimizer update the ps variables. It
+  returns at once: up to ``max_in_flight`` steps run concurrently on different workers, each
+  on the weights it read (asynchronous training, as parameter servers do it), so losses are
+  not bit-identical from run to run;
+* the data: the chief feeds each step its batch (``phalanx train``: batch ``k`` of the
+  deterministic global stream to step ``k``, :mod:`phalanx.data.pipeline`), sent to the
+  worker with the step, so a step that TensorFlow runs again after its worker died keeps its
+  rows, every example is seen exactly once per epoch whichever worker runs the step, and the
+  checkpointed position resumes exactly. (TensorFlow's per-worker datasets,
+  ``coordinator.create_per_worker_dataset``, would save that transfer, but give the dataset
+  function no worker index to shard by and no position to resume at.)
+* a step's results stay on its worker until they are read (:class:`RemoteScalar`,
+  ``float()``), so the chief does not wait for each step; a step whose worker died after
+  running it is *lost*, not fatal (:class:`StepResult`): its update is in the ps variables;
+* :meth:`KerasParameterServerEngine.join` waits for every scheduled step: checkpoints are
+  taken after it, the chief's writer reading the ps variables one at a time.
 
 Example (inside a ``phalanx launch --workers 2 --ps 1`` chief)::
 
     setup = setup_cluster(cfg)            # worker/ps tasks serve in here
-    engine = ParameterServerEngine(cfg, GPTTask(cfg.model), setup.strategy, setup.coordinator)
-    out = engine.train_step(batch)        # scheduled; float(out["loss"]) waits for it
+    engine = KerasParameterServerEngine(build_model, setup.strategy, setup.coordinator, (x[:32], y[:32]), 2)
+    logs = engine.train_step((x[:32], y[:32]))   # scheduled; float(logs["loss"]) waits for it
 """
 
 from __future__ import annotations
@@ -43,8 +44,6 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from phalanx.config import Config, ConfigError
-from phalanx.engines.strategy import StrategyEngine
 
 
 #: tries of the copy of a step's results to the chief, and the pause between them (seconds)
@@ -139,90 +138,15 @@ class _LostSteps:
                   "logged means", file=sys.stderr, flush=True)
 
 
-class ParameterServerEngine(StrategyEngine):
-    """The StrategyEngine step, scheduled on the workers of a parameter-server cluster."""
+def replica_function(strategy: tf.distribute.Strategy, step) -> Any:
+    """``tf.function`` of ``strategy.run(step, (data,))``: what the coordinator schedules on a
+    worker (traced as written: ``step`` is a Keras step or a step written for one replica)."""
 
-    def __init__(self, cfg: Config, task, strategy: tf.distribute.Strategy, coordinator: Any,
-                 num_workers: int = 1, max_in_flight: int | None = None):
-        if not isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
-            raise TypeError(f"ParameterServerEngine needs a ParameterServerStrategy, got {type(strategy).__name__}")
-        if cfg.train.prune.target > 0:
-            raise ConfigError("train.prune.target", f"{cfg.train.prune.target}: pruning is not built for "
-                                                    f"parameter_server (asynchronous steps in flight would race the "
-                                                    f"mask updates); use one device, dp, multi_worker or the mesh "
-                                                    f"engine, or set train.prune.target=0")
-        super().__init__(cfg, task, strategy)
-        self.coordinator = coordinator
-        # A step is one replica (one CPU worker) over the whole global batch: dp stays
-        # strategy.num_replicas_in_sync (1), and the loss needs no split across replicas.
-        self.local_replicas = 1
-        # Two steps per worker in flight keep every worker busy while the chief feeds the next.
-        self.max_in_flight = max_in_flight or 2 * max(1, num_workers)
-        self.num_workers = max(1, num_workers)
-        self._pending: list[StepResult] = []
-        self.lost_steps = _LostSteps()
+    @tf.autograph.experimental.do_not_convert
+    def run(data):
+        return strategy.run(step, args=(data,))
 
-    @property
-    def n_devices(self) -> int:
-        """Devices that run steps (for MFU): one per worker, whichever runs a given step;
-        the ps tasks only hold variables and the chief only schedules."""
-        return self.num_workers
-
-    def _local_rows(self, batch):
-        return batch  # the whole global batch: one worker runs the whole step
-
-    def _reduced_grads(self, batch):
-        # One replica: nothing to reduce across replicas (and batch_reduce_to would move
-        # the gradients to the ps devices for no purpose).
-        grads, loss = self.strategy.run(self._replica_grads, args=(batch,))
-        return grads, loss
-
-    def _update_variable(self, var, args) -> None:
-        # The update runs on the worker and writes the ps variables (no per-device copies here).
-        self._apply_one(var, *args)
-
-    def train_step(self, batch) -> dict[str, RemoteScalar]:
-        # Bound the steps in flight (and the batches held for them) without waiting for each step.
-        self._pending = [r for r in self._pending if not r.done()]
-        while len(self._pending) >= self.max_in_flight:
-            self._pending.pop(0).values()
-        result = StepResult(self.coordinator.schedule(self._train_fn, args=(batch,)), self.lost_steps)
-        self._pending.append(result)
-        return {k: RemoteScalar(result, k) for k in ("loss", "grad_norm", "skipped", "loss_scale", "lr")}
-
-    def _replica_eval(self, batch):
-        return self.task.loss(self.model, batch, training=False)
-
-    def _eval_step(self, batch):
-        return self.strategy.run(self._replica_eval, args=(batch,))
-
-    def eval_step(self, batch) -> tf.Tensor:
-        return tf.constant(self.coordinator.schedule(self._eval_fn, args=(batch,)).fetch(), tf.float32)
-
-    def gradients(self, batch) -> dict[str, np.ndarray]:
-        raise NotImplementedError("gradients() is not available under ParameterServerStrategy")
-
-    def join(self) -> None:
-        """Wait until every scheduled step has run (errors of a step are raised here)."""
-        self.coordinator.join()
-        self._pending = []
-
-    def checkpoint_slots(self):
-        # no step in flight while the slots are read (save) or assigned (restore)
-        self.join()
-        return super().checkpoint_slots()
-
-    def state_dict(self) -> dict[str, np.ndarray]:
-        self.join()
-        return super().state_dict()
-
-    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
-        self.join()
-        super().load_state_dict(state)
-
-    def weights(self) -> dict[str, np.ndarray]:
-        self.join()
-        return super().weights()
+    return tf.function(run, reduce_retracing=True)
 
 
 def _done(remote: Any) -> bool:
@@ -252,8 +176,8 @@ class KerasParameterServerEngine:
       computes the gradient of the batch and has the model's optimizer update the ps
       variables. Up to ``max_in_flight`` steps run concurrently, each on the weights it read
       (stale by the updates of the steps in flight beside it).
-    * the batch travels with its step, as :class:`ParameterServerEngine` does, so a step
-      that TensorFlow reschedules after a worker died runs on the same rows.
+    * the batch travels with its step, so a step that TensorFlow reschedules after a worker
+      died runs on the same rows.
     * :meth:`join` waits for every scheduled step; the metric variables then hold the
       totals of every step since the last ``model.reset_metrics()``.
 
@@ -284,29 +208,23 @@ class KerasParameterServerEngine:
             self.model._maybe_symbolic_build(data_batch=keras_data(sample_batch))
             if self.model.optimizer is not None and not self.model.optimizer.built:
                 self.model.optimizer.build(self.model.trainable_variables)
-        model = self.model
-
-        @tf.autograph.experimental.do_not_convert
-        def train(data):
-            return strategy.run(model.train_step, args=(data,))
-
-        @tf.autograph.experimental.do_not_convert
-        def test(data):
-            return strategy.run(model.test_step, args=(data,))
-
-        self._train_fn = tf.function(train, reduce_retracing=True)
-        self._test_fn = tf.function(test, reduce_retracing=True)
+        self._train_fn = replica_function(strategy, self.model.train_step)
+        self._test_fn = replica_function(strategy, self.model.test_step)
         self._keys: dict[str, list[str]] = {}
 
     def variable_devices(self) -> list[str]:
         """Where the model's variables live (ps tasks)."""
         return [v.value.device for v in self.model.variables]
 
-    def _schedule(self, fn, batch, kind: str) -> dict:
+    def schedule(self, fn, data, kind: str) -> dict[str, RemoteScalar]:
+        """Schedule ``fn(data)`` (a ``tf.function`` returning a dict of scalars; ``kind`` names
+        its family of results) on a free worker, bounding the steps in flight; its results are
+        fetched when read (``float()``), and a step whose worker died after running it is lost,
+        not fatal (:class:`StepResult`)."""
         self._pending = [r for r in self._pending if not r.done()]
         while len(self._pending) >= self.max_in_flight:
             self._pending.pop(0).values()
-        remote = self.coordinator.schedule(fn, args=(keras_data(batch),))
+        remote = self.coordinator.schedule(fn, args=(data,))
         result = StepResult(remote, self.lost_steps)
         self._pending.append(result)
         if kind not in self._keys:  # the first step's logs name the keys (a model's own step may add some)
@@ -315,11 +233,11 @@ class KerasParameterServerEngine:
 
     def train_step(self, batch) -> dict[str, RemoteScalar]:
         """Schedule one step on a free worker; the logs are fetched when read (``float()``)."""
-        return self._schedule(self._train_fn, batch, "train")
+        return self.schedule(self._train_fn, keras_data(batch), "train")
 
     def test_step(self, batch) -> dict[str, RemoteScalar]:
         """Schedule the model's ``test_step`` (its metrics accumulate on the ps tasks)."""
-        return self._schedule(self._test_fn, batch, "test")
+        return self.schedule(self._test_fn, keras_data(batch), "test")
 
     def join(self) -> None:
         """Wait until every scheduled step has run (a step's error is raised here)."""
