@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 import phalanx
-from phalanx import checkpoint
+from phalanx import checkpoint, prune
 from phalanx.config import ConfigError
+from phalanx.engines import keras_slots
 
 from test_keras_hub import StepLosses, data
 from test_keras_recompute import gpt2
@@ -223,8 +224,12 @@ def test_pruning_keras_hub_gpt2_on_tp2_equals_one_device_and_keras_fit(pattern, 
         runs[layout] = saved_masks(tmp_path / layout)
     assert len(runs["one_device"]) == len(kernels_of(ref)) == 12  # 2 blocks: 4 attention + 2 MLP kernels each
     assert len(runs["tp2"]) == len(runs["one_device"])
-    for layout, masks in runs.items():  # numbered by the layout's logical weights: compared in order
-        for key, want in zip(sorted(masks), callback.masks):
+    # named by the kernels' logical names (layout-independent): in the order of the reference's kernels
+    name_of = {id(v): name for name, parts in keras_slots.logical_parts(ref).items() for v, _ in parts}
+    keys = [prune.MASK_PREFIX + name_of[id(v)] for v in kernels_of(ref)]
+    for layout, masks in runs.items():
+        assert sorted(masks) == sorted(keys), layout
+        for key, want in zip(keys, callback.masks):
             np.testing.assert_array_equal(masks[key], want, err_msg=f"{layout} {key}")
 
 
