@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import phalanx
-from phalanx import checkpoint, prune
+from phalanx import checkpoint
+from phalanx.prune import MASK_PREFIX
 from phalanx.config import ConfigError
 from phalanx.engines import keras_slots
 from phalanx.prune.keras import prunable_weights
@@ -222,7 +223,7 @@ def test_pruning_keras_hub_gpt2_on_tp2_equals_one_device_and_keras_fit(pattern, 
                     overrides=overrides + prune + [f"run.dir={tmp_path / layout}"])
         # each mask is named by its kernel's logical name in this layout's model: in the kernels' order
         name_of = {id(v): name for name, parts in keras_slots.logical_parts(model).items() for v, _ in parts}
-        keys = [prune.MASK_PREFIX + name_of[id(w.variables[0])] for w in prunable_weights(model)]
+        keys = [MASK_PREFIX + name_of[id(w.variables[0])] for w in prunable_weights(model)]
         phalanx.unparallelize(model)
         assert_same(model, ref, steps, ref_steps, rtol=1e-4, what=layout)
         masks = saved_masks(tmp_path / layout)
