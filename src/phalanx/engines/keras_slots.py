@@ -36,6 +36,7 @@ import tensorflow as tf
 
 from phalanx import checkpoint
 from phalanx.checkpoint import boxes
+from phalanx.checkpoint.sharded import spread
 from phalanx.engines import keras_state
 from phalanx.engines.strategy import JoinedVariable
 
@@ -214,8 +215,22 @@ def shard_sets(engine, parts: dict[str, list], scalars: dict[str, Any] | None = 
     (name -> variable) on the first device (None: the optimizer's own variables that are no
     element-wise slot, by their Keras path under ``optimizer/``); ``extra`` ``(device, slot)``
     as given. Sets are named by mesh coordinates (``dp{d}-pp{r}-tp{t}``), in mesh order."""
-    model, mesh, zs = engine.model, engine.mesh, engine.slices
-    first = mesh.device(0, 0, 0)
+    slots = _slots(engine.model, engine.slices, engine.mesh.device(0, 0, 0), parts, scalars)
+    return _by_device(engine.mesh, slots + list(extra))
+
+
+def whole_sets(model, parts: dict[str, list], extra: list[tuple[str, checkpoint.Slot]] = ()) \
+        -> list[checkpoint.ShardSet]:
+    """The state of a model whose variables are whole, wherever they live (the parameter-server
+    fit's), named as :func:`shard_sets` names them, in a few sets of about equal bytes
+    (:func:`~phalanx.checkpoint.sharded.spread`); each slot read from its variable when written."""
+    slots = _slots(model, None, None, parts, None) + list(extra)
+    return spread([slot for _, slot in slots])
+
+
+def _slots(model, zs, first, parts: dict[str, list], scalars) -> list[tuple[str, checkpoint.Slot]]:
+    """``(device, slot)`` of :func:`shard_sets` (``zs``: the engine's ZeRO slices or None;
+    ``first``: where the scalars go, None: where they live)."""
     trainable = list(model.trainable_variables)
     prefixes = by_prefix(trainable)
     logical_of = {id(v): name for name, held in parts.items() for v, _ in held}
@@ -227,10 +242,8 @@ def shard_sets(engine, parts: dict[str, list], scalars: dict[str, Any] | None = 
     rest_sliced: list[tuple[Any, Any]] = []  # (the user's variable, the sliced optimizer's) under ZeRO
     if zs is not None:
         position = {id(layout): i for i, layout in enumerate(zs.layouts)}
-        taken = set()
         for owner, layout, row in zs.slots:
             v = zs.variables[position[id(layout)]]
-            taken.add(id(owner))
             sliced_slots.setdefault(id(v), []).append((owner.name[len(v.path.replace("/", "_")) + 1:], row))
         rest_sliced = list(zs.scalars)
     elif user is not None:
@@ -243,7 +256,7 @@ def shard_sets(engine, parts: dict[str, list], scalars: dict[str, Any] | None = 
     out: list[tuple[str, checkpoint.Slot]] = []
     if scalars is None:
         scalars = {}
-        for s in rest:  # (under ZeRO: rest_sliced, below)
+        for s in rest:
             found = slot_owner(s, prefixes)
             if found is not None and tuple(s.shape) != () and id(found[0]) in logical_of:
                 # a slot of another shape (Adafactor's factored ones): whole, where it lives
@@ -253,7 +266,7 @@ def shard_sets(engine, parts: dict[str, list], scalars: dict[str, Any] | None = 
                 scalars[OPTIMIZER_PREFIX + keras_state.plain_path(s.path)] = s
         for owner, mine in rest_sliced:
             scalars[OPTIMIZER_PREFIX + keras_state.plain_path(owner.path)] = mine
-    out = [(first, scalar_slot(name, var)) for name, var in scalars.items()] + out
+    out = [(first or _tf(var).device, scalar_slot(name, var)) for name, var in scalars.items()] + out
     sliced = {} if zs is None else zs.index
     for name, held in parts.items():
         shape = whole_shape(held)
@@ -269,8 +282,7 @@ def shard_sets(engine, parts: dict[str, list], scalars: dict[str, Any] | None = 
         for v, box in held:
             if id(v) in sliced:
                 out += _sliced(zs, v, box, name, shape, sliced_slots.get(id(v), []))
-    out += list(extra)
-    return _by_device(mesh, out)
+    return out
 
 
 def _sliced(zs, v, box, name: str, shape: tuple, slots: list) -> list[tuple[str, checkpoint.Slot]]:

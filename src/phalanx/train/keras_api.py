@@ -216,9 +216,11 @@ def _variables_signature(model) -> list[list]:
 PER_DEVICE = "per-device"
 
 
-def _restore(run_dir: Path, engine, model, say, pruning=None) -> tuple[int, dict]:
-    """Load the newest valid checkpoint of ``run_dir`` into ``engine``'s model; (epochs done,
-    history). Each device's slots read only the boxes they hold, whatever layout wrote them.
+def _restore(run_dir: Path, model, say, pruning=None, engine=None) -> tuple[int, dict]:
+    """Load the newest valid checkpoint of ``run_dir`` into ``model``; (epochs done, history).
+    With the fit's ``engine`` (:meth:`KerasModelEngine.checkpoint_slots`) each device's slots
+    read only the boxes they hold, whatever layout wrote them; without one (the
+    parameter-server fit) each whole variable reads its tensor.
 
     As ``phalanx train`` resumes (:func:`phalanx.checkpoint.resume_latest`): a damaged newer
     checkpoint, or one that fails while loaded (NaN pieces, a dtype of another family), is
@@ -242,7 +244,9 @@ def _restore(run_dir: Path, engine, model, say, pruning=None) -> tuple[int, dict
             _load_numbered(run_dir, restored, model, pruning)
             return
         parts = keras_slots.logical_parts(model)
-        sets = engine.checkpoint_slots(parts, extra=pruning.mask_slots(parts) if pruning is not None else [])
+        masks = pruning.mask_slots(parts) if pruning is not None else []
+        sets = engine.checkpoint_slots(parts, extra=masks) if engine is not None else \
+            keras_slots.whole_sets(model, parts, extra=masks)
         wanted = {s.name for each in sets for s in each.slots if s.name.startswith(keras_slots.OPTIMIZER_PREFIX)}
         have = {n for n in restored.reader.names() if n.startswith(keras_slots.OPTIMIZER_PREFIX)}
         if wanted != have:
@@ -256,7 +260,8 @@ def _restore(run_dir: Path, engine, model, say, pruning=None) -> tuple[int, dict
         except (KeyError, ValueError) as err:
             raise checkpoint.CheckpointError(restored.path / checkpoint.INDEX, f"does not fit this model: "
                                              f"{err.args[0] if err.args else err}") from None
-        engine.restored()
+        if engine is not None:
+            engine.restored()
         if pruning is not None:
             pruning.restored()
 
@@ -296,16 +301,18 @@ def _load_numbered(run_dir: Path, restored, model, pruning) -> None:
     keras_state.restore_masks(pruning, restored.tensors)
 
 
-def _save(run_dir: Path, cfg: Config, engine, model, epoch: int, history: dict, step: int, pruning=None) -> Path:
-    """Checkpoint ``step`` of the fit: every device writes the slices it holds
+def _save(run_dir: Path, cfg: Config, model, epoch: int, history: dict, step: int, pruning=None,
+          engine=None) -> Path:
+    """Checkpoint ``step`` of the fit: every device of ``engine`` writes the slices it holds
     (:meth:`KerasModelEngine.checkpoint_slots`, the masks of ``train.prune.*`` beside them once
-    installed)."""
+    installed); without an engine (the parameter-server fit) whole variables, one at a time."""
     meta = {"epoch": epoch, "history": _jsonable(history), "keras_variables": _variables_signature(model),
             "keras_state": PER_DEVICE, "config": cfg.to_dict(), "model": model.name}
     parts = keras_slots.logical_parts(model)
     masks = pruning.mask_slots(parts) if pruning is not None and pruning.installed else []
-    return checkpoint.save(run_dir / "checkpoints", step, engine.checkpoint_slots(parts, extra=masks), meta=meta,
-                           keep=cfg.checkpoint.keep)
+    sets = engine.checkpoint_slots(parts, extra=masks) if engine is not None else \
+        keras_slots.whole_sets(model, parts, extra=masks)
+    return checkpoint.save(run_dir / "checkpoints", step, sets, meta=meta, keep=cfg.checkpoint.keep)
 
 
 def _jsonable(value):
@@ -558,7 +565,7 @@ def _fit_loop(engine, model, cfg, run_dir: Path | None, train: Batches, val, *, 
     done, saved_history = 0, {}
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
-        done, saved_history = _restore(run_dir, engine, model, say, pruning)
+        done, saved_history = _restore(run_dir, model, say, pruning, engine)
     if workers is not None:  # every worker starts from the chief's weights, optimizer state and epoch
         resume = workers.start(model, model.optimizer, {"done": done, "history": _jsonable(saved_history)})
         done, saved_history = int(resume["done"]), resume["history"]
@@ -653,7 +660,7 @@ def _train_epochs(engine, model, cfg, run_dir: Path | None, output: RunOutput | 
             epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
         callback_list.on_epoch_end(epoch, epoch_logs)
         if run_dir is not None:
-            _save(run_dir, cfg, engine, model, epoch + 1, history.history, step_count, pruning)
+            _save(run_dir, cfg, model, epoch + 1, history.history, step_count, pruning, engine)
         if output is not None:
             output.log(_epoch_row(epoch + 1, step_count, epoch_logs, moe))
         if model.stop_training:
