@@ -19,8 +19,9 @@ compiled metrics. The engine only decides *where* things run:
   instance of the user's optimizer, made from its config, applies on the slices (one
   ``apply``: ``global_clipnorm`` and ``iterations`` as one optimizer), so each device holds
   ``1/dp`` of the optimizer state. ``model.optimizer`` keeps whole-shaped slots on the host
-  CPU, written at each epoch's end (:meth:`KerasModelEngine.gather_state`), for checkpoints,
-  ``evaluate`` and ``save``. Stage 1: the summed gradient of a variable is formed on each
+  CPU, written at each epoch's end (:meth:`KerasModelEngine.gather_state`), for ``evaluate``
+  and ``save`` (checkpoints are written from the slices: :meth:`KerasModelEngine.checkpoint_slots`).
+  Stage 1: the summed gradient of a variable is formed on each
   slice's device (an all-reduce) and cut there; the whole weights on every replica are
   refreshed from the updated slices (an all-gather). Stage 2: each replica's gradient is cut
   where it was formed and slice ``k`` of every replica's is summed on replica ``k`` (a
