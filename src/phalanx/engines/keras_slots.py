@@ -255,7 +255,7 @@ def _slots(model, zs, first, parts: dict[str, list], scalars) -> list[tuple[str,
                 rest.append(s)
     out: list[tuple[str, checkpoint.Slot]] = []
     if scalars is None:
-        scalars = {}
+        named: list[tuple[str, Any]] = []
         for s in rest:
             found = slot_owner(s, prefixes)
             if found is not None and tuple(s.shape) != () and id(found[0]) in logical_of:
@@ -263,9 +263,10 @@ def _slots(model, zs, first, parts: dict[str, list], scalars) -> list[tuple[str,
                 out.append((_tf(s).device, scalar_slot(f"{OPTIMIZER_PREFIX}{found[1]}/{logical_of[id(found[0])]}",
                                                        s)))
             else:
-                scalars[OPTIMIZER_PREFIX + keras_state.plain_path(s.path)] = s
-        for owner, mine in rest_sliced:
-            scalars[OPTIMIZER_PREFIX + keras_state.plain_path(owner.path)] = mine
+                named.append((OPTIMIZER_PREFIX + keras_state.plain_path(s.path), s))
+        named += [(OPTIMIZER_PREFIX + keras_state.plain_path(owner.path), mine) for owner, mine in rest_sliced]
+        # (two optimizers' variables may share a path without the counters: numbered, not dropped)
+        scalars = dict(zip(unique_names([n for n, _ in named]), [v for _, v in named]))
     out = [(first or _tf(var).device, scalar_slot(name, var)) for name, var in scalars.items()] + out
     sliced = {} if zs is None else zs.index
     for name, held in parts.items():

@@ -218,9 +218,9 @@ PER_DEVICE = "per-device"
 
 def _restore(run_dir: Path, model, say, pruning=None, engine=None) -> tuple[int, dict]:
     """Load the newest valid checkpoint of ``run_dir`` into ``model``; (epochs done, history).
-    With the fit's ``engine`` (:meth:`KerasModelEngine.checkpoint_slots`) each device's slots
-    read only the boxes they hold, whatever layout wrote them; without one (the
-    parameter-server fit) each whole variable reads its tensor.
+    With a placing ``engine`` (:meth:`KerasModelEngine.checkpoint_slots`) each device's slots
+    read only the boxes they hold, whatever layout wrote them; otherwise (a model's own
+    train_step, the parameter-server fit) each whole variable reads its tensor.
 
     As ``phalanx train`` resumes (:func:`phalanx.checkpoint.resume_latest`): a damaged newer
     checkpoint, or one that fails while loaded (NaN pieces, a dtype of another family), is
@@ -244,9 +244,7 @@ def _restore(run_dir: Path, model, say, pruning=None, engine=None) -> tuple[int,
             _load_numbered(run_dir, restored, model, pruning)
             return
         parts = keras_slots.logical_parts(model)
-        masks = pruning.mask_slots(parts) if pruning is not None else []
-        sets = engine.checkpoint_slots(parts, extra=masks) if engine is not None else \
-            keras_slots.whole_sets(model, parts, extra=masks)
+        sets = _state_sets(engine, model, parts, pruning.mask_slots(parts) if pruning is not None else [])
         wanted = {s.name for each in sets for s in each.slots if s.name.startswith(keras_slots.OPTIMIZER_PREFIX)}
         have = {n for n in restored.reader.names() if n.startswith(keras_slots.OPTIMIZER_PREFIX)}
         if wanted != have:
@@ -260,7 +258,7 @@ def _restore(run_dir: Path, model, say, pruning=None, engine=None) -> tuple[int,
         except (KeyError, ValueError) as err:
             raise checkpoint.CheckpointError(restored.path / checkpoint.INDEX, f"does not fit this model: "
                                              f"{err.args[0] if err.args else err}") from None
-        if engine is not None:
+        if hasattr(engine, "restored"):
             engine.restored()
         if pruning is not None:
             pruning.restored()
@@ -305,14 +303,22 @@ def _save(run_dir: Path, cfg: Config, model, epoch: int, history: dict, step: in
           engine=None) -> Path:
     """Checkpoint ``step`` of the fit: every device of ``engine`` writes the slices it holds
     (:meth:`KerasModelEngine.checkpoint_slots`, the masks of ``train.prune.*`` beside them once
-    installed); without an engine (the parameter-server fit) whole variables, one at a time."""
+    installed); otherwise (:func:`_state_sets`) whole variables, one at a time."""
     meta = {"epoch": epoch, "history": _jsonable(history), "keras_variables": _variables_signature(model),
             "keras_state": PER_DEVICE, "config": cfg.to_dict(), "model": model.name}
     parts = keras_slots.logical_parts(model)
     masks = pruning.mask_slots(parts) if pruning is not None and pruning.installed else []
-    sets = engine.checkpoint_slots(parts, extra=masks) if engine is not None else \
-        keras_slots.whole_sets(model, parts, extra=masks)
-    return checkpoint.save(run_dir / "checkpoints", step, sets, meta=meta, keep=cfg.checkpoint.keep)
+    return checkpoint.save(run_dir / "checkpoints", step, _state_sets(engine, model, parts, masks), meta=meta,
+                           keep=cfg.checkpoint.keep)
+
+
+def _state_sets(engine, model, parts: dict, masks: list) -> list:
+    """The checkpoint shard sets of a fit: the engine's per device (a placing engine's
+    :meth:`KerasModelEngine.checkpoint_slots`), else whole variables wherever they live (a
+    model's own train_step, the parameter-server fit), by the same logical names."""
+    if hasattr(engine, "checkpoint_slots"):
+        return engine.checkpoint_slots(parts, extra=masks)
+    return keras_slots.whole_sets(model, parts, extra=masks)
 
 
 def _jsonable(value):
