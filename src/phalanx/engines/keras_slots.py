@@ -201,6 +201,7 @@ def slot_owner(slot, variables_by_prefix) -> tuple[Any, str] | None:
 
 
 def by_prefix(variables) -> list[tuple[str, Any]]:
+    """``[(the prefix of Keras's slot names of v, v)]``, the longest first (:func:`slot_owner`)."""
     return sorted(((v.path.replace("/", "_") + "_", v) for v in variables), key=lambda p: -len(p[0]))
 
 
@@ -221,8 +222,8 @@ def shard_sets(engine, parts: dict[str, list], scalars: dict[str, Any] | None = 
 
 def whole_sets(model, parts: dict[str, list], extra: list[tuple[str, checkpoint.Slot]] = ()) \
         -> list[checkpoint.ShardSet]:
-    """The state of a model whose variables are whole, wherever they live (the parameter-server
-    fit's), named as :func:`shard_sets` names them, in a few sets of about equal bytes
+    """The state of a model whose variables are whole, wherever they live (a model's own
+    train_step, the parameter-server fit), named as :func:`shard_sets` names them, in a few sets of about equal bytes
     (:func:`~phalanx.checkpoint.sharded.spread`); each slot read from its variable when written."""
     slots = _slots(model, None, None, parts, None) + list(extra)
     return spread([slot for _, slot in slots])
