@@ -17,7 +17,10 @@ import pytest
 
 import phalanx
 from phalanx import checkpoint
+from phalanx.prune import MASK_PREFIX
 from phalanx.config import ConfigError
+from phalanx.engines import keras_slots
+from phalanx.prune.keras import prunable_weights
 
 from test_keras_hub import StepLosses, data
 from test_keras_recompute import gpt2
@@ -218,14 +221,19 @@ def test_pruning_keras_hub_gpt2_on_tp2_equals_one_device_and_keras_fit(pattern, 
         model, steps = gpt2(dropout=0.0), StepLosses()
         phalanx.fit(model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[steps],
                     overrides=overrides + prune + [f"run.dir={tmp_path / layout}"])
+        # each mask is named by its kernel's logical name in this layout's model: in the kernels' order
+        name_of = {id(v): name for name, parts in keras_slots.logical_parts(model).items() for v, _ in parts}
+        keys = [MASK_PREFIX + name_of[id(w.variables[0])] for w in prunable_weights(model)]
         phalanx.unparallelize(model)
         assert_same(model, ref, steps, ref_steps, rtol=1e-4, what=layout)
-        runs[layout] = saved_masks(tmp_path / layout)
+        masks = saved_masks(tmp_path / layout)
+        assert sorted(masks) == sorted(keys), layout
+        runs[layout] = [masks[key] for key in keys]
     assert len(runs["one_device"]) == len(kernels_of(ref)) == 12  # 2 blocks: 4 attention + 2 MLP kernels each
     assert len(runs["tp2"]) == len(runs["one_device"])
-    for layout, masks in runs.items():  # numbered by the layout's logical weights: compared in order
-        for key, want in zip(sorted(masks), callback.masks):
-            np.testing.assert_array_equal(masks[key], want, err_msg=f"{layout} {key}")
+    for layout, masks in runs.items():
+        for i, (mask, want) in enumerate(zip(masks, callback.masks)):
+            np.testing.assert_array_equal(mask, want, err_msg=f"{layout} kernel {i}")
 
 
 def test_bad_prune_settings_are_refused_before_anything_is_written(tmp_path):

@@ -70,6 +70,7 @@ from phalanx.checkpoint import boxes
 from phalanx.config import Config, ConfigError
 from phalanx.core import optim
 from phalanx.core.loss_scale import LossScale
+from phalanx.engines import keras_slots
 from phalanx.engines.keras_model import KerasModelEngine, check_zero
 from phalanx.engines.strategy import JoinedVariable
 from phalanx.engines.task import GPTTask, _tf_variable, for_config
@@ -267,55 +268,6 @@ class _Converter:
         return out
 
 
-def _canonical(device: str) -> str:
-    """A device name in the full form variables report (``/job:localhost/replica:0/task:0/device:CPU:1``)."""
-    spec = tf.DeviceSpec.from_string(device)
-    return spec.replace(job=spec.job or "localhost", replica=spec.replica or 0, task=spec.task or 0).to_string()
-
-
-def _scalar_slot(name: str, var: tf.Variable) -> checkpoint.Slot:
-    dtype = var.dtype.as_numpy_dtype
-    return checkpoint.Slot(name, (), dtype, (), [((), ())], fetch=var.read_value,
-                           assign=lambda x: var.assign(np.asarray(x).astype(dtype)))
-
-
-def _part_slot(name: str, shape: tuple, var: tf.Variable, box) -> checkpoint.Slot:
-    """The slot of ``var``, which holds ``box`` of logical tensor ``name`` (of ``shape``) in its
-    own shape of that size."""
-    local = boxes.shape_of(box)
-    dtype = var.dtype.as_numpy_dtype
-    return checkpoint.Slot(name, shape, dtype, local, [(boxes.full(local), box)],
-                           fetch=lambda: tf.reshape(var.read_value(), local),
-                           # (np.asarray: no copy of a piece already in the dtype; the host holds one)
-                           assign=lambda x: var.assign(np.reshape(np.asarray(x, dtype), tuple(var.shape))))
-
-
-def _slice_slot(name: str, shape: tuple, var: tf.Variable, offset: int, box) -> checkpoint.Slot:
-    """The slot of the flat elements ``[offset, offset + volume(box))`` of a ZeRO slice
-    ``var``, which hold ``box`` of logical tensor ``name`` (of ``shape``)."""
-    local = boxes.shape_of(box)
-    size = boxes.volume(box)
-    dtype = var.dtype.as_numpy_dtype
-
-    def assign(x):  # the slice's other elements (another box, the padding) stay
-        flat = np.array(var.numpy()).reshape(-1)
-        flat[offset:offset + size] = np.asarray(x).astype(dtype).reshape(-1)
-        var.assign(flat.reshape(tuple(var.shape)))
-
-    return checkpoint.Slot(name, shape, dtype, local, [(boxes.full(local), box)],
-                           fetch=lambda: tf.reshape(tf.reshape(var.read_value(), [-1])[offset:offset + size], local),
-                           assign=assign)
-
-
-def _joined_slot(name: str, shape: tuple, parts: list, bound) -> checkpoint.Slot:
-    """One slot for ``parts`` (``[(variable, box)]`` on one device) tiling ``bound`` of ``name``."""
-    joined = JoinedVariable([(var, boxes.relative(box, bound)) for var, box in parts])
-    local = boxes.shape_of(bound)
-    dtype = joined.dtype.as_numpy_dtype
-    return checkpoint.Slot(name, shape, dtype, local, [(boxes.full(local), bound)], fetch=joined.read_value,
-                           assign=lambda x: joined.assign(np.asarray(x, dtype)))
-
-
 def compiled_gpt(cfg: Config, task: GPTTask, device: str, tp: int = 1, ep: int = 1) -> tuple:
     """``(model, converter)``: the built-in GPT of ``cfg.model`` as the Keras model every engine
     trains (:func:`phalanx.models.transformer.gpt`, ``tp`` tensor shards, ``ep`` expert shards),
@@ -507,29 +459,16 @@ class KerasGPTEngine:
 
     # -- state ------------------------------------------------------------------------------
 
-    def _logical_variables(self) -> dict:
-        """The state by logical name: weights and ``optimizer/m|v/*``, each a
-        :class:`JoinedVariable` of the parts its variables hold (a moment lies beside its
-        weight's variable, laid out alike)."""
-        weights = self._convert.joined([_tf_variable(v) for v in self.model.trainable_variables])
-        state = {name: weights[name] for name in self.names}
-        for slot, slots in (("m", self.optimizer.m), ("v", self.optimizer.v)):
-            if len(slots) != len(self.model.trainable_variables):
-                raise RuntimeError("keras_gpt: the optimizer's moments are not built yet")
-            moments = self._convert.joined(slots)
-            state.update({f"optimizer/{slot}/{name}": moments[name] for name in self.names})
-        for name, masks in self._masks.items():  # laid out as the weight's variables
-            _, joined = self._convert.parts[name]
-            state[prune.MASK_PREFIX + name] = JoinedVariable([(m, box) for m, (_, box) in zip(masks, joined.parts)])
-        return state
-
     def checkpoint_slots(self) -> list[checkpoint.ShardSet]:
-        """The state as one shard set per device holding it: each variable's part of a logical
-        tensor (weights, ``optimizer/m|v/*``) a slot by logical name and box, and
-        ``optimizer/step`` and the loss scale on the first device (the sharded format,
-        docs/checkpoint_format.md). A save reads, and a restore assigns, one part at a time per
-        writer thread, so the host never holds a whole tensor of a sharded weight; any layout's
-        checkpoint (those of the former mesh engine included) restores into it box by box."""
+        """The state as one shard set per device holding it (the sharded format,
+        docs/checkpoint_format.md), built by :meth:`KerasModelEngine.checkpoint_slots` with the
+        built-in GPT's names: each variable's part of a logical weight (and its ``m``/``v``
+        moments as ``optimizer/m|v/*``) a slot by logical name and box, under ZeRO each
+        replica's slices; ``optimizer/step`` and the loss scale on the first device; the pruning
+        masks as optional ``prune/mask/*`` slots beside the weights' variables. A save reads, and
+        a restore assigns, one part at a time per writer thread, so the host never holds a whole
+        tensor of a sharded weight; any layout's checkpoint (those of the former mesh engine included)
+        restores into it box by box."""
         # what was assigned since the last step (a mask installed) reaches the slices before they are saved
         self._sync()
         # Under ZeRO across workers this process holds its own slices only: the checkpoint holds the
@@ -537,45 +476,20 @@ class KerasGPTEngine:
         sliced = self.engine.slices is not None and self.workers is None
         # a restore assigns the weights outside a step: under ZeRO into the slices themselves
         self._stale = "slices" if sliced else "whole"
-        first = self.mesh.device(0, 0, 0)
-        slots = [(first, _scalar_slot("optimizer/step", self.optimizer.step))]
-        slots += [(first, _scalar_slot(k, v)) for k, v in self.loss_scale.state().items()]
-        state = self._logical_variables()
-        if sliced:  # the weights and moments are the slices' (below); masks stay whole
-            state = {k: v for k, v in state.items() if k.startswith(prune.MASK_PREFIX)}
-        for name, joined in state.items():
-            shape = tuple(int(n) for n in joined.shape)
-            by_device: dict[str, list] = {}
-            for var, box in joined.parts:
-                if isinstance(var, keras.Variable):  # a weight or an optimizer slot: its tf.Variable
-                    var = var.value
-                by_device.setdefault(var.device, []).append((var, box))
-            for device, parts in by_device.items():
-                # a device's parts that tile one box (the q, k, v of a fused kernel on one device) are one slot
-                bound = tuple((min(b[a][0] for _, b in parts), max(b[a][1] for _, b in parts))
-                              for a in range(len(shape)))
-                if len(parts) > 1 and sum(boxes.volume(b) for _, b in parts) == boxes.volume(bound):
-                    slots.append((device, _joined_slot(name, shape, parts, bound)))
-                else:
-                    slots += [(device, _part_slot(name, shape, var, box)) for var, box in parts]
-        if sliced:
-            slots += self._sliced_slots()
-        names = {}  # device -> its set's name in mesh order (as the former mesh engine named them)
-        for d in range(self.mesh.dp):
-            for r in range(self.mesh.pp):
-                for t in range(self.mesh.tp):
-                    names.setdefault(_canonical(self.mesh.device(d, r, t)), f"dp{d}-pp{r}-tp{t}")
-        sets: dict[str, checkpoint.ShardSet] = {}
-        for device, slot in slots:
-            key = _canonical(device)
-            name = names.get(key) or "dev-" + "".join(c if c.isalnum() else "-" for c in key).strip("-")
-            sets.setdefault(name, checkpoint.ShardSet(name)).slots.append(slot)
-        for _, slot in slots:
+        variables = self.model.trainable_variables
+        parts = {name: [(variables[i], box) for i, (_, box) in zip(indices, joined.parts)]
+                 for name, (indices, joined) in self._convert.parts.items()}
+        scalars = {"optimizer/step": self.optimizer.step, **self.loss_scale.state()}
+        masks = []
+        for name, held in self._masks.items():  # laid out as the weight's variables, whole under ZeRO too
+            _, joined = self._convert.parts[name]
+            masks += keras_slots.part_slots(prune.MASK_PREFIX + name,
+                                            [(m, box) for m, (_, box) in zip(held, joined.parts)])
+        for _, slot in masks:
             # a mask is only assigned on restore: the weights and moments saved beside it are zero where
             # it is; a checkpoint written without pruning leaves the masks as they are (all ones)
-            slot.optional = slot.name.startswith(prune.MASK_PREFIX)
-        order = {name: i for i, name in enumerate(names.values())}
-        return sorted(sets.values(), key=lambda s: (order.get(s.name, len(order)), s.name))
+            slot.optional = True
+        return self.engine.checkpoint_slots(parts, scalars=scalars, extra=masks)
 
     def before_checkpoint(self) -> None:
         """Called on every worker before the chief saves a checkpoint: under ZeRO across workers
@@ -585,35 +499,6 @@ class KerasGPTEngine:
             self._sync()
             self.engine.gather_state()
             self._whole = True
-
-    def _sliced_slots(self) -> list[tuple[str, checkpoint.Slot]]:
-        """Under ZeRO, ``(device, slot)`` of every slice: the weights (the slices are the
-        state at every stage: the whole copies are refreshed from them) and ``optimizer/m|v/*``
-        beside them (:meth:`PhalanxAdamW.zero_clone`'s, aligned with the slices). A slice
-        holds a flat range of its variable (:meth:`~phalanx.parallel.keras_zero.SliceLayout.flat_range`),
-        cut into boxes of the logical tensor (:func:`~phalanx.checkpoint.boxes.flat_boxes`);
-        its padding is not saved."""
-        zs = self.engine.slices
-        position = {id(piece): j for j, piece in enumerate(zs.flat)}
-        sliced = zs.optimizer
-        variables = self.model.trainable_variables
-        out = []
-        for name, (indices, joined) in self._convert.parts.items():
-            shape = tuple(int(n) for n in joined.shape)
-            for i, (_, box) in zip(indices, joined.parts):
-                var = variables[i]
-                layout = zs.layouts[zs.index[id(var)]]
-                origin = [lo for lo, _ in box]
-                for k, piece in enumerate(zs.slices_of(var)):
-                    lo, hi = layout.flat_range(k)
-                    j = position[id(piece)]
-                    for start, region in boxes.flat_boxes(boxes.shape_of(box), lo, hi):
-                        logical = boxes.translate(region, origin)
-                        for key, holder in ((name, piece), (f"optimizer/m/{name}", sliced.m[j]),
-                                            (f"optimizer/v/{name}", sliced.v[j])):
-                            out.append((holder.value.device,
-                                        _slice_slot(key, shape, holder.value, start - lo, logical)))
-        return out
 
     def _moments(self, slots: list[tf.Variable]) -> dict[str, np.ndarray]:
         return self._convert.to_logical([s.numpy() for s in slots])

@@ -19,8 +19,9 @@ compiled metrics. The engine only decides *where* things run:
   instance of the user's optimizer, made from its config, applies on the slices (one
   ``apply``: ``global_clipnorm`` and ``iterations`` as one optimizer), so each device holds
   ``1/dp`` of the optimizer state. ``model.optimizer`` keeps whole-shaped slots on the host
-  CPU, written at each epoch's end (:meth:`KerasModelEngine.gather_state`), for checkpoints,
-  ``evaluate`` and ``save``. Stage 1: the summed gradient of a variable is formed on each
+  CPU, written at each epoch's end (:meth:`KerasModelEngine.gather_state`), for ``evaluate``
+  and ``save`` (checkpoints are written from the slices: :meth:`KerasModelEngine.checkpoint_slots`).
+  Stage 1: the summed gradient of a variable is formed on each
   slice's device (an all-reduce) and cut there; the whole weights on every replica are
   refreshed from the updated slices (an all-gather). Stage 2: each replica's gradient is cut
   where it was formed and slice ``k`` of every replica's is summed on replica ``k`` (a
@@ -122,6 +123,7 @@ from keras.src.backend import get_keras_mask  # Keras's loss reads y_pred's mask
 from keras.src.losses.loss import reduce_weighted_values  # Keras's own reduction, so the vocab-parallel loss is its
 
 from phalanx.config import Config, ConfigError
+from phalanx.engines import keras_slots
 from phalanx.layers import dropout as dropout_lib
 from phalanx.layers.moe import MoE, attach_compute_copy, is_step_total
 from phalanx.layers.sharding import placement_of
@@ -1168,6 +1170,32 @@ class KerasModelEngine:
         the fit). Without ZeRO they are the state itself: nothing to do."""
         if self.slices is not None:
             self.slices.store(weights=self.zero == 3)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def checkpoint_slots(self, parts: dict | None = None, scalars: dict | None = None,
+                         extra=()) -> list:
+        """The state as one checkpoint shard set per device (:mod:`phalanx.engines.keras_slots`):
+        each variable's part of a logical tensor a slot by logical name and box, written from the
+        device that holds it (under ZeRO the slices, by flat range), its optimizer slots beside it
+        as ``optimizer/<slot>/<name>``. ``parts``: logical name -> ``[(variable, box)]`` (default:
+        every model variable by its Keras path, :func:`~phalanx.engines.keras_slots.logical_parts`);
+        ``scalars``: name -> variable, on the first device (default: the optimizer's own);
+        ``extra``: more ``(device, slot)`` pairs. After loading a checkpoint into the slots, call
+        :meth:`restored`."""
+        if parts is None:
+            parts = keras_slots.logical_parts(self.model)
+        return keras_slots.shard_sets(self, parts, scalars, list(extra))
+
+    def restored(self) -> None:
+        """After :meth:`checkpoint_slots` were loaded: the replicas' copies follow the restored
+        weights; under ZeRO (the slots were the slices) the whole copies, the model's weights and
+        ``model.optimizer``'s state follow the slices."""
+        if self.slices is None or self.workers is not None:  # (across workers the slots were whole)
+            self.sync_copies()
+        else:
+            self.sync_copies(from_slices=True)
+            self.gather_state()
 
     def _refresh_copies(self) -> None:
         if self.slices is not None:  # ZeRO-1/2: every whole copy from the updated slices (all-gather)

@@ -21,7 +21,7 @@ the masked weights are multiplied by their masks again (the optimizer's update o
 weight does not resurrect it; its moments are left as they are, as a Keras callback that
 masks the weights after each batch would leave them), and the data replicas' copies are
 refreshed. The masks are saved in ``phalanx.fit``'s per-epoch checkpoints
-(``prune/mask/<weight>``, :mod:`phalanx.train.keras_state`) and installed again on resume.
+(``prune/mask/<weight>``, :meth:`KerasPruning.mask_slots`) and installed again on resume.
 
 Example:
     >>> import keras
@@ -38,12 +38,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from phalanx import checkpoint
 from phalanx.checkpoint import boxes
 from phalanx.config import Config, ConfigError, parse_prune_pattern
 from phalanx.layers.attention import ParallelSelfAttention
 from phalanx.layers.sharding import ShardedLayer
 from phalanx.layers.tensor_parallel import ColumnParallelDense, ParallelMLP, RowParallelDense
-from phalanx.prune import enabled, is_update_step, nm_mask, scheduled_sparsity
+from phalanx.prune import MASK_PREFIX, enabled, is_update_step, nm_mask, scheduled_sparsity
 from phalanx.prune.shards import WeightShard, shard_masks
 
 #: phalanx's tensor-parallel layers: logical kernel name -> its input axis (for N:M)
@@ -238,6 +239,40 @@ class KerasPruning:
         self._apply_fn()
 
     # -- checkpoints ------------------------------------------------------------------------------
+
+    def mask_slots(self, parts: dict) -> list[tuple[str, checkpoint.Slot]]:
+        """``(device, slot)`` of every pruned kernel's mask for a checkpoint: ``prune/mask/<the
+        kernel's logical name>`` (float32 0/1), each variable's mask on its device, boxed like the
+        variable in ``parts`` (logical name -> ``[(variable, box)]``, the engine's). Optional: a
+        checkpoint written before the first update holds none. Loading one installs it (the masks
+        of its kernel made first, all ones); :meth:`restored` then masks the weights. Fetch only
+        once :attr:`installed`."""
+        if not self.on:
+            return []
+        held = {id(v): (name, box) for name, pairs in parts.items() for v, box in pairs}
+        out = []
+        for w in self.weights:
+            name = held[id(w.variables[0])][0]
+            for r, v in enumerate(w.variables):
+                box = held[id(v)][1]
+                local = boxes.shape_of(box)
+
+                def fetch(w=w, r=r, local=local):
+                    return tf.reshape(tf.cast(w.masks[r].read_value(), tf.float32), local)
+
+                def assign(x, w=w, r=r, v=v):
+                    self._install(w, r, np.reshape(np.asarray(x, np.float32), tuple(v.shape)))
+
+                out.append((v.value.device, checkpoint.Slot(MASK_PREFIX + name, w.shape, np.float32, local,
+                                                             [(boxes.full(local), box)], fetch=fetch, assign=assign,
+                                                             optional=True)))
+        return out
+
+    def restored(self) -> None:
+        """After masks were loaded (:meth:`mask_slots`): mask the weights (the caller refreshes
+        the data replicas' copies)."""
+        if self.installed:
+            self._apply()
 
     def load_masks(self, masks: dict[str, np.ndarray]) -> None:
         """Install whole logical masks by weight (``path`` of its first variable -> mask), as a

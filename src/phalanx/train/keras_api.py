@@ -37,14 +37,14 @@ import yaml
 from phalanx import checkpoint
 from phalanx.config import Config, ConfigError, describe_layout, given
 from phalanx.data.keras_inputs import Batches
-from phalanx.engines import custom_step, keras_cluster
+from phalanx.engines import custom_step, keras_cluster, keras_slots, keras_state
 from phalanx.engines.keras_model import KerasModelEngine, apply_precision, precision_of
 from phalanx.fsutil import RunLock
 from phalanx.layers import TransformerBlock
 from phalanx.mesh import Mesh
 from phalanx.models import parallelize
 from phalanx.prune.keras import KerasPruning
-from phalanx.train import keras_state, keras_targets
+from phalanx.train import keras_targets
 from phalanx.train.moe_stats import MoEStats
 from phalanx.train.progress import RunOutput
 
@@ -209,14 +209,18 @@ def _variables_signature(model) -> list[list]:
     return [[e.name, list(e.shape)] for e in keras_state.model_entries(model)]
 
 
-def _state(model) -> dict[str, np.ndarray]:
-    tensors = {f"model/{i:05d}": e.value() for i, e in enumerate(keras_state.model_entries(model))}
-    tensors.update({f"optimizer/{i:05d}": e.value() for i, e in enumerate(keras_state.optimizer_entries(model))})
-    return tensors
+#: ``meta.json``'s ``keras_state`` of a checkpoint written per device by logical name
+#: (:meth:`KerasModelEngine.checkpoint_slots`); one without it holds whole tensors numbered
+#: ``model/00000``, ``optimizer/00000`` (phalanx.fit's checkpoints before), loaded by
+#: :func:`_load_numbered`
+PER_DEVICE = "per-device"
 
 
-def _restore(run_dir: Path, model, say, pruning=None) -> tuple[int, dict]:
+def _restore(run_dir: Path, model, say, pruning=None, engine=None) -> tuple[int, dict]:
     """Load the newest valid checkpoint of ``run_dir`` into ``model``; (epochs done, history).
+    With a placing ``engine`` (:meth:`KerasModelEngine.checkpoint_slots`) each device's slots
+    read only the boxes they hold, whatever layout wrote them; otherwise (a model's own
+    train_step, the parameter-server fit) each whole variable reads its tensor.
 
     As ``phalanx train`` resumes (:func:`phalanx.checkpoint.resume_latest`): a damaged newer
     checkpoint, or one that fails while loaded (NaN pieces, a dtype of another family), is
@@ -236,24 +240,28 @@ def _restore(run_dir: Path, model, say, pruning=None) -> tuple[int, dict]:
             raise ConfigError("run.dir", f"{str(run_dir)!r} holds checkpoints of a different model (first "
                                          f"difference: checkpoint {first}); pass a new run.dir, or fit the same "
                                          f"model to resume")
-        optimizer_vars = keras_state.optimizer_entries(model)
-        wanted = {f"optimizer/{i:05d}" for i in range(len(optimizer_vars))}
-        have = {k for k in restored.tensors if k.startswith("optimizer/")}
+        if meta.get("keras_state") != PER_DEVICE:
+            _load_numbered(run_dir, restored, model, pruning)
+            return
+        parts = keras_slots.logical_parts(model)
+        sets = _state_sets(engine, model, parts, pruning.mask_slots(parts) if pruning is not None else [])
+        wanted = {s.name for each in sets for s in each.slots if s.name.startswith(keras_slots.OPTIMIZER_PREFIX)}
+        have = {n for n in restored.reader.names() if n.startswith(keras_slots.OPTIMIZER_PREFIX)}
         if wanted != have:
+            odd = sorted(wanted ^ have)
             raise ConfigError("run.dir", f"{str(run_dir)!r}: the checkpoint's optimizer state has {len(have)} tensors "
-                                         f"but {type(model.optimizer).__name__} has {len(wanted)}; compile with the "
-                                         f"optimizer (and precision policy) of the saved run, or pass a new run.dir")
-        entries = [(f"model/{i:05d}", e) for i, e in enumerate(keras_state.model_entries(model))]
-        entries += [(f"optimizer/{i:05d}", e) for i, e in enumerate(optimizer_vars)]
+                                         f"but {type(model.optimizer).__name__} has {len(wanted)} (e.g. {odd[:2]} "
+                                         f"in one only); compile with the optimizer (and precision policy) of the "
+                                         f"saved run, or pass a new run.dir")
         try:
-            for key, entry in entries:
-                checkpoint.check_dtype(key, restored.reader.dtype(key), entry.variables[0].dtype)
-        except ValueError as err:
+            checkpoint.load_shard_sets(restored.reader, sets)  # each piece checked finite as it is read
+        except (KeyError, ValueError) as err:
             raise checkpoint.CheckpointError(restored.path / checkpoint.INDEX, f"does not fit this model: "
-                                             f"{err}") from None
-        for key, entry in entries:
-            entry.assign(restored.tensors[key])  # each piece checked finite as it is read
-        keras_state.restore_masks(pruning, restored.tensors)
+                                             f"{err.args[0] if err.args else err}") from None
+        if hasattr(engine, "restored"):
+            engine.restored()
+        if pruning is not None:
+            pruning.restored()
 
     restored = checkpoint.resume_latest(run_dir / "checkpoints", accept=accept)
     if restored is None:
@@ -262,11 +270,55 @@ def _restore(run_dir: Path, model, say, pruning=None) -> tuple[int, dict]:
     return int(restored.meta["epoch"]), restored.meta.get("history", {})
 
 
-def _save(run_dir: Path, cfg: Config, model, epoch: int, history: dict, step: int, pruning=None) -> Path:
+def _load_numbered(run_dir: Path, restored, model, pruning) -> None:
+    """Load a checkpoint of whole tensors numbered by the model's logical weights
+    (``model/00000``, ``optimizer/00000``, ``prune/mask/00003``: what phalanx.fit wrote before
+    it wrote per device) into the model and ``model.optimizer``, one tensor at a time (the
+    caller then cuts them into the replicas' copies and slices). Its next checkpoint is
+    written per device."""
+    optimizer_vars = keras_state.optimizer_entries(model)
+    wanted = {f"optimizer/{i:05d}" for i in range(len(optimizer_vars))}
+    have = {k for k in restored.tensors if k.startswith("optimizer/")}
+    if wanted != have:
+        raise ConfigError("run.dir", f"{str(run_dir)!r}: the checkpoint's optimizer state has {len(have)} tensors "
+                                     f"but {type(model.optimizer).__name__} has {len(wanted)}; compile with the "
+                                     f"optimizer (and precision policy) of the saved run, or pass a new run.dir")
+    entries = [(f"model/{i:05d}", e) for i, e in enumerate(keras_state.model_entries(model))]
+    entries += [(f"optimizer/{i:05d}", e) for i, e in enumerate(optimizer_vars)]
+    missing = [key for key, _ in entries if key not in restored.reader]
+    try:
+        if missing:
+            raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        for key, entry in entries:
+            checkpoint.check_dtype(key, restored.reader.dtype(key), entry.variables[0].dtype)
+    except (KeyError, ValueError) as err:
+        raise checkpoint.CheckpointError(restored.path / checkpoint.INDEX, f"does not fit this model: "
+                                         f"{err.args[0] if err.args else err}") from None
+    for key, entry in entries:
+        entry.assign(restored.tensors[key])  # each piece checked finite as it is read
+    keras_state.restore_masks(pruning, restored.tensors)
+
+
+def _save(run_dir: Path, cfg: Config, model, epoch: int, history: dict, step: int, pruning=None,
+          engine=None) -> Path:
+    """Checkpoint ``step`` of the fit: every device of ``engine`` writes the slices it holds
+    (:meth:`KerasModelEngine.checkpoint_slots`, the masks of ``train.prune.*`` beside them once
+    installed); otherwise (:func:`_state_sets`) whole variables, one at a time."""
     meta = {"epoch": epoch, "history": _jsonable(history), "keras_variables": _variables_signature(model),
-            "config": cfg.to_dict(), "model": model.name}
-    tensors = {**_state(model), **keras_state.mask_tensors(pruning)}
-    return checkpoint.save(run_dir / "checkpoints", step, tensors, meta=meta, keep=cfg.checkpoint.keep)
+            "keras_state": PER_DEVICE, "config": cfg.to_dict(), "model": model.name}
+    parts = keras_slots.logical_parts(model)
+    masks = pruning.mask_slots(parts) if pruning is not None and pruning.installed else []
+    return checkpoint.save(run_dir / "checkpoints", step, _state_sets(engine, model, parts, masks), meta=meta,
+                           keep=cfg.checkpoint.keep)
+
+
+def _state_sets(engine, model, parts: dict, masks: list) -> list:
+    """The checkpoint shard sets of a fit: the engine's per device (a placing engine's
+    :meth:`KerasModelEngine.checkpoint_slots`), else whole variables wherever they live (a
+    model's own train_step, the parameter-server fit), by the same logical names."""
+    if hasattr(engine, "checkpoint_slots"):
+        return engine.checkpoint_slots(parts, extra=masks)
+    return keras_slots.whole_sets(model, parts, extra=masks)
 
 
 def _jsonable(value):
@@ -519,7 +571,7 @@ def _fit_loop(engine, model, cfg, run_dir: Path | None, train: Batches, val, *, 
     done, saved_history = 0, {}
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
-        done, saved_history = _restore(run_dir, model, say, pruning)
+        done, saved_history = _restore(run_dir, model, say, pruning, engine)
     if workers is not None:  # every worker starts from the chief's weights, optimizer state and epoch
         resume = workers.start(model, model.optimizer, {"done": done, "history": _jsonable(saved_history)})
         done, saved_history = int(resume["done"]), resume["history"]
@@ -614,7 +666,7 @@ def _train_epochs(engine, model, cfg, run_dir: Path | None, output: RunOutput | 
             epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
         callback_list.on_epoch_end(epoch, epoch_logs)
         if run_dir is not None:
-            _save(run_dir, cfg, model, epoch + 1, history.history, step_count, pruning)
+            _save(run_dir, cfg, model, epoch + 1, history.history, step_count, pruning, engine)
         if output is not None:
             output.log(_epoch_row(epoch + 1, step_count, epoch_logs, moe))
         if model.stop_training:

@@ -1,16 +1,16 @@
-"""The state of a Keras model and its optimizer as *logical* tensors, whatever the layout.
+"""The variables of a Keras model and its optimizer as *logical* tensors, whatever the layout.
 
 A layer built from :mod:`phalanx.layers` may hold a weight as ``tp`` (or ``ep``) shard
 variables, and Keras's optimizer then keeps one slot per shard (its momentum of
-``kernel_shard0``, ``kernel_shard1``, ...). A checkpoint of ``phalanx.fit`` stores each
-such group once, joined along the cut axis, so a run saved at tp=2 resumes at tp=1 or
-tp=4 (or on another pipeline split) with the same numbers. Everything else is stored as
-it is. The masks of ``train.prune.*`` (:mod:`phalanx.prune.keras`) are stored beside them,
-joined the same way (:func:`mask_tensors`).
+``kernel_shard0``, ``kernel_shard1``, ...). An :class:`Entry` is one logical tensor: its name
+(the variable path without Keras's layer counters or the shard suffix), its variables in shard
+order, and the axis they are cut along (None: one whole variable). A checkpoint names and boxes
+each variable by its entry (:func:`phalanx.engines.keras_slots.logical_parts`), so a run saved
+at tp=2 resumes at tp=1 or tp=4 (or on another pipeline split) with the same numbers.
 
-An :class:`Entry` is one logical tensor: its name (the variable path without Keras's layer
-counters or the shard suffix), its variables in shard order, and the axis they are cut
-along (None: one whole variable).
+:func:`optimizer_entries` and :func:`restore_masks` read the checkpoints ``phalanx.fit`` wrote
+before it wrote per device: whole tensors numbered by entry (``model/00003``,
+``optimizer/00007``, ``prune/mask/00003``).
 
 Example:
     >>> import keras
@@ -57,7 +57,7 @@ class Entry:
             v.assign(piece)
 
 
-def _plain(name: str) -> str:
+def plain_path(name: str) -> str:
     """``functional_3/dense_2/kernel_shard1`` -> ``functional/dense/kernel``."""
     return "/".join(re.sub(r"_\d+$", "", part) for part in _SHARD.sub("", name).split("/"))
 
@@ -98,7 +98,7 @@ def model_entries(model) -> list[Entry]:
     checkpoints written before they existed resumable."""
     groups = _groups(model)
     kept = [v for v in model.variables if not is_step_total(v)]
-    return _collapse(kept, lambda v: groups.get(id(v)), lambda v: _plain(v.path))
+    return _collapse(kept, lambda v: groups.get(id(v)), lambda v: plain_path(v.path))
 
 
 def optimizer_entries(model) -> list[Entry]:
@@ -128,7 +128,7 @@ def optimizer_entries(model) -> list[Entry]:
         members = slot_groups[key]
         return (members, axis) if all(m is not None for m in members) else None
 
-    return _collapse(optimizer.variables, group_of, lambda v: _plain(v.path))
+    return _collapse(optimizer.variables, group_of, lambda v: plain_path(v.path))
 
 
 # -- pruning masks ---------------------------------------------------------------------------------
@@ -141,18 +141,8 @@ def _mask_keys(model, pruning) -> list[str]:
     return [MASK_KEY.format(first[id(w.variables[0])]) for w in pruning.weights]
 
 
-def mask_tensors(pruning) -> dict[str, np.ndarray]:
-    """The installed pruning masks of a :class:`~phalanx.prune.keras.KerasPruning` (None: none)
-    as whole logical tensors (a tensor-parallel kernel's shards joined, like its weight), keyed
-    by the kernel's number among the model's logical weights; nothing before the first update."""
-    if pruning is None:
-        return {}
-    return {key: Entry(w.path, w.masks, w.axis).value()
-            for key, w in zip(_mask_keys(pruning.model, pruning), pruning.weights) if w.masks}
-
-
 def restore_masks(pruning, tensors: dict) -> None:
-    """Install the masks a checkpoint holds (:func:`mask_tensors`) into ``pruning``; a
+    """Install the whole masks a numbered checkpoint holds into ``pruning``; a
     checkpoint written before the first update (or without pruning) holds none, and every
     weight stays unmasked until the next update."""
     if pruning is None:
