@@ -118,7 +118,7 @@ def refuse_unhonoured(cfg: Config, mesh: Mesh | None = None) -> None:
                                                         f"into the tensor ranks' chunks: it needs parallel.tp > 1 "
                                                         f"dividing model.seq_len={m.seq_len} (tp={tp}) and "
                                                         f"model.experts=0 ({m.experts})")
-    check_zero(p.zero, ep=p.ep)
+    check_zero(p.zero)
     if p.strategy not in ("auto", "mesh", "mirrored", "multi_worker"):
         raise ConfigError("parallel.strategy", f"{p.strategy!r}: {why}, which places the model on the devices "
                                                f"itself: in one process (auto), or on each worker's own devices with "

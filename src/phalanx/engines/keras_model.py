@@ -30,8 +30,10 @@ compiled metrics. The engine only decides *where* things run:
   (a concat on its device) at the stage's first forward of the step, keeps them for its
   later micro-batches and its backward (not gathered again), and the gradient of each slice
   flows back to the slice's device (a reduce-scatter). With ``pp=1`` the whole model is the
-  gathered stage (it is not cut into smaller gather chunks). Not across workers; stage 3 not
-  with expert parallelism.
+  gathered stage (it is not cut into smaller gather chunks). An expert shard is gathered on
+  the device of its ep group's replica that holds it (from its one slice per group), once for
+  the group: every replica of the group sends its tokens to that one gathered shard, and each
+  replica's gradient of it is cut there into the groups' slices. Not across workers.
 * **The step** (one ``tf.function``): every replica cuts its rows of the global batch into
   ``grad_accum x microbatches`` micro-batches and runs the pipeline schedule
   (:func:`phalanx.parallel.pipeline.run_schedule`); each stage runs *statelessly* on the
@@ -283,10 +285,10 @@ def check_tensor_layout(model, tp: int) -> None:
                                              f"Lion, ...) or tp=1")
 
 
-def check_zero(zero: int, workers: int = 1, ep: int = 1) -> None:
+def check_zero(zero: int, workers: int = 1) -> None:
     """Refuse a ZeRO stage the Keras-model engine does not run: it runs 0, 1, 2 and 3 (see
-    the module docstring) in one process (``workers``: the number of workers of the fit);
-    stage 3 without expert parallelism (``ep``).
+    the module docstring), with any tensor, pipeline or expert layout, in one process
+    (``workers``: the number of workers of the fit).
 
     Example:
         >>> check_zero(3)
@@ -304,11 +306,6 @@ def check_zero(zero: int, workers: int = 1, ep: int = 1) -> None:
                                            f"or weights: every worker applies the whole update after the gradient "
                                            f"all-reduce; use parallel.zero=0 across workers (ZeRO 1-3 run over "
                                            f"the data replicas of one process)")
-    if zero == 3 and ep > 1:
-        raise ConfigError("parallel.zero", f"3 with parallel.ep={ep}: the expert shards would be gathered from "
-                                           f"slices over the expert groups, which the Keras-model engine does not "
-                                           f"do; use parallel.zero=2 (or 1, 0) with expert parallelism, or "
-                                           f"parallel.ep=1")
 
 
 def place_optimizer_slots(optimizer, variables) -> bool:
@@ -508,7 +505,7 @@ class KerasModelEngine:
         if not inference_only:
             check_tensor_layout(model, mesh.tp)
             check_expert_layout(model, p.ep, mesh.dp, 1 if workers is None else workers.size)
-        check_zero(p.zero, 1 if workers is None or inference_only else workers.size, p.ep)
+        check_zero(p.zero, 1 if workers is None or inference_only else workers.size)
         # Prediction reads whole weights and has no optimizer: no slices.
         self.zero = 0 if inference_only else p.zero
         if not inference_only:
@@ -580,8 +577,11 @@ class KerasModelEngine:
         self._step_start = None
         # id(variable read for an expert shard) -> the traced step's compute-dtype copy (_expert_casts)
         self._casts: dict[int, tf.Tensor] = {}
-        # ZeRO-3: (replica, stage, id(variable)) -> the traced step's gathered weight (_stage_values)
+        # ZeRO-3: (replica, stage, id(variable)) -> the traced step's gathered weight (_stage_values;
+        # for an expert shard the replica is its ep group's first), and the expert shards' compute
+        # dtypes under a mixed policy (_gather; the policy is the model's when the engine is built)
         self._gathered: dict[tuple, tf.Tensor] = {}
+        self._shard_dtypes: dict[int, str] | None = None
         # Each stage's forward traced once and called per micro-batch, when all its ops run on
         # its one device: no tensor shards (tp=1) and no expert shards, whose layers place
         # their ops by their inputs' devices (parallel/stage_calls.py). Not under recomputation:
@@ -799,17 +799,19 @@ class KerasModelEngine:
         """The values of stage ``s``'s trainable weights that ``replica`` computes with.
 
         Under ZeRO-3 each weight is gathered from its slices on the device that computes with
-        it (a tensor shard on its rank's), once per step, replica and stage: the first
-        forward of the stage gathers, its later micro-batches and every backward read that
-        tensor, so the gathered weights stay until the stage's last backward (they are not
-        gathered again for the backward)."""
+        it (a tensor shard on its rank's, an expert shard on its owner's in the replica's ep
+        group), once per step, replica and stage: the first forward of the stage gathers, its
+        later micro-batches and every backward read that tensor, so the gathered weights stay
+        until the stage's last backward (they are not gathered again for the backward). The
+        replicas of an ep group read one gathered expert shard, as they read one copy of it
+        without ZeRO-3 (:meth:`_copy_owner`)."""
         stage = self.stages[s]
         if self.zero == 3:
             values = []
             for v in stage.trainable_variables:
-                key = (replica, s, id(v))
+                key = (self._copy_owner(v, replica), s, id(v))
                 if key not in self._gathered:
-                    self._gathered[key] = self.slices.gather(v, self.variable_device(v, replica, s))
+                    self._gathered[key] = self._gather(v, replica, s)
                 values.append(self._gathered[key])
             return values
         values = []
@@ -822,6 +824,22 @@ class KerasModelEngine:
                 if id(param) in self._casts:  # the step's one compute-dtype copy of an expert shard
                     attach_compute_copy(values[-1], self._casts[id(param)])
         return values
+
+    def _gather(self, variable, replica: int, s: int) -> tf.Tensor:
+        """ZeRO-3: ``variable``'s whole value gathered from its slices where ``replica``'s stage
+        ``s`` computes with it. An expert shard that a mixed policy computes in another dtype
+        carries its cast, made there once (:func:`~phalanx.layers.moe.attach_compute_copy`): every
+        replica and micro-batch of the ep group reads that one copy, as :meth:`_expert_casts`
+        gives them without ZeRO-3."""
+        device = self.variable_device(variable, replica, s)
+        value = self.slices.gather(variable, device)
+        if self._shard_dtypes is None:
+            self._shard_dtypes = self._expert_dtypes()
+        dtype = self._shard_dtypes.get(id(variable))
+        if dtype is not None:
+            with tf.device(device):
+                attach_compute_copy(value, tf.cast(value, dtype))
+        return value
 
     def _loss_and_metrics(self, x, y, sw, y_pred, added, training: bool):
         """The compiled loss and metrics of one micro-batch, as Keras's train/test step does."""
@@ -889,15 +907,10 @@ class KerasModelEngine:
 
     # -- steps ------------------------------------------------------------------------------
 
-    def _expert_casts(self, replicas: int) -> dict[int, tf.Tensor]:
-        """id(a variable the replicas read for an expert shard) -> its value in the compute
-        dtype of the :class:`~phalanx.layers.moe.MoE` layer that reads it, cast once for the
-        step on the variable's device, for the shards a mixed policy computes in another dtype.
-
-        Without it every replica of an ep group (and each of its micro-batches) cast the shard
-        on the shard's device for its own call, and a device held a copy per call alive between
-        its forward and its backward. Made before any replica's work, outside the pipeline's
-        control dependencies, it is one tensor every call reads."""
+    def _expert_dtypes(self) -> dict[int, str]:
+        """id(an expert shard's variable) -> the compute dtype of the
+        :class:`~phalanx.layers.moe.MoE` layer that reads it, for the shards a mixed policy
+        computes in a dtype other than their own."""
         dtypes = {}
         for layer in self.model._flatten_layers(include_self=False):
             if isinstance(layer, MoE):
@@ -906,9 +919,22 @@ class KerasModelEngine:
                     if placement is not None and placement.axis == "expert" and \
                             tf.as_dtype(layer.compute_dtype) != tf.as_dtype(v.dtype):
                         dtypes[id(v)] = layer.compute_dtype
+        return dtypes
+
+    def _expert_casts(self, replicas: int) -> dict[int, tf.Tensor]:
+        """id(a variable the replicas read for an expert shard) -> its value in the compute
+        dtype of the :class:`~phalanx.layers.moe.MoE` layer that reads it, cast once for the
+        step on the variable's device, for the shards a mixed policy computes in another dtype.
+
+        Without it every replica of an ep group (and each of its micro-batches) cast the shard
+        on the shard's device for its own call, and a device held a copy per call alive between
+        its forward and its backward. Made before any replica's work, outside the pipeline's
+        control dependencies, it is one tensor every call reads. Under ZeRO-3 there is no whole
+        shard before its stage gathers it: the cast is made where it is gathered (:meth:`_gather`)."""
         casts: dict[int, tf.Tensor] = {}
-        if self.zero == 3:  # no expert parallelism under ZeRO-3 (check_zero): nothing shared to cast
+        if self.zero == 3:
             return casts
+        dtypes = self._expert_dtypes()
         for d in range(replicas):
             for s, stage in enumerate(self.stages):
                 for v, param in zip(stage.trainable_variables, self._params(d, s)):
