@@ -387,22 +387,25 @@ TINY = ["model.layers=2", "model.d_model=16", "model.heads=2", "model.ffn=16", "
 
 
 @pytest.mark.slow
-def test_builtin_moe_gpt_dp4_ep2_zero1_equals_the_one_device_engine(devices):
-    """The factory's engine for ``phalanx train ... parallel.ep=2 parallel.zero=1`` against the
+@pytest.mark.parametrize("zero", [1, 3])
+def test_builtin_moe_gpt_dp4_ep2_zero_equals_the_one_device_engine(devices, zero):
+    """The factory's engine for ``phalanx train ... parallel.ep=2 parallel.zero=1|3`` against the
     one-device oracle, Keras's own train_on_batch of the same Keras model (tests/gpt_oracle.py; no
     balancing loss: each replica would balance its own rows): loss, lr and clipped norm per step,
-    then every weight and AdamW moment (joined from the slices); the sliced moments a quarter per
+    then every weight and AdamW moment (joined from the slices); the sliced moments (and at
+    ZeRO-3 the weights: each expert shard in two slices, one per ep group) a quarter per
     replica, the whole ones on the host."""
     import gpt_oracle
     from phalanx.engines.factory import build_engine
     from phalanx.engines.keras_gpt import KerasGPTEngine
     from phalanx.engines.task import GPTTask
 
-    cfg = load_config(None, TINY + ["parallel.devices=cpu:4", "parallel.dp=4", "parallel.ep=2", "parallel.zero=1"])
+    cfg = load_config(None, TINY + ["parallel.devices=cpu:4", "parallel.dp=4", "parallel.ep=2",
+                                    f"parallel.zero={zero}"])
     one = load_config(None, TINY)
     ours = build_engine(cfg, GPTTask(cfg.model, "float32", cfg.train.seed))
     ref = gpt_oracle.KerasGPT(one)
-    assert isinstance(ours, KerasGPTEngine) and ours.engine.zero == 1
+    assert isinstance(ours, KerasGPTEngine) and ours.engine.zero == zero
     rng = np.random.default_rng(2)
     norms = []
     for _ in range(3):
@@ -426,12 +429,25 @@ def test_builtin_moe_gpt_dp4_ep2_zero1_equals_the_one_device_engine(devices):
     assert sorted(moments) == [local(i) for i in range(4)], moments
     assert max(moments.values()) <= 1.1 * total / 4, moments
     assert {m.value.device for m in ours.optimizer.m} == {local(0)}  # the whole moments: the host copy
+    if zero == 3:  # between steps no replica holds a whole weight: the model's are the host copy
+        engine = ours.engine
+        assert engine.copies == {} and {v.value.device for v in ours.model.trainable_variables} == {local(0)}
+        held: dict[str, int] = {}
+        for piece in engine.slices.flat:
+            held[piece.value.device] = held.get(piece.value.device, 0) + nbytes(piece)
+        weights = sum(nbytes(v) for v in ours.model.trainable_variables)
+        assert sorted(held) == [local(i) for i in range(4)] and sum(held.values()) >= weights, held
+        assert max(held.values()) <= 1.1 * weights / 4, (held, weights)  # a quarter, plus padding
+        for v in ours.model.trainable_variables:
+            if placement_of(v) is not None and placement_of(v).axis == "expert":  # on replicas j and 2 + j
+                assert [device_index(p) for p in engine.slices.slices_of(v)] == \
+                    [placement_of(v).rank, 2 + placement_of(v).rank], v.path
 
 
 @pytest.mark.slow
-def test_phalanx_train_moe_yaml_at_dp4_ep2_zero1_equals_the_one_device_run(tmp_path):
+def test_phalanx_train_moe_yaml_at_dp4_ep2_zero1_and_3_equals_the_one_device_run(tmp_path):
     """The command itself: configs/moe.yaml made small (8 experts top-2, no token dropped, no
-    balancing loss, float32, an active clip) at dp4 x ep2 with parallel.zero=1, against the
+    balancing loss, float32, an active clip) at dp4 x ep2 with parallel.zero=1 and 3, against the
     one-device run: the logged losses, learning rates and clipped norms step for step."""
     from pathlib import Path
 
@@ -445,13 +461,15 @@ def test_phalanx_train_moe_yaml_at_dp4_ep2_zero1_equals_the_one_device_run(tmp_p
              "precision.policy=float32", "data.max_bytes=200000", f"data.cache_dir={tmp_path / 'cache'}"]
     rows = {}
     for run, layout in (("one", ["parallel.devices=cpu:1", "parallel.dp=1", "parallel.ep=1"]),
-                        ("zero1", ["parallel.devices=cpu:4", "parallel.dp=4", "parallel.ep=2", "parallel.zero=1"])):
+                        ("zero1", ["parallel.devices=cpu:4", "parallel.dp=4", "parallel.ep=2", "parallel.zero=1"]),
+                        ("zero3", ["parallel.devices=cpu:4", "parallel.dp=4", "parallel.ep=2", "parallel.zero=3"])):
         assert main(["train", config, "--quiet", *small, *layout, f"run.dir={tmp_path / run}"]) == 0
         rows[run] = read_metrics(tmp_path / run)
-    assert [r["step"] for r in rows["zero1"]] == [1, 2, 3, 4]
-    for key in ("loss", "lr", "grad_norm"):
-        np.testing.assert_allclose([r[key] for r in rows["zero1"]], [r[key] for r in rows["one"]], rtol=1e-4,
-                                   err_msg=key)
+    for run in ("zero1", "zero3"):
+        assert [r["step"] for r in rows[run]] == [1, 2, 3, 4]
+        for key in ("loss", "lr", "grad_norm"):
+            np.testing.assert_allclose([r[key] for r in rows[run]], [r[key] for r in rows["one"]], rtol=1e-4,
+                                       err_msg=f"{run} {key}")
     assert max(r["grad_norm"] for r in rows["one"]) > 0.5  # the clip was active
 
 
