@@ -158,7 +158,6 @@ def test_the_engine_state_has_the_builtin_names_and_moments(devices):
 
 
 @pytest.mark.parametrize("extra,key", [
-    (["parallel.zero=3"], "parallel.zero: 3 with parallel.ep=2"),
     (["parallel.strategy=parameter_server"], "parallel.strategy"),
     (["parallel.microbatches=2"], "parallel.microbatches"),
     (["model.experts=0"], "parallel.ep.*model.experts=0"),
