@@ -46,7 +46,11 @@ def local(i: int) -> str:
 
 
 def device_index(variable) -> int:
-    return int(variable.value.device.rsplit(":", 1)[-1])
+    return cpu_index(variable.value.device)
+
+
+def cpu_index(device: str) -> int:
+    return int(device.rsplit(":", 1)[-1])
 
 
 class StepLosses(keras.callbacks.Callback):
@@ -344,6 +348,7 @@ def moe_reference():
     ("dp4ep2", 4, 2),
     ("dp2ep2_accum2", 2, 3),
     ("dp4ep2", 4, 3),
+    ("dp2ep2pp2", 2, 3),
 ])
 def test_zero_with_expert_parallelism_equals_keras_fit(layout, dp, zero, moe_reference, tmp_path):
     """No token dropped (capacity_factor 0). dp2 x ep2: one group holds the experts, each
@@ -352,8 +357,10 @@ def test_zero_with_expert_parallelism_equals_keras_fit(layout, dp, zero, moe_ref
     shard on its group's owner for the group's replicas. Losses to 1e-4 and weights to
     1e-4 / 1e-5 (float32 sums in another order, moved by Adam at eps 1e-2: ADAM_EPS)."""
     x, y, ref, want = moe_reference(dp)
-    overrides = [f"parallel.devices=cpu:{dp}", f"parallel.dp={dp}", "parallel.ep=2"] + \
-        (["train.grad_accum=2"] if dp == 2 else [])
+    overrides = {"dp2ep2_accum2": ["parallel.devices=cpu:2", "train.grad_accum=2"],
+                 "dp4ep2": ["parallel.devices=cpu:4"],
+                 "dp2ep2pp2": ["parallel.devices=cpu:4", "parallel.pp=2", "parallel.microbatches=2"]}[layout]
+    overrides = overrides + [f"parallel.dp={dp}", "parallel.ep=2"]
     model = moe_model(ep=2)
     copy_weights(moe_model(), model)
     history = phalanx.fit(model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
@@ -364,18 +371,23 @@ def test_zero_with_expert_parallelism_equals_keras_fit(layout, dp, zero, moe_ref
     experts = [v for v in model.trainable_variables
                if placement_of(v) is not None and placement_of(v).axis == "expert"]
     engine = model.__dict__[keras_api._FIT_ENGINE][1]  # the fit's engine (kept for the model's next fit)
-    for v in experts:  # shard j lives with replica j of each group: its slices there, one per group
+    for v in experts:  # shard j lives with replica j of each group (on the stage that reads it): a slice per group
+        home = engine.home[id(v)]
         assert [device_index(piece) for piece in engine.slices.slices_of(v)] == \
-            [g * 2 + placement_of(v).rank for g in range(dp // 2)], v.path
+            [cpu_index(engine.stage_device(g * 2 + placement_of(v).rank, home)) for g in range(dp // 2)], v.path
         if zero < 3:
-            assert device_index(v) == placement_of(v).rank
-    if zero == 3:  # by shapes: between steps each device holds a dp-th of every weight and Adam slot
+            assert device_index(v) == cpu_index(engine.stage_device(placement_of(v).rank, home))
+    if zero == 3:  # by shapes: between steps each device holds a dp-th of its stage's weights and Adam slots
         assert engine.copies == {} and {v.value.device for v in model.trainable_variables} == {local(0)}  # the host
-        held: dict[str, int] = {}
+        held: dict[int, int] = {}
         for piece in engine.slices.flat + [v for v in engine.optimizer.variables if len(v.shape)]:
-            held[piece.value.device] = held.get(piece.value.device, 0) + nbytes(piece)
-        weights = sum(nbytes(v) for v in model.trainable_variables)
-        assert held == {local(i): 3 * weights // dp for i in range(dp)}, (held, weights)  # no padding here
+            held[device_index(piece)] = held.get(device_index(piece), 0) + nbytes(piece)
+        want: dict[int, int] = {}  # (an expert shard's whole slice on replica j, as much as its dp-th on each)
+        for v in model.trainable_variables:
+            for d in range(dp):
+                device = cpu_index(engine.stage_device(d, engine.home[id(v)]))
+                want[device] = want.get(device, 0) + 3 * nbytes(v) // dp
+        assert held == want, (held, want)  # no padding here
 
 
 # -- the built-in MoE GPT (what phalanx train runs for parallel.ep > 1) ---------------------------
