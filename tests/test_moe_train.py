@@ -109,10 +109,14 @@ def test_with_the_balancing_loss_ep2_equals_one_device_balancing_each_replicas_r
 @pytest.mark.slow
 def test_a_checkpoint_crosses_between_ep2_and_one_device(runs):
     """ep2 for 3 steps, resumed on one device (the built-in engine) for 3 more, and the
-    reverse: the losses of an uninterrupted one-device run (names and values cross)."""
+    reverse, also with ZeRO-3 (each replica's slices of the weights and moments, an expert
+    shard's in one slice per ep group): the losses of an uninterrupted one-device run (names
+    and values cross)."""
     tmp, one, _ = runs
     uninterrupted = [r["loss"] for r in one]
-    for name, first, second in (("ep2_then_one", EP2, ONE), ("one_then_ep2", ONE, EP2)):
+    zero3 = EP2 + ["parallel.zero=3"]
+    for name, first, second in (("ep2_then_one", EP2, ONE), ("one_then_ep2", ONE, EP2),
+                                ("ep2_zero3_then_one", zero3, ONE), ("one_then_ep2_zero3", ONE, zero3)):
         head = train(tmp, name, first, steps=3)
         tail = train(tmp, name, second)
         assert [r["step"] for r in tail] == list(range(1, STEPS + 1))  # metrics.jsonl: both runs' rows

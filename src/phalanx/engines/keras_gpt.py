@@ -34,8 +34,7 @@ cut into slices over the data replicas (:mod:`phalanx.parallel.keras_zero`):
 figures, and a checkpoint holds each replica's slices (weights and moments) in its shard set, by
 logical name and box. ``parallel.recompute`` runs as for any Keras model
 (:mod:`phalanx.parallel.recompute`; ``selective``: the attention cores of the GPT's blocks). What
-it cannot honour is refused before anything is built (:func:`refuse_unhonoured`): ZeRO-3 with
-expert parallelism among them.
+it cannot honour is refused before anything is built (:func:`refuse_unhonoured`).
 
 ``model.dropout`` draws the positional masks of :mod:`phalanx.layers.dropout` (the model's
 dropout layers are seeded from the task's seed; the engine gives each call its global rows and
