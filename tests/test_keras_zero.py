@@ -23,6 +23,7 @@ from phalanx.engines.keras_model import KerasModelEngine
 from phalanx.layers import ColumnParallelDense, MoE, ParallelMLP, RowParallelDense
 from phalanx.layers.sharding import ShardedLayer, placement_of
 from phalanx.mesh import Mesh
+from phalanx.train import keras_api
 
 from helpers import ghost_batches
 
@@ -45,7 +46,11 @@ def local(i: int) -> str:
 
 
 def device_index(variable) -> int:
-    return int(variable.value.device.rsplit(":", 1)[-1])
+    return cpu_index(variable.value.device)
+
+
+def cpu_index(device: str) -> int:
+    return int(device.rsplit(":", 1)[-1])
 
 
 class StepLosses(keras.callbacks.Callback):
@@ -338,28 +343,51 @@ def moe_reference():
     return get
 
 
-@pytest.mark.parametrize("layout,dp", [
-    ("dp2ep2_accum2", 2),
-    ("dp4ep2", 4),
+@pytest.mark.parametrize("layout,dp,zero", [
+    ("dp2ep2_accum2", 2, 2),
+    ("dp4ep2", 4, 2),
+    ("dp2ep2_accum2", 2, 3),
+    ("dp4ep2", 4, 3),
+    ("dp2ep2pp2", 2, 3),
 ])
-def test_zero2_with_expert_parallelism_equals_keras_fit(layout, dp, moe_reference, tmp_path):
-    """No token dropped (capacity_factor 0). ZeRO-2 with dp2 x ep2: one group holds the
-    experts, each expert shard is one slice, the rest cut over both replicas; dp4 x ep2: two
-    groups hold copies of each expert shard, cut into two slices, one per group."""
+def test_zero_with_expert_parallelism_equals_keras_fit(layout, dp, zero, moe_reference, tmp_path):
+    """No token dropped (capacity_factor 0). dp2 x ep2: one group holds the experts, each
+    expert shard is one slice, the rest cut over both replicas; dp4 x ep2: two groups hold
+    copies of each expert shard, cut into two slices, one per group. ZeRO-3 gathers each expert
+    shard on its group's owner for the group's replicas. Losses to 1e-4 and weights to
+    1e-4 / 1e-5 (float32 sums in another order, moved by Adam at eps 1e-2: ADAM_EPS)."""
     x, y, ref, want = moe_reference(dp)
-    overrides = [f"parallel.devices=cpu:{dp}", f"parallel.dp={dp}", "parallel.ep=2"] + \
-        (["train.grad_accum=2"] if dp == 2 else [])
+    overrides = {"dp2ep2_accum2": ["parallel.devices=cpu:2", "train.grad_accum=2"],
+                 "dp4ep2": ["parallel.devices=cpu:4"],
+                 "dp2ep2pp2": ["parallel.devices=cpu:4", "parallel.pp=2", "parallel.microbatches=2"]}[layout]
+    overrides = overrides + [f"parallel.dp={dp}", "parallel.ep=2"]
     model = moe_model(ep=2)
     copy_weights(moe_model(), model)
     history = phalanx.fit(model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
-                          overrides=overrides + ["parallel.zero=2", f"run.dir={tmp_path}"]).history
+                          overrides=overrides + [f"parallel.zero={zero}", f"run.dir={tmp_path}"]).history
     np.testing.assert_allclose(history["loss"], ref["loss"], rtol=1e-4)
     for mine, reference in zip(logical(model), want):
         np.testing.assert_allclose(mine, reference, rtol=1e-4, atol=1e-5)
     experts = [v for v in model.trainable_variables
                if placement_of(v) is not None and placement_of(v).axis == "expert"]
-    for v in experts:  # shard j lives with replica j of the first group
-        assert device_index(v) == placement_of(v).rank
+    engine = model.__dict__[keras_api._FIT_ENGINE][1]  # the fit's engine (kept for the model's next fit)
+    for v in experts:  # shard j lives with replica j of each group (on the stage that reads it): a slice per group
+        home = engine.home[id(v)]
+        assert [device_index(piece) for piece in engine.slices.slices_of(v)] == \
+            [cpu_index(engine.stage_device(g * 2 + placement_of(v).rank, home)) for g in range(dp // 2)], v.path
+        if zero < 3:
+            assert device_index(v) == cpu_index(engine.stage_device(placement_of(v).rank, home))
+    if zero == 3:  # by shapes: between steps each device holds a dp-th of its stage's weights and Adam slots
+        assert engine.copies == {} and {v.value.device for v in model.trainable_variables} == {local(0)}  # the host
+        held: dict[int, int] = {}
+        for piece in engine.slices.flat + [v for v in engine.optimizer.variables if len(v.shape)]:
+            held[device_index(piece)] = held.get(device_index(piece), 0) + nbytes(piece)
+        want: dict[int, int] = {}  # (an expert shard's whole slice on replica j, as much as its dp-th on each)
+        for v in model.trainable_variables:
+            for d in range(dp):
+                device = cpu_index(engine.stage_device(d, engine.home[id(v)]))
+                want[device] = want.get(device, 0) + 3 * nbytes(v) // dp
+        assert held == want, (held, want)  # no padding here
 
 
 # -- the built-in MoE GPT (what phalanx train runs for parallel.ep > 1) ---------------------------
@@ -371,22 +399,25 @@ TINY = ["model.layers=2", "model.d_model=16", "model.heads=2", "model.ffn=16", "
 
 
 @pytest.mark.slow
-def test_builtin_moe_gpt_dp4_ep2_zero1_equals_the_one_device_engine(devices):
-    """The factory's engine for ``phalanx train ... parallel.ep=2 parallel.zero=1`` against the
+@pytest.mark.parametrize("zero", [1, 3])
+def test_builtin_moe_gpt_dp4_ep2_zero_equals_the_one_device_engine(devices, zero):
+    """The factory's engine for ``phalanx train ... parallel.ep=2 parallel.zero=1|3`` against the
     one-device oracle, Keras's own train_on_batch of the same Keras model (tests/gpt_oracle.py; no
     balancing loss: each replica would balance its own rows): loss, lr and clipped norm per step,
-    then every weight and AdamW moment (joined from the slices); the sliced moments a quarter per
+    then every weight and AdamW moment (joined from the slices); the sliced moments (and at
+    ZeRO-3 the weights: each expert shard in two slices, one per ep group) a quarter per
     replica, the whole ones on the host."""
     import gpt_oracle
     from phalanx.engines.factory import build_engine
     from phalanx.engines.keras_gpt import KerasGPTEngine
     from phalanx.engines.task import GPTTask
 
-    cfg = load_config(None, TINY + ["parallel.devices=cpu:4", "parallel.dp=4", "parallel.ep=2", "parallel.zero=1"])
+    cfg = load_config(None, TINY + ["parallel.devices=cpu:4", "parallel.dp=4", "parallel.ep=2",
+                                    f"parallel.zero={zero}"])
     one = load_config(None, TINY)
     ours = build_engine(cfg, GPTTask(cfg.model, "float32", cfg.train.seed))
     ref = gpt_oracle.KerasGPT(one)
-    assert isinstance(ours, KerasGPTEngine) and ours.engine.zero == 1
+    assert isinstance(ours, KerasGPTEngine) and ours.engine.zero == zero
     rng = np.random.default_rng(2)
     norms = []
     for _ in range(3):
@@ -410,12 +441,25 @@ def test_builtin_moe_gpt_dp4_ep2_zero1_equals_the_one_device_engine(devices):
     assert sorted(moments) == [local(i) for i in range(4)], moments
     assert max(moments.values()) <= 1.1 * total / 4, moments
     assert {m.value.device for m in ours.optimizer.m} == {local(0)}  # the whole moments: the host copy
+    if zero == 3:  # between steps no replica holds a whole weight: the model's are the host copy
+        engine = ours.engine
+        assert engine.copies == {} and {v.value.device for v in ours.model.trainable_variables} == {local(0)}
+        held: dict[str, int] = {}
+        for piece in engine.slices.flat:
+            held[piece.value.device] = held.get(piece.value.device, 0) + nbytes(piece)
+        weights = sum(nbytes(v) for v in ours.model.trainable_variables)
+        assert sorted(held) == [local(i) for i in range(4)] and sum(held.values()) >= weights, held
+        assert max(held.values()) <= 1.1 * weights / 4, (held, weights)  # a quarter, plus padding
+        for v in ours.model.trainable_variables:
+            if placement_of(v) is not None and placement_of(v).axis == "expert":  # on replicas j and 2 + j
+                assert [device_index(p) for p in engine.slices.slices_of(v)] == \
+                    [placement_of(v).rank, 2 + placement_of(v).rank], v.path
 
 
 @pytest.mark.slow
-def test_phalanx_train_moe_yaml_at_dp4_ep2_zero1_equals_the_one_device_run(tmp_path):
+def test_phalanx_train_moe_yaml_at_dp4_ep2_zero1_and_3_equals_the_one_device_run(tmp_path):
     """The command itself: configs/moe.yaml made small (8 experts top-2, no token dropped, no
-    balancing loss, float32, an active clip) at dp4 x ep2 with parallel.zero=1, against the
+    balancing loss, float32, an active clip) at dp4 x ep2 with parallel.zero=1 and 3, against the
     one-device run: the logged losses, learning rates and clipped norms step for step."""
     from pathlib import Path
 
@@ -429,13 +473,15 @@ def test_phalanx_train_moe_yaml_at_dp4_ep2_zero1_equals_the_one_device_run(tmp_p
              "precision.policy=float32", "data.max_bytes=200000", f"data.cache_dir={tmp_path / 'cache'}"]
     rows = {}
     for run, layout in (("one", ["parallel.devices=cpu:1", "parallel.dp=1", "parallel.ep=1"]),
-                        ("zero1", ["parallel.devices=cpu:4", "parallel.dp=4", "parallel.ep=2", "parallel.zero=1"])):
+                        ("zero1", ["parallel.devices=cpu:4", "parallel.dp=4", "parallel.ep=2", "parallel.zero=1"]),
+                        ("zero3", ["parallel.devices=cpu:4", "parallel.dp=4", "parallel.ep=2", "parallel.zero=3"])):
         assert main(["train", config, "--quiet", *small, *layout, f"run.dir={tmp_path / run}"]) == 0
         rows[run] = read_metrics(tmp_path / run)
-    assert [r["step"] for r in rows["zero1"]] == [1, 2, 3, 4]
-    for key in ("loss", "lr", "grad_norm"):
-        np.testing.assert_allclose([r[key] for r in rows["zero1"]], [r[key] for r in rows["one"]], rtol=1e-4,
-                                   err_msg=key)
+    for run in ("zero1", "zero3"):
+        assert [r["step"] for r in rows[run]] == [1, 2, 3, 4]
+        for key in ("loss", "lr", "grad_norm"):
+            np.testing.assert_allclose([r[key] for r in rows[run]], [r[key] for r in rows["one"]], rtol=1e-4,
+                                       err_msg=f"{run} {key}")
     assert max(r["grad_norm"] for r in rows["one"]) > 0.5  # the clip was active
 
 
@@ -443,9 +489,6 @@ def test_phalanx_train_moe_yaml_at_dp4_ep2_zero1_equals_the_one_device_run(tmp_p
 
 
 def test_what_zero_on_the_keras_engine_does_not_run_is_refused(tmp_path):
-    from phalanx.engines.factory import build_engine
-    from phalanx.engines.task import GPTTask
-
     x, y = mlp_data()
     two = ["parallel.devices=cpu:2", "parallel.dp=2"]
     for opt, match in ((lambda: keras.optimizers.Adam(0.01, clipnorm=1.0), r"parallel.zero: 2: Adam\(clipnorm=1.0\)"),
@@ -456,13 +499,9 @@ def test_what_zero_on_the_keras_engine_does_not_run_is_refused(tmp_path):
     assert not (tmp_path / "checkpoints").exists()  # refused before any work
     with pytest.raises(ConfigError, match=r"parallel.zero: 4 is not valid; choose 0, 1, 2 or 3"):
         load_config(None, ["parallel.zero=4"])
-    # the built-in GPT (phalanx train's Keras-model engine): ZeRO-3 with expert parallelism
-    cfg = load_config(None, ["model.experts=4", "model.moe_every=1", "model.layers=2", "train.global_batch=8",
-                             "parallel.devices=cpu:4", "parallel.dp=4", "parallel.ep=2", "parallel.zero=3"])
-    with pytest.raises(ConfigError, match=r"parallel.zero: 3 with parallel.ep=2: .*parallel.zero=2"):
-        build_engine(cfg, GPTTask(cfg.model))
-    with pytest.raises(ConfigError, match=r"parallel.zero: 3 with parallel.ep=2: .*parallel.zero=2"):
-        keras_model.check_zero(3, ep=2)
+    # ZeRO-3 with expert parallelism across workers (in one process it runs)
+    with pytest.raises(ConfigError, match=r"parallel.zero: 3 with parallel.ep=2 across 2 workers: .*parallel.zero=2"):
+        keras_model.check_zero(3, workers=2, ep=2)
     # across workers: an optimizer with its own apply on the slices (phalanx's AdamW) would see one
     # worker's slices only (keras_cluster's WorkerGroup: only its size and rank are read before it)
     from phalanx.parallel.keras_zero import ZeroSlices

@@ -4,7 +4,8 @@ Every replica of an ep group reads the shard on the shard's device; each used to
 the compute dtype for its own call, so a device held one bfloat16 copy per reading call
 between its forward and its backward (measured, dp4 x ep2, 4 layers, d_model 256: two copies
 of every shard at each device's peak). The engine now casts it once and every call reads that
-copy (:func:`phalanx.layers.moe.attach_compute_copy`). The oracle is the per-call cast itself
+copy (:func:`phalanx.layers.moe.attach_compute_copy`; under ZeRO-3 the copy is cast where the
+group's one gathered shard is made). The oracle is the per-call cast itself
 (the engine without the hand-over): the same losses, norms and weights, bit for bit.
 """
 
@@ -52,6 +53,8 @@ def run(layout: list[str], steps: int = 2):
     (["parallel.devices=cpu:2", "parallel.dp=2", "parallel.ep=2"], 2),
     (["parallel.devices=cpu:4", "parallel.dp=4", "parallel.ep=2", "parallel.zero=1"], 2),
     (["parallel.devices=cpu:2", "parallel.dp=2", "parallel.ep=2", "train.grad_accum=2"], 4),
+    # ZeRO-3: the shard is gathered on its owner once for the group, and cast where it is gathered
+    (["parallel.devices=cpu:4", "parallel.dp=4", "parallel.ep=2", "parallel.zero=3"], 2),
 ])
 def test_one_cast_per_device_and_the_same_training_as_a_cast_per_call(monkeypatch, layout, per_call):
     engine, outs, weights, evaluated = run(layout)
@@ -62,7 +65,7 @@ def test_one_cast_per_device_and_the_same_training_as_a_cast_per_call(monkeypatc
     assert once and set(once.values()) == {2}, once
 
     # the oracle: every call casts the shard it reads (the engine before the hand-over)
-    monkeypatch.setattr(keras_model.KerasModelEngine, "_expert_casts", lambda self, replicas: {})
+    monkeypatch.setattr(keras_model.KerasModelEngine, "_expert_dtypes", lambda self: {})
     ref, ref_outs, ref_weights, ref_evaluated = run(layout)
     per_call_casts = expert_casts(ref)
     assert set(per_call_casts) == set(once) and set(per_call_casts.values()) == {2 * per_call}, per_call_casts

@@ -109,10 +109,15 @@ def test_with_the_balancing_loss_ep2_equals_one_device_balancing_each_replicas_r
 @pytest.mark.slow
 def test_a_checkpoint_crosses_between_ep2_and_one_device(runs):
     """ep2 for 3 steps, resumed on one device (the built-in engine) for 3 more, and the
-    reverse: the losses of an uninterrupted one-device run (names and values cross)."""
+    reverse, also with ZeRO-3 (each replica's slices of the weights and moments, an expert
+    shard's in one slice per ep group): the losses of an uninterrupted one-device run (names
+    and values cross)."""
     tmp, one, _ = runs
     uninterrupted = [r["loss"] for r in one]
-    for name, first, second in (("ep2_then_one", EP2, ONE), ("one_then_ep2", ONE, EP2)):
+    zero3 = EP2 + ["parallel.zero=3"]
+    for name, first, second in (("ep2_then_one", EP2, ONE), ("one_then_ep2", ONE, EP2),
+                                ("ep2_zero3_then_one", zero3, ONE + ["parallel.zero=0"]),
+                                ("one_then_ep2_zero3", ONE, zero3)):
         head = train(tmp, name, first, steps=3)
         tail = train(tmp, name, second)
         assert [r["step"] for r in tail] == list(range(1, STEPS + 1))  # metrics.jsonl: both runs' rows
@@ -158,7 +163,6 @@ def test_the_engine_state_has_the_builtin_names_and_moments(devices):
 
 
 @pytest.mark.parametrize("extra,key", [
-    (["parallel.zero=3"], "parallel.zero: 3 with parallel.ep=2"),
     (["parallel.strategy=parameter_server"], "parallel.strategy"),
     (["parallel.microbatches=2"], "parallel.microbatches"),
     (["model.experts=0"], "parallel.ep.*model.experts=0"),
@@ -253,6 +257,12 @@ def assert_same_state(mine: dict, want: dict) -> None:
     ("dp2_ep2_pp2", ["parallel.devices=cpu:4", "parallel.dp=2", "parallel.pp=2", "parallel.ep=2",
                      "parallel.microbatches=2"], 4),
     ("dp2_tp2_ep2", ["parallel.devices=cpu:4", "parallel.dp=2", "parallel.tp=2", "parallel.ep=2"], 2),
+    # ZeRO-3: tensor and expert shards gathered from their slices, per stage (ep x pp x ZeRO-3 quickly:
+    # tests/test_keras_zero.py's MoE model)
+    pytest.param("dp2_ep2_pp2_zero3", ["parallel.devices=cpu:4", "parallel.dp=2", "parallel.pp=2", "parallel.ep=2",
+                                       "parallel.microbatches=2", "parallel.zero=3"], 4, marks=pytest.mark.slow),
+    ("dp2_tp2_ep2_zero3", ["parallel.devices=cpu:4", "parallel.dp=2", "parallel.tp=2", "parallel.ep=2",
+                           "parallel.zero=3"], 2),
     # the MoE GPT without expert parallelism trains on the same engine (ep=1: whole experts)
     ("dp2_pp2_ep1", ["parallel.devices=cpu:4", "parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2"], 4),
 ])
@@ -280,14 +290,19 @@ def test_expert_parallelism_composes_with_pp_and_tp_as_one_device(devices, name,
         norms.append(b["grad_norm"])
     assert max(norms) > 0.5  # train.clip_norm=0.5 clipped
     assert_same_state(ours.state_dict(), ref.state_dict())
+    zero3 = cfg.parallel.zero == 3
+
+    def where(variables) -> set:  # where weights live between steps: themselves, or under ZeRO-3 their slices
+        return {s.value.device for v in variables for s in (ours.engine.slices.slices_of(v) if zero3 else [v])}
+
     blocks = [ours.model.get_layer(f"block_{i}").moe for i in range(2)]
-    devices_of = [{v.value.device for v in moe.w_in} for moe in blocks]
-    assert all(len(d) == cfg.parallel.ep for d in devices_of)  # ep expert shards on ep devices
+    devices_of = [where(moe.w_in) for moe in blocks]
+    assert all(len(d) == cfg.parallel.ep for d in devices_of)  # ep expert shards on ep devices (dp/ep = 1 slice)
     if ours.pp == 2:  # the two MoE blocks sit on different pipeline stages
         assert not devices_of[0] & devices_of[1]
-    else:  # the attention of replica 0 cut over its two tensor devices
+    else:  # the attention of replica 0 cut over its two tensor devices (ZeRO-3: each replica's, sliced)
         attn = ours.model.get_layer("block_0").attention
-        assert len({v.value.device for v in attn.trainable_variables}) == 2
+        assert len(where(attn.trainable_variables)) == 2 * (2 if zero3 else 1)
 
 
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])

@@ -322,14 +322,15 @@ def test_ep_layouts_of_the_builtin_gpt_run_as_dp_x_ep_within_a_node(monkeypatch)
         assert plan_only_reasons(m, Layout(dp=2, ep=2, **knobs)) == [], knobs
     assert plan_only_reasons(m, Layout(dp=2, ep=2, zero=1)) == []  # ZeRO-1 on the ep engine
     assert plan_only_reasons(m, Layout(dp=2, ep=2, zero=2)) == []  # ZeRO-2 on the ep engine
-    assert any("ZeRO-3 with expert parallelism" in r for r in plan_only_reasons(m, Layout(dp=2, ep=2, zero=3)))
+    assert plan_only_reasons(m, Layout(dp=2, ep=2, zero=3)) == []  # ZeRO-3: expert shards gathered from slices
     assert plan_only_reasons(m, Layout(dp=2, ep=2, recompute="full")) == []  # recompute on the ep engine
     # ep=1 with pp, ZeRO-2 or recompute runs on the same engine
     assert plan_only_reasons(m, Layout(dp=2, pp=2)) == []
     assert plan_only_reasons(m, Layout(dp=2, pp=2, recompute="full")) == []
     assert plan_only_reasons(m, Layout(dp=2, zero=2)) == []
     res = search(m, hw, devices=8, global_batch=32, top=50)
-    assert res.candidates and not any(c.layout.zero == 3 and c.layout.ep > 1 for c in res.candidates)
+    assert res.candidates and not any("ZeRO" in r for c in res.plan_only if c.layout.ep > 1  # within a node: any stage
+                                      for r in plan_only_reasons(m, c.layout, hw))
     assert any(c.layout.ep > 1 for c in res.candidates)
     dp_only = {"dp": 8, "tp": 1, "pp": 1}
     res = search(m, hw, devices=8, global_batch=32, top=50, fixed=dp_only)
@@ -348,6 +349,8 @@ def test_ep_layouts_of_the_builtin_gpt_run_as_dp_x_ep_within_a_node(monkeypatch)
     assert plan_only_reasons(m, Layout(dp=4, tp=4, ep=2), hw) == []
     assert any("ZeRO-1 with expert parallelism across nodes" in r
                for r in plan_only_reasons(m, Layout(dp=16, ep=2, zero=1), hw))
+    (reason,) = plan_only_reasons(m, Layout(dp=16, ep=2, zero=3), hw)  # said once
+    assert reason.startswith("ZeRO-3 across nodes")
     # one flag makes ep plan only again if the engine stops running it
     monkeypatch.setattr(engine_rules, "GPT_EXPERT_PARALLEL", False)
     (reason,) = plan_only_reasons(m, Layout(dp=4, ep=2))
@@ -388,6 +391,8 @@ def test_moe_flags_match_the_engines_refusals(devices):
             ("parallel.tp", ["parallel.devices=cpu:4", "parallel.tp=2"], engine_rules.GPT_EP_WITH_TP_PP),
             ("parallel.pp", ["parallel.devices=cpu:4", "parallel.pp=2"], engine_rules.GPT_EP_WITH_TP_PP),
             ("parallel.zero", ["parallel.zero=1"], engine_rules.GPT_EP_WITH_ZERO),
+            ("parallel.zero", ["parallel.zero=2"], engine_rules.GPT_EP_WITH_ZERO and engine_rules.KERAS_EP_ZERO >= 2),
+            ("parallel.zero", ["parallel.zero=3"], engine_rules.GPT_EP_WITH_ZERO and engine_rules.KERAS_EP_ZERO >= 3),
             ("parallel.recompute", ["parallel.recompute=full"], engine_rules.GPT_EP_WITH_RECOMPUTE)):
         cfg = load_config(None, tiny + ["parallel.devices=cpu:2", "parallel.dp=2", "parallel.ep=2"] + knob)
         assert refused(key, lambda: build_engine(cfg, GPTTask(cfg.model))) == (not flag), key

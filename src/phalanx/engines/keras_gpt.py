@@ -33,8 +33,7 @@ cut into slices over the data replicas (:mod:`phalanx.parallel.keras_zero`):
 figures, and a checkpoint holds each replica's slices (weights and moments) in its shard set, by
 logical name and box. ``parallel.recompute`` runs as for any Keras model
 (:mod:`phalanx.parallel.recompute`; ``selective``: the attention cores of the GPT's blocks). What
-it cannot honour is refused before anything is built (:func:`refuse_unhonoured`): ZeRO-3 with
-expert parallelism among them.
+it cannot honour is refused before anything is built (:func:`refuse_unhonoured`).
 
 ``model.dropout`` draws the positional masks of :mod:`phalanx.layers.dropout` (the model's
 dropout layers are seeded from the task's seed; the engine gives each call its global rows and
@@ -111,7 +110,7 @@ def refuse_unhonoured(cfg: Config, mesh: Mesh | None = None) -> None:
                                                         f"into the tensor ranks' chunks: it needs parallel.tp > 1 "
                                                         f"dividing model.seq_len={m.seq_len} (tp={tp}) and "
                                                         f"model.experts=0 ({m.experts})")
-    check_zero(p.zero, ep=p.ep)
+    check_zero(p.zero)
     if p.strategy not in ("auto", "mesh", "mirrored", "multi_worker"):
         raise ConfigError("parallel.strategy", f"{p.strategy!r}: {why}, which places the model on the devices "
                                                f"itself: in one process (auto), or on each worker's own devices with "

@@ -31,8 +31,10 @@ compiled metrics. The engine only decides *where* things run:
   (a concat on its device) at the stage's first forward of the step, keeps them for its
   later micro-batches and its backward (not gathered again), and the gradient of each slice
   flows back to the slice's device (a reduce-scatter). With ``pp=1`` the whole model is the
-  gathered stage (it is not cut into smaller gather chunks). Stage 3 not with expert
-  parallelism. **Across workers** the slices span every data replica of the run: with ``W``
+  gathered stage (it is not cut into smaller gather chunks). An expert shard is gathered on
+  the device of its ep group's replica that holds it (from its one slice per group), once for
+  the group: every replica of the group sends its tokens to that one gathered shard, and each
+  replica's gradient of it is cut there into the groups' slices (in one process). **Across workers** the slices span every data replica of the run: with ``W``
   workers of ``dp`` local replicas each variable is cut into ``W x dp`` slices and worker ``w``'s
   replica ``k`` holds slice ``w dp + k``, so each device holds ``1/(W dp)`` of the optimizer
   state (and at stage 3 of the weights; ``model.optimizer``'s whole host copy aside). Each
@@ -298,25 +300,25 @@ def check_tensor_layout(model, tp: int) -> None:
 
 def check_zero(zero: int, workers: int = 1, ep: int = 1) -> None:
     """Refuse a ZeRO stage the Keras-model engine does not run: it runs 0, 1, 2 and 3 (see
-    the module docstring), in one process or across ``workers`` workers; stage 3 without
-    expert parallelism (``ep``).
+    the module docstring), with any tensor, pipeline or expert layout in one process, and across
+    ``workers`` workers; stage 3 with expert parallelism (``ep``) in one process only.
 
     Example:
-        >>> check_zero(3), check_zero(1, workers=2)
-        (None, None)
+        >>> check_zero(3), check_zero(1, workers=2), check_zero(3, ep=2)
+        (None, None, None)
         >>> try:
-        ...     check_zero(3, ep=2)
+        ...     check_zero(3, workers=2, ep=2)
         ... except ConfigError as err:
         ...     print(err.key)
         parallel.zero
     """
     if zero not in (0, 1, 2, 3):
         raise ConfigError("parallel.zero", f"{zero}: the Keras-model engine runs parallel.zero=0, 1, 2 or 3")
-    if zero == 3 and ep > 1:
-        raise ConfigError("parallel.zero", f"3 with parallel.ep={ep}: the expert shards would be gathered from "
-                                           f"slices over the expert groups, which the Keras-model engine does not "
-                                           f"do; use parallel.zero=2 (or 1, 0) with expert parallelism, or "
-                                           f"parallel.ep=1")
+    if zero == 3 and ep > 1 and workers > 1:
+        raise ConfigError("parallel.zero", f"3 with parallel.ep={ep} across {workers} workers: an expert shard is "
+                                           f"gathered from its slices within one process only; use "
+                                           f"parallel.zero=2 (or 1, 0) with expert parallelism across workers, or "
+                                           f"run in one process")
 
 
 def place_optimizer_slots(optimizer, variables) -> bool:
@@ -588,8 +590,11 @@ class KerasModelEngine:
         self._step_start = None
         # id(variable read for an expert shard) -> the traced step's compute-dtype copy (_expert_casts)
         self._casts: dict[int, tf.Tensor] = {}
-        # ZeRO-3: (replica, stage, id(variable)) -> the traced step's gathered weight (_stage_values)
+        # ZeRO-3: (replica, stage, id(variable)) -> the traced step's gathered weight (_stage_values;
+        # for an expert shard the replica is its ep group's first), and the expert shards' compute
+        # dtypes under a mixed policy (_gather; the policy is the model's when the engine is built)
         self._gathered: dict[tuple, tf.Tensor] = {}
+        self._shard_dtypes: dict[int, str] | None = None
         # Each stage's forward traced once and called per micro-batch, when all its ops run on
         # its one device: no tensor shards (tp=1) and no expert shards, whose layers place
         # their ops by their inputs' devices (parallel/stage_calls.py). Not under recomputation:
@@ -811,18 +816,26 @@ class KerasModelEngine:
         """The values of stage ``s``'s trainable weights that ``replica`` computes with.
 
         Under ZeRO-3 each weight is gathered from its slices on the device that computes with
-        it (a tensor shard on its rank's), once per step, replica and stage: the first
-        forward of the stage gathers, its later micro-batches and every backward read that
-        tensor, so the gathered weights stay until the stage's last backward (they are not
-        gathered again for the backward)."""
+        it (a tensor shard on its rank's, an expert shard on its owner's in the replica's ep
+        group), once per step, replica and stage: the first forward of the stage gathers, its
+        later micro-batches and every backward read that tensor, so the gathered weights stay
+        until the stage's last backward (they are not gathered again for the backward). The
+        replicas of an ep group read one gathered expert shard, as they read one copy of it
+        without ZeRO-3 (:meth:`_copy_owner`)."""
         stage = self.stages[s]
         if self.zero == 3:
-            need = [v for v in stage.trainable_variables if (replica, s, id(v)) not in self._gathered]
+            need, keys = [], []
+            for v in stage.trainable_variables:
+                key = (self._copy_owner(v, replica), s, id(v))
+                if key not in self._gathered and key not in keys:
+                    need.append(v)
+                    keys.append(key)
             # (across workers one all-gather per stage and step: the cache keeps it for the other replicas)
-            for v, value in zip(need, self.slices.gather_many(need, [self.variable_device(v, replica, s) for v in need],
-                                                              cache=self._gathered)):
-                self._gathered[(replica, s, id(v))] = value
-            return [self._gathered[(replica, s, id(v))] for v in stage.trainable_variables]
+            devices = [self.variable_device(v, replica, s) for v in need]
+            for v, key, device, value in zip(need, keys, devices,
+                                             self.slices.gather_many(need, devices, cache=self._gathered)):
+                self._gathered[key] = self._with_compute_copy(v, value, device)
+            return [self._gathered[(self._copy_owner(v, replica), s, id(v))] for v in stage.trainable_variables]
         values = []
         for v, param in zip(stage.trainable_variables, self._params(replica, s)):
             if placement_of(v) is None:
@@ -833,6 +846,19 @@ class KerasModelEngine:
                 if id(param) in self._casts:  # the step's one compute-dtype copy of an expert shard
                     attach_compute_copy(values[-1], self._casts[id(param)])
         return values
+
+    def _with_compute_copy(self, variable, value: tf.Tensor, device: str) -> tf.Tensor:
+        """ZeRO-3: ``variable``'s gathered ``value`` on ``device``; an expert shard that a mixed
+        policy computes in another dtype carries its cast, made there once
+        (:func:`~phalanx.layers.moe.attach_compute_copy`): every replica and micro-batch of the ep
+        group reads that one copy, as :meth:`_expert_casts` gives them without ZeRO-3."""
+        if self._shard_dtypes is None:
+            self._shard_dtypes = self._expert_dtypes()
+        dtype = self._shard_dtypes.get(id(variable))
+        if dtype is not None:
+            with tf.device(device):
+                attach_compute_copy(value, tf.cast(value, dtype))
+        return value
 
     def _loss_and_metrics(self, x, y, sw, y_pred, added, training: bool):
         """The compiled loss and metrics of one micro-batch, as Keras's train/test step does."""
@@ -900,15 +926,10 @@ class KerasModelEngine:
 
     # -- steps ------------------------------------------------------------------------------
 
-    def _expert_casts(self, replicas: int) -> dict[int, tf.Tensor]:
-        """id(a variable the replicas read for an expert shard) -> its value in the compute
-        dtype of the :class:`~phalanx.layers.moe.MoE` layer that reads it, cast once for the
-        step on the variable's device, for the shards a mixed policy computes in another dtype.
-
-        Without it every replica of an ep group (and each of its micro-batches) cast the shard
-        on the shard's device for its own call, and a device held a copy per call alive between
-        its forward and its backward. Made before any replica's work, outside the pipeline's
-        control dependencies, it is one tensor every call reads."""
+    def _expert_dtypes(self) -> dict[int, str]:
+        """id(an expert shard's variable) -> the compute dtype of the
+        :class:`~phalanx.layers.moe.MoE` layer that reads it, for the shards a mixed policy
+        computes in a dtype other than their own."""
         dtypes = {}
         for layer in self.model._flatten_layers(include_self=False):
             if isinstance(layer, MoE):
@@ -917,9 +938,22 @@ class KerasModelEngine:
                     if placement is not None and placement.axis == "expert" and \
                             tf.as_dtype(layer.compute_dtype) != tf.as_dtype(v.dtype):
                         dtypes[id(v)] = layer.compute_dtype
+        return dtypes
+
+    def _expert_casts(self, replicas: int) -> dict[int, tf.Tensor]:
+        """id(a variable the replicas read for an expert shard) -> its value in the compute
+        dtype of the :class:`~phalanx.layers.moe.MoE` layer that reads it, cast once for the
+        step on the variable's device, for the shards a mixed policy computes in another dtype.
+
+        Without it every replica of an ep group (and each of its micro-batches) cast the shard
+        on the shard's device for its own call, and a device held a copy per call alive between
+        its forward and its backward. Made before any replica's work, outside the pipeline's
+        control dependencies, it is one tensor every call reads. Under ZeRO-3 there is no whole
+        shard before its stage gathers it: the cast is made where it is gathered (:meth:`_gather`)."""
         casts: dict[int, tf.Tensor] = {}
-        if self.zero == 3:  # no expert parallelism under ZeRO-3 (check_zero): nothing shared to cast
+        if self.zero == 3:
             return casts
+        dtypes = self._expert_dtypes()
         for d in range(replicas):
             for s, stage in enumerate(self.stages):
                 for v, param in zip(stage.trainable_variables, self._params(d, s)):

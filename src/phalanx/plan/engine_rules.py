@@ -1,8 +1,8 @@
 """What phalanx's engines run, as the planner needs to know it.
 
 The planner can model more than the engines run (the ``zb`` schedule, sequence parallelism for
-the mixture-of-experts GPT or without ``tp > 1`` dividing the sequence, ZeRO-3 with expert
-parallelism or across nodes, and expert parallelism across nodes). Such a layout is *plan only*: shown in its
+the mixture-of-experts GPT or without ``tp > 1`` dividing the sequence, ZeRO-3 across nodes,
+and expert parallelism across nodes). Such a layout is *plan only*: shown in its
 own labelled list, never proposed as the best. What is runnable is read from the engines' own
 rules where they can be probed:
 
@@ -11,7 +11,7 @@ rules where they can be probed:
   (3: weights sliced too) run on the Keras-model engine
   (:class:`~phalanx.engines.keras_model.KerasModelEngine`, :mod:`phalanx.parallel.keras_zero`),
   ``phalanx train``'s for the built-in GPT and ``phalanx.fit``'s, in one process and across
-  nodes (:data:`KERAS_ZERO_ACROSS_NODES`), ZeRO-3 without expert parallelism;
+  nodes (:data:`KERAS_ZERO_ACROSS_NODES`), with expert parallelism up to :data:`KERAS_EP_ZERO`;
 * the stage split: the engine's cost-balanced :func:`phalanx.parallel.partition.partition`
   over :func:`phalanx.core.costs.layer_costs` (FLOPs per token of each block,
   the embedding and the head), not equal layer counts;
@@ -37,8 +37,8 @@ Example:
     >>> moe = ModelSpec(layers=4, d_model=64, heads=4, vocab=256, seq_len=32, experts=4)
     >>> plan_only_reasons(moe, Layout(dp=4)), plan_only_reasons(moe, Layout(dp=4, ep=2))
     ([], [])
-    >>> plan_only_reasons(moe, Layout(dp=2, ep=2, zero=3))  # doctest: +ELLIPSIS
-    ['ZeRO-3 with expert parallelism (...)']
+    >>> plan_only_reasons(moe, Layout(dp=2, ep=2, zero=3))
+    []
     >>> engine_zero_stages(), engine_schedules()
     ((0, 1, 2, 3), ('gpipe', '1f1b', 'interleaved'))
 """
@@ -61,14 +61,15 @@ from phalanx.parallel.partition import partition
 GPT_EXPERT_PARALLEL = True
 # True: that engine runs ep with tp and pp too (it cuts the GPT into tensor shards and stages).
 GPT_EP_WITH_TP_PP = True
-# True: that engine runs ep with ZeRO (the AdamW moments, and at parallel.zero=2 the gradients,
-# cut into slices over the data replicas, engines/keras_model.py) up to KERAS_EP_ZERO.
+# True: that engine runs ep with ZeRO (the AdamW moments, at parallel.zero=2 the gradients, at 3
+# the weights, cut into slices over the data replicas, engines/keras_model.py) up to KERAS_EP_ZERO.
 GPT_EP_WITH_ZERO = True
 # True: that engine runs ep with parallel.recompute=full|selective (parallel/recompute.py).
 GPT_EP_WITH_RECOMPUTE = True
-# The highest ZeRO stage the Keras-model engine runs with ep (engines/keras_model.py check_zero
-# refuses 3 with ep: expert shards are not gathered from slices), for phalanx train and phalanx.fit.
-KERAS_EP_ZERO = 2
+# The highest ZeRO stage the Keras-model engine runs with ep (at 3 an expert shard is gathered from
+# its slices, one per ep group, on the group's replica that holds it: engines/keras_model.py), for
+# phalanx train and phalanx.fit.
+KERAS_EP_ZERO = 3
 # True: the Keras-model engine runs ZeRO 1-3 across nodes: under parallel.strategy=multi_worker it
 # slices over the data replicas of every worker (parallel/keras_zero.py: workers x local replicas
 # slices, gradients all-reduced across workers and cut, slices all-gathered; engines/keras_cluster.py),
@@ -171,13 +172,9 @@ def plan_only_reasons(m, lay, hw=None) -> list[str]:
     reasons = []
     if lay.zero not in engine_zero_stages():
         reasons.append(f"ZeRO-{lay.zero} (the engines run parallel.zero {', '.join(map(str, engine_zero_stages()))})")
-    elif lay.zero == 3:
-        if lay.ep > 1:
-            reasons.append(f"ZeRO-3 with expert parallelism (the Keras-model engine does not gather expert shards "
-                           f"from slices; ep runs with parallel.zero <= {KERAS_EP_ZERO})")
-        elif hw is not None and lay.devices > hw.devices_per_node and not KERAS_ZERO_ACROSS_NODES:
-            reasons.append(f"ZeRO-3 across nodes ({lay.devices} devices, {hw.devices_per_node} per node: the "
-                           f"Keras-model engine slices over the data replicas of one process)")
+    elif lay.zero == 3 and hw is not None and lay.devices > hw.devices_per_node and not KERAS_ZERO_ACROSS_NODES:
+        reasons.append(f"ZeRO-3 across nodes ({lay.devices} devices, {hw.devices_per_node} per node: the "
+                       f"Keras-model engine slices over the data replicas of one process)")
     if lay.pp > 1 and lay.schedule not in engine_schedules():
         reasons.append(f"the {lay.schedule} schedule (the executor runs {', '.join(engine_schedules())})")
     if lay.sequence_parallel and (lay.tp < 2 or m.seq_len % lay.tp or m.experts):
@@ -191,13 +188,11 @@ def plan_only_reasons(m, lay, hw=None) -> list[str]:
         elif (lay.tp > 1 or lay.pp > 1) and not GPT_EP_WITH_TP_PP:
             reasons.append(f"expert parallelism parallel.ep={lay.ep} with tp/pp (phalanx train runs ep as dp x ep "
                            f"only)")
-        elif lay.zero == 3:
-            pass  # (said above)
         elif (lay.zero > (KERAS_EP_ZERO if GPT_EP_WITH_ZERO else 0)
               or (lay.recompute != "none" and not GPT_EP_WITH_RECOMPUTE)):
             reasons.append(f"expert parallelism parallel.ep={lay.ep} with ZeRO-{lay.zero}/recompute "
                            f"{lay.recompute} (the engines run ep with dp, tp, pp"
-                           f"{f' and ZeRO-1/2' if GPT_EP_WITH_ZERO else ''} only)")
+                           f"{f' and ZeRO up to {KERAS_EP_ZERO}' if GPT_EP_WITH_ZERO else ''} only)")
         elif hw is not None and lay.dp * lay.tp * lay.pp > hw.devices_per_node:
             # Across nodes (phalanx launch, multi_worker): parallel.* is each node's own layout, the
             # experts sharded over the node's own data replicas, the nodes data parallel.
@@ -207,7 +202,7 @@ def plan_only_reasons(m, lay, hw=None) -> list[str]:
                 reasons.append(f"expert parallelism parallel.ep={lay.ep} across nodes (phalanx train shards the "
                                f"experts within one node: ep must divide the data replicas of a node, "
                                f"{local_dp or 'none'} here)")
-            elif lay.zero:
+            elif lay.zero and (lay.zero < 3 or KERAS_ZERO_ACROSS_NODES):  # (ZeRO-3 across nodes: said above)
                 reasons.append(f"ZeRO-{lay.zero} with expert parallelism across nodes (the Keras-model engine "
                                f"partitions the optimizer state within one process only)")
     return reasons

@@ -356,9 +356,9 @@ def check_calibrated(cfg: Config, dp: int, optimizer: str = "keras") -> None:
     if p.sequence_parallel:
         raise ConfigError("parallel.sequence_parallel", f"true: {why} without sequence parallelism")
     if p.zero == 3 and p.ep > 1:
-        raise ConfigError("parallel.zero", f"3 with parallel.ep={p.ep}: the Keras-model engine does not gather "
-                                           f"expert shards from slices; use parallel.zero=2 (or 1, 0) with expert "
-                                           f"parallelism, or parallel.ep=1")
+        raise ConfigError("parallel.zero", f"3 with parallel.ep={p.ep}: {why} without ZeRO-3 for expert "
+                                           f"parallelism (a group's gathered expert shard is not measured yet); "
+                                           f"use parallel.zero=2 (or 1, 0) with expert parallelism, or parallel.ep=1")
     if p.pp > 1 and p.schedule not in SCHEDULES:
         raise ConfigError("parallel.schedule", f"{p.schedule!r}: {why} for {' and '.join(SCHEDULES)} only")
 
