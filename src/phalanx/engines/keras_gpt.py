@@ -197,11 +197,13 @@ class PhalanxAdamW(keras.optimizers.Optimizer):
                              else tf.cast(tf.convert_to_tensor(grad), tf.float32))
         t = self.cfg.train
         s = optim.step_scalars(optim.global_norm(dense), self.loss_scale.scale.read_value(), self.step, t)
+        with tf.device(self._device):  # once for every variable
+            scalars = optim.adamw_scalars(s.count, s.lr, s.factor, s.finite, t)
         for var, grad, m, v in zip(variables, dense, self.m, self.v):
             with tf.device(var.value.device):
                 mask = self.masks.get(id(var))
-                optim.apply_adamw(var.value, m.value, v.value, grad, step=s.count, lr=s.lr, factor=s.factor, finite=s.finite,
-                                  cfg=t, decay=self._decays[id(var)], mask=None if mask is None else mask())
+                optim.apply_adamw(var.value, m.value, v.value, grad, scalars=scalars, cfg=t,
+                                  decay=self._decays[id(var)], mask=None if mask is None else mask())
         for key, value in optim.finish_step(s, self.step, self.loss_scale).items():
             self.last[key].assign(tf.cast(value, tf.float32))
 
