@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from phalanx.config import Config
 from phalanx.engines.keras_model import KerasModelEngine
+from phalanx.layers import ColumnParallelDense, RowParallelDense
 from phalanx.mesh import Mesh
 from phalanx.parallel import stage_calls
 from phalanx.parallel.stage_calls import StageCalls
@@ -100,3 +101,76 @@ def test_a_lookup_with_the_same_indices_in_every_micro_batch_runs_inline():
     grad = tf.convert_to_tensor(step(tf.constant([4, 5, 4])))
     assert calls.traced == 2 and calls.inline == {"positions"}
     np.testing.assert_array_equal(grad.numpy()[:, 0], [1, 1, 1, 0, 2, 1])
+
+
+# -- tensor shards inside a stage call ------------------------------------------------------
+
+TP = 2
+
+
+def _tp_mlp(seed, dense):
+    """Column, row, column, row Dense layers (``dense(units, activation)`` makes each)."""
+    keras.utils.set_random_seed(seed)
+    x = keras.Input((6,))
+    h = dense(0, 16, "tanh")(x)
+    h = dense(1, 16, "relu")(h)
+    h = dense(0, 16, "tanh")(h)
+    return keras.Model(x, dense(1, 3, None)(h))
+
+
+@pytest.fixture(scope="module")
+def trained_tp():
+    """A tensor-parallel MLP on tp2 x pp2 with 4 micro-batches, and Keras's one-device
+    ``train_on_batch`` of the plain Dense MLP with the same weights."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 6)).astype("float32")
+    y = rng.normal(size=(16, 3)).astype("float32")
+    oracle = _tp_mlp(1, lambda kind, units, act: keras.layers.Dense(units, activation=act))
+    model = _tp_mlp(1, lambda kind, units, act: (ColumnParallelDense, RowParallelDense)[kind](
+        units, tp=TP, activation=act))
+    for layer, plain in zip(model.layers[1:], oracle.layers[1:]):
+        layer.set_logical_weights(dict(zip(["kernel", "bias"], plain.get_weights())))
+    for m in (oracle, model):
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")][:TP * PP]
+    cfg = Config().replace(parallel={"tp": TP, "pp": PP, "microbatches": MICRO})
+    engine = KerasModelEngine(model, cfg, Mesh.from_devices(devices, 1, PP, TP), (x, y, None))
+    losses = [float(engine.train_step((x, y, None))["loss"]) for _ in range(2)]
+    expected = [float(oracle.train_on_batch(x, y)) for _ in range(2)]
+    graph = engine._train_fn.get_concrete_function(tf.constant(x), tf.constant(y), None).graph
+    return engine, model, oracle, losses, expected, graph
+
+
+def test_tensor_shards_one_trace_per_stage_equals_keras(trained_tp):
+    engine, model, oracle, losses, expected, _ = trained_tp
+    assert engine.stage_calls is not None and engine.stage_calls.traced == PP and not engine.stage_calls.inline
+    # float32, 16 rows in 4 micro-batches and shard partial sums vs one batch: rounding only
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    for layer, plain in zip(model.layers[1:], oracle.layers[1:]):
+        for got, want in zip(layer.logical_weights().values(), plain.get_weights()):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_tensor_shard_ops_run_on_their_rank_inside_forward_and_backward_calls(trained_tp):
+    """Each stage's forward and backward call is placed on the stage's rank-0 device; inside
+    both, the shard ops run on their own rank's device (TensorFlow builds a function's backward
+    without devices: here each gradient op follows the op it differentiates)."""
+    engine, _, _, _, _, graph = trained_tp
+    library = {f.signature.name: f for f in graph.as_graph_def().library.function}
+    seen = {}
+    for op in graph.get_operations():
+        if op.type not in CALL_OPS:
+            continue
+        name = op.get_attr("f").name
+        stage = next(s for s in range(PP) if tf.DeviceSpec.from_string(op.device).to_string()
+                     == tf.DeviceSpec.from_string(engine.stage_device(0, s)).to_string())
+        kind = "backward" if "backward" in name else "forward"
+        seen[(stage, kind)] = seen.get((stage, kind), 0) + 1
+        inside = {tf.DeviceSpec.from_string(n.device).to_string() for n in library[name].node_def if n.device}
+        ranks = {tf.DeviceSpec.from_string(engine.mesh.device(0, stage, r)).to_string() for r in range(TP)}
+        assert inside == ranks, (kind, stage, inside)
+        # the matmuls of the shards: at least one on each rank
+        for rank in ranks:
+            assert any(n.op == "MatMul" and tf.DeviceSpec.from_string(n.device).to_string() == rank
+                       for n in library[name].node_def), (kind, stage, rank)
+    assert seen == {(s, k): MICRO for s in range(PP) for k in ("forward", "backward")}

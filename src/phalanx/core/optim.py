@@ -35,7 +35,47 @@ def learning_rate(step: tf.Tensor, cfg: TrainConfig) -> tf.Tensor:
     return tf.where(step < cfg.warmup, warm, cosine)
 
 
-def apply_adamw(var, m, v, grad, *, step, lr, factor, finite, cfg: TrainConfig, decay: bool, mask=None):
+class AdamWScalars(NamedTuple):
+    """The scalars of one AdamW update, the same for every variable: :func:`adamw_scalars`."""
+
+    step_size: tf.Tensor  # lr sqrt(c2) / c1 (0 on a step that changes nothing)
+    epsilon: tf.Tensor  # eps sqrt(c2)
+    beta1: tf.Tensor  # cfg.beta1 (1 on a step that changes nothing)
+    beta2: tf.Tensor  # cfg.beta2 (1 on a step that changes nothing)
+    factor: tf.Tensor  # the gradients' multiplier (0 on a step that changes nothing)
+    lr: tf.Tensor  # the weight decay's learning rate (0 on a step that changes nothing)
+
+
+def adamw_scalars(step, lr, factor, finite, cfg: TrainConfig) -> AdamWScalars:
+    """The scalars :func:`apply_adamw` hands the fused kernel, computed once for every variable
+    of a step (see there). When ``finite`` is false they make the update change nothing:
+    learning rate 0, betas 1 (``m += (g - m)(1 - beta1)`` keeps ``m``) and gradient factor 0
+    (``multiply_no_nan``: 0 even for an infinite or NaN gradient).
+
+    Example:
+        >>> s = adamw_scalars(tf.constant(1), 1e-3, 0.5, tf.constant(True), TrainConfig(beta1=0.9, beta2=0.95))
+        >>> round(float(s.step_size), 6), float(s.factor)
+        (0.002236, 0.5)
+        >>> float(adamw_scalars(tf.constant(1), 1e-3, 0.5, tf.constant(False), TrainConfig()).beta1)
+        1.0
+    """
+    with tf.name_scope("adamw_scalars"):
+        b1, b2 = cfg.beta1, cfg.beta2
+        t = tf.cast(step, tf.float32)
+        c1 = -tf.math.expm1(t * tf.math.log1p(tf.constant(b1, tf.float32) - 1.0))
+        c2 = -tf.math.expm1(t * tf.math.log1p(tf.constant(b2, tf.float32) - 1.0))
+        finite = tf.convert_to_tensor(finite, tf.bool)
+        lr = tf.where(finite, tf.cast(lr, tf.float32), 0.0)
+        root_c2 = tf.sqrt(c2)
+        one = tf.constant(1.0, tf.float32)
+        return AdamWScalars(step_size=lr * root_c2 / c1, epsilon=cfg.eps * root_c2,
+                            beta1=tf.where(finite, tf.constant(b1, tf.float32), one),
+                            beta2=tf.where(finite, tf.constant(b2, tf.float32), one),
+                            factor=tf.where(finite, tf.cast(factor, tf.float32), 0.0), lr=lr)
+
+
+def apply_adamw(var, m, v, grad, *, cfg: TrainConfig, decay: bool, mask=None, step=None, lr=None, factor=None,
+                finite=None, scalars: AdamWScalars | None = None):
     """One AdamW step, in place on the float32 variables ``var``, ``m`` and ``v``.
 
     The AdamW of Loshchilov & Hutter 2019 (decoupled weight decay), with the learning
@@ -48,7 +88,9 @@ def apply_adamw(var, m, v, grad, *, step, lr, factor, finite, cfg: TrainConfig, 
     ``step`` is the 1-based update count (bias correction), ``factor`` the clip factor
     over the loss scale, ``wd`` is ``cfg.weight_decay`` when ``decay`` else 0. When
     ``finite`` is false nothing changes (a float16 overflow step). ``mask`` (pruning):
-    masked entries of ``var``, ``m`` and ``v`` are zeroed after the update.
+    masked entries of ``var``, ``m`` and ``v`` are zeroed after the update. ``scalars``
+    (:func:`adamw_scalars` of ``step``, ``lr``, ``factor``, ``finite``) in their place: one
+    set for every variable of a step.
 
     The one AdamW apply of phalanx: every engine that uses phalanx's AdamW calls it.
     The update is TensorFlow's fused ``ResourceApplyAdam`` kernel (one pass over
@@ -59,35 +101,27 @@ def apply_adamw(var, m, v, grad, *, step, lr, factor, finite, cfg: TrainConfig, 
     ``eps sqrt(c2)`` (with zero beta powers), which makes its ``lr' m / (sqrt(v) + eps')``
     the formula above; ``c = 1 - beta^step`` is taken as ``-expm1(step log1p(beta - 1))``,
     exact to float32 rounding even where ``1 - beta2^step`` is small (beta2 = 0.999,
-    early steps), where float32 ``1 - pow(beta2, step)`` loses half its digits.
+    early steps), where float32 ``1 - pow(beta2, step)`` loses half its digits. A step that
+    changes nothing runs the same kernel with scalars that keep every value (no ``tf.cond``:
+    a branch per variable was most of a large model's optimizer graph and its build time).
     Returns the op that runs the update (graph mode).
     """
     with tf.name_scope("adamw"):
-        b1, b2 = cfg.beta1, cfg.beta2
-        t = tf.cast(step, tf.float32)
-        c1 = -tf.math.expm1(t * tf.math.log1p(tf.constant(b1, tf.float32) - 1.0))
-        c2 = -tf.math.expm1(t * tf.math.log1p(tf.constant(b2, tf.float32) - 1.0))
-        lr = tf.cast(lr, tf.float32)
-        root_c2 = tf.sqrt(c2)
-        step_size, eps = lr * root_c2 / c1, cfg.eps * root_c2
-        zero = tf.constant(0.0, tf.float32)
+        if scalars is None:
+            scalars = adamw_scalars(step, lr, factor, finite, cfg)
         wd = cfg.weight_decay if decay else 0.0
-
-        def update():
-            decayed = [var.assign(var.read_value() * (1.0 - lr * wd), read_value=False)] if wd > 0 else []
-            # the scaled gradient once the decay's temporary is gone: never both beside var
-            with tf.control_dependencies([op for op in decayed if op is not None]):
-                scaled = grad * tf.cast(factor, grad.dtype)
-            tf.raw_ops.ResourceApplyAdam(
-                var=var.handle, m=m.handle, v=v.handle, beta1_power=zero, beta2_power=zero, lr=step_size,
-                beta1=tf.constant(b1, tf.float32), beta2=tf.constant(b2, tf.float32), epsilon=eps,
-                grad=scaled, use_locking=False)
-            if mask is not None:  # pruned: masked weights (and their moments) stay exactly zero
-                for slot in (var, m, v):
-                    slot.assign(slot.read_value() * mask)
-            return tf.constant(True)
-
-        return tf.cond(finite, update, lambda: tf.constant(False))
+        decayed = var.assign(var.read_value() * (1.0 - scalars.lr * wd), read_value=False) if wd > 0 else None
+        # the scaled gradient once the decay's temporary is gone: never both beside var
+        with tf.control_dependencies([decayed] if decayed is not None else []):
+            scaled = tf.math.multiply_no_nan(grad, tf.cast(scalars.factor, grad.dtype))
+        update = tf.raw_ops.ResourceApplyAdam(
+            var=var.handle, m=m.handle, v=v.handle, beta1_power=tf.constant(0.0), beta2_power=tf.constant(0.0),
+            lr=scalars.step_size, beta1=scalars.beta1, beta2=scalars.beta2, epsilon=scalars.epsilon, grad=scaled,
+            use_locking=False)
+        if mask is not None:  # pruned: masked weights (and their moments) stay exactly zero
+            with tf.control_dependencies([update] if update is not None else []):
+                update = tf.group(*[slot.assign(slot.read_value() * mask) for slot in (var, m, v)])
+        return update
 
 
 def global_norm(grads: list[tf.Tensor]) -> tf.Tensor:

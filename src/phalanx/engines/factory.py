@@ -159,9 +159,11 @@ def build_engine(cfg: Config, task, cluster=None):
     return StrategyEngine(cfg, task, local_strategy(mesh.devices))
 
 
-def gpt_engine(cfg: Config, mesh: Mesh, task: GPTTask) -> KerasGPTEngine:
+def gpt_engine(cfg: Config, mesh: Mesh, task: GPTTask, stage_calls: bool = True) -> KerasGPTEngine:
     """The engine that trains the built-in GPT ``task`` on ``mesh`` (driven by this process, its
-    devices local or, on a mesh spanning the workers, theirs over gRPC): :class:`KerasGPTEngine`."""
+    devices local or, on a mesh spanning the workers, theirs over gRPC): :class:`KerasGPTEngine`.
+    ``stage_calls=False`` inlines every pipeline stage per micro-batch (for the memory profiler,
+    :mod:`phalanx.train.calibrate`)."""
     if task.cfg != cfg.model:
         raise ConfigError("model", "the GPTTask's ModelConfig differs from cfg.model; build the task from cfg.model")
     if cfg.parallel.sequence_parallel and mesh.tp < 2:
@@ -169,7 +171,7 @@ def gpt_engine(cfg: Config, mesh: Mesh, task: GPTTask) -> KerasGPTEngine:
                                                         f"layout has tp={mesh.tp})")
     if cfg.parallel.microbatches != 1 and mesh.pp == 1:
         _refuse_microbatches(cfg.parallel.microbatches)
-    return KerasGPTEngine(cfg, task, mesh)
+    return KerasGPTEngine(cfg, task, mesh, stage_calls=stage_calls)
 
 
 def _keras_gpt_across_workers(cfg: Config, task: GPTTask, cluster) -> KerasGPTEngine:

@@ -195,11 +195,13 @@ class PhalanxAdamW(keras.optimizers.Optimizer):
         if self.sum_across_workers is not None:
             norm = tf.sqrt(self.sum_across_workers(tf.square(norm)))
         s = optim.step_scalars(norm, self.loss_scale.scale.read_value(), self.step, t)
+        with tf.device(self._device):  # once for every variable
+            scalars = optim.adamw_scalars(s.count, s.lr, s.factor, s.finite, t)
         for var, grad, m, v in zip(variables, dense, self.m, self.v):
             with tf.device(var.value.device):
                 mask = self.masks.get(id(var))
-                optim.apply_adamw(var.value, m.value, v.value, grad, step=s.count, lr=s.lr, factor=s.factor, finite=s.finite,
-                                  cfg=t, decay=self._decays[id(var)], mask=None if mask is None else mask())
+                optim.apply_adamw(var.value, m.value, v.value, grad, scalars=scalars, cfg=t,
+                                  decay=self._decays[id(var)], mask=None if mask is None else mask())
         figures = {key: tf.cast(value, tf.float32) for key, value in
                    optim.finish_step(s, self.step, self.loss_scale).items()}
         for key, value in figures.items():
@@ -316,7 +318,7 @@ class KerasGPTEngine:
     on its slices, the global norm summed across workers, and :meth:`before_checkpoint` gathers
     them on every worker) and the MoE totals averaged; the experts stay within a worker. :meth:`eval_step` runs the whole batch on every worker."""
 
-    def __init__(self, cfg: Config, task: GPTTask, mesh: Mesh, workers=None):
+    def __init__(self, cfg: Config, task: GPTTask, mesh: Mesh, workers=None, stage_calls: bool = True):
         if not isinstance(task, GPTTask):
             raise TypeError(f"KerasGPTEngine trains the built-in GPT (a GPTTask), got {type(task).__name__}")
         if task.cfg != cfg.model:
@@ -339,7 +341,8 @@ class KerasGPTEngine:
         self.optimizer = self.model.optimizer
         self.loss_scale = self.optimizer.loss_scale
         tokens = np.zeros([cfg.train.global_batch, cfg.model.seq_len], np.int32)
-        self.engine = KerasModelEngine(self.model, cfg, mesh, (tokens, tokens, None), workers=workers)
+        self.engine = KerasModelEngine(self.model, cfg, mesh, (tokens, tokens, None), workers=workers,
+                                       stage_calls=stage_calls)  # (False: every stage inline, for calibrate)
         # False, or what was assigned outside a step and the rest must follow: "whole" (the model's
         # weights: a mask installed, weights loaded) or "slices" (a checkpoint restored into ZeRO's slices)
         self._stale: bool | str = False

@@ -49,8 +49,8 @@ compiled metrics. The engine only decides *where* things run:
 * **The step** (one ``tf.function``): every replica cuts its rows of the global batch into
   ``grad_accum x microbatches`` micro-batches and runs the pipeline schedule
   (:func:`phalanx.parallel.pipeline.run_schedule`); each stage runs *statelessly* on the
-  replica's weight values; when all of a stage's ops run on its one device (tp=1, no expert
-  shards; no recomputation) the stage's forward is traced once per replica and called for every micro-batch
+  replica's weight values; without expert shards or recomputation the stage's forward is traced
+  once per replica and called for every micro-batch, tensor shards on their ranks inside the call
   (:mod:`phalanx.parallel.stage_calls`): its ops are traced and optimised once, not once per
   micro-batch.
   The last stage computes the compiled loss plus the model's own
@@ -595,16 +595,16 @@ class KerasModelEngine:
         # dtypes under a mixed policy (_gather; the policy is the model's when the engine is built)
         self._gathered: dict[tuple, tf.Tensor] = {}
         self._shard_dtypes: dict[int, str] | None = None
-        # Each stage's forward traced once and called per micro-batch, when all its ops run on
-        # its one device: no tensor shards (tp=1) and no expert shards, whose layers place
-        # their ops by their inputs' devices (parallel/stage_calls.py). Not under recomputation:
-        # inside a call, selective recompute's measured peak fell 17% instead of over 30%. Nor at
-        # ZeRO-3: with calls, dp2 x pp2's measured step peak rose 10-18% per device above the planner's
+        # Each stage's forward traced once and called per micro-batch (tensor shards run on their
+        # ranks inside the call), when no expert shards are read: their layers place their ops by
+        # their inputs' devices (parallel/stage_calls.py). Not under recomputation: inside a
+        # call, selective recompute's measured peak fell 17% instead of over 30%. Nor at ZeRO-3:
+        # with calls, dp2 x pp2's measured step peak rose 10-18% per device above the planner's
         # byte count of the inline step (test_calibrate_keras), which the memory model does not count.
-        one_device = mesh.tp == 1 and not any(placement_of(v) is not None and placement_of(v).axis == "expert"
-                                              for v in model.weights)
+        no_experts = not any(placement_of(v) is not None and placement_of(v).axis == "expert"
+                             for v in model.weights)
         reused = p.microbatches * cfg.train.grad_accum > 1  # (a call is per replica: replicas reuse nothing)
-        self.stage_calls = StageCalls() if stage_calls and one_device and reused and p.recompute == "none" \
+        self.stage_calls = StageCalls() if stage_calls and no_experts and reused and p.recompute == "none" \
             and self.zero < 3 else None
         self._build(sample_batch)
         # ZeRO: the slices, and the user's optimizer applied on them (parallel/keras_zero.py).
@@ -794,8 +794,8 @@ class KerasModelEngine:
 
     def _stage_call(self, replica: int, s: int, values, state, inputs, mode: str):
         """Stage ``s``'s forward on one micro-batch: ``(outputs, new state, added losses)``.
-        Traced once per replica, stage and mode and called for each micro-batch when every op
-        of the stage runs on the stage's one device (:mod:`phalanx.parallel.stage_calls`)."""
+        Traced once per replica, stage and mode and called for each micro-batch when the
+        stage reads no expert shard (:mod:`phalanx.parallel.stage_calls`)."""
         training = mode == "train"
         if training:
             runner, device = self.runners[s], self.stage_device(replica, s)
@@ -810,7 +810,7 @@ class KerasModelEngine:
         if self.stage_calls is None:
             return run(values, state, inputs)
         return self.stage_calls.call((replica, s, training), run, values, state, inputs,
-                                     device=self.stage_device(replica, s))
+                                     device=self.stage_device(replica, s), backward=training)
 
     def _stage_values(self, replica: int, s: int) -> list[tf.Tensor]:
         """The values of stage ``s``'s trainable weights that ``replica`` computes with.

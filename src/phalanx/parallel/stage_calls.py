@@ -3,22 +3,30 @@
 Traced inline, a step holds a copy of every stage's ops for every micro-batch: its build
 (Python tracing, then TensorFlow's graph optimisation and placement at the first run) grows
 with the number of micro-batches. :class:`StageCalls` traces a stage's forward once per
-``key`` (the engine uses ``(replica, stage, mode)``: the same stage on the same device) as a
+``key`` (the engine uses ``(replica, stage, mode)``: the same stage on the same devices) as a
 ``tf.function`` and calls it for each micro-batch. The call is marked ``_noinline``, so the
 runtime optimises and instantiates the function (and the backward TensorFlow derives from it)
-once per device instead of once per copy. ``tf.gradients`` over a call gives the gradients of
-the ops inside (the weights' values and the stage's inputs are the call's arguments; an
-embedding's gradient stays an ``IndexedSlices``); the call and the backward call are placed on
-the device in scope when the stage is called, and every op inside, having no device of its
-own, runs there.
+once instead of once per copy. ``tf.gradients`` over a call gives the gradients of the ops
+inside (the weights' values and the stage's inputs are the call's arguments; an embedding's
+gradient stays an ``IndexedSlices``).
 
-Which stages may be called (:meth:`StageCalls.usable`): the caller decides that every op of
-the stage belongs on the stage's one device (no tensor or expert shard: their layers place
-ops by their inputs' devices, which a function's arguments do not carry, and the backward of a
-function places nothing). The first trace of a key then refuses the function (the stage runs
-inline, as before) when the stage reads a table with indices that are the same for every
-micro-batch (:func:`phalanx.parallel.gradients.indices_vary`): the micro-batches' gradients of
-such a lookup are summed row by row, a rule read from the lookup's ops, which a call hides.
+Placement: the call and its backward call are placed on the device in scope when the stage is
+called (the stage's tensor rank 0), and so is every op inside that names no device. A tensor
+shard's layer places its ops on the device of its weight's value
+(:func:`phalanx.layers.sharding.on_device_of`); a function's arguments name no device, so each
+weight value enters the function through an identity on the device the caller's value was made
+on, and the shard's ops inside run on their rank as they would inline. TensorFlow builds a
+function's backward with no devices at all (it would run whole on the call's device); here it
+is built when the stage is traced, each gradient op on the device of the op it differentiates
+(as ``tf.gradients`` does outside a function). A multi-device call runs its ops on their
+devices and exchanges tensors between them inside the call, at the same points as inline.
+
+Which stages may be called: the caller decides (the engine: no expert shards, whose layers
+place ops by their inputs' devices, and no recomputation). The first trace of a key then
+refuses the function (the stage runs inline, as before) when the stage reads a table with
+indices that are the same for every micro-batch
+(:func:`phalanx.parallel.gradients.indices_vary`): the micro-batches' gradients of such a
+lookup are summed row by row, a rule read from the lookup's ops, which a call hides.
 
 Example:
     >>> import tensorflow as tf
@@ -37,10 +45,12 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import tensorflow as tf
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask  # masks ride on tensors; no public API
+from tensorflow.python.ops import gradients_util  # a function's backward built with devices: no public API
 
 from phalanx.parallel.gradients import indices_vary
 
@@ -62,7 +72,7 @@ class StageCalls:
     """
 
     def __init__(self):
-        self._fns: dict = {}  # key -> tf.function, or None: run inline
+        self._fns: dict = {}  # (key, the weight values' devices) -> tf.function, or None: run inline
         self.traced = 0  # stage functions traced (one per key that is called)
         self.inline: set = set()  # keys whose function was refused: their stage runs inline
         # a traced function's name scope -> the device its ops run on (given by the caller). Its
@@ -80,15 +90,18 @@ class StageCalls:
         parts = key if isinstance(key, tuple) else (key,)
         return "_".join(["stage_call", *("".join(c if c.isalnum() else "_" for c in str(p)) for p in parts)])
 
-    def call(self, key, run: Callable, values, state, inputs, device: str | None = None):
+    def call(self, key, run: Callable, values, state, inputs, device: str | None = None, backward: bool = True):
         """``run(values, state, inputs)`` through the key's traced function (traced on the
         first call of ``key``), or inline when the function was refused. ``device``: where the
-        caller places the call (recorded in :attr:`devices`)."""
-        fn = self._fns.get(key, False)
+        caller places the call (recorded in :attr:`devices`). ``backward``: the call will be
+        differentiated (its backward, placed, is built with the trace); a key's first call decides."""
+        devices = _devices(values)
+        fn = self._fns.get((key, devices), False)
         if fn is False:
             if device is not None:
                 self.devices[self.scope(key)] = device
-            fn = self._fns[key] = self._trace(run, values, state, inputs, self.scope(key))
+            fn = self._fns[(key, devices)] = self._trace(run, values, state, inputs, devices, backward,
+                                                         self.scope(key))
             if fn is None:
                 self.inline.add(key)
         if fn is None:
@@ -98,9 +111,10 @@ class StageCalls:
             set_keras_mask(outputs[k], mask)
         return outputs, list(new_state), list(losses)
 
-    def _trace(self, run, values, state, inputs, scope: str):
+    def _trace(self, run, values, state, inputs, devices, backward: bool, scope: str):
         def body(v, st, inp):
             with tf.name_scope(scope):
+                v = _placed(v, devices)
                 outputs, new_state, losses = run(v, st, inp)
             masks = {k: get_keras_mask(t) for k, t in outputs.items()
                      if isinstance(t, tf.Tensor) and get_keras_mask(t) is not None}
@@ -109,4 +123,38 @@ class StageCalls:
         fn = tf.function(body, autograph=False, experimental_attributes={"_noinline": True})
         concrete = fn.get_concrete_function(list(values), list(state), dict(inputs))
         self.traced += 1
-        return None if _constant_lookup(concrete.graph) else fn
+        if _constant_lookup(concrete.graph):
+            return None
+        if backward:
+            _place_backward(concrete)
+        return fn
+
+
+def _devices(values) -> tuple:
+    """The device each of the weight values ``values`` was made on ('' where none is named)."""
+    return tuple(getattr(t, "device", "") or "" for t in values)
+
+
+def _placed(values, devices) -> list:
+    """The weight values inside the function (arguments, which name no device), each through
+    an identity on the device its caller's value was made on: a tensor shard's layer places its
+    ops by its weight's device, and finds it inside the function as it would inline."""
+    out = []
+    for t, device in zip(values, devices):
+        if device:
+            with tf.device(device):
+                t = tf.identity(t)
+        out.append(t)
+    return out
+
+
+def _place_backward(concrete) -> None:
+    """Build the function's backward now, each gradient op on the device of the op it
+    differentiates (TensorFlow builds a function's backward with no devices: it would all run
+    on the call's device)."""
+    helper = gradients_util._GradientsHelper
+    try:
+        gradients_util._GradientsHelper = functools.partial(helper, colocate_gradients_with_ops=True)
+        concrete._delayed_rewrite_functions.forward_backward()
+    finally:
+        gradients_util._GradientsHelper = helper

@@ -93,7 +93,7 @@ def calibrate(cfg, plan=None, steps: int = 3, predicted_per_device: dict | None 
 
     from phalanx.config import ConfigError
     from phalanx.engines.task import GPTTask
-    from phalanx.engines.factory import build_engine
+    from phalanx.engines.factory import gpt_engine, refuse_before_build
 
     from phalanx.plan.keras_memory import check_calibrated, keras_memory_per_device
 
@@ -102,7 +102,12 @@ def calibrate(cfg, plan=None, steps: int = 3, predicted_per_device: dict | None 
                                                f"engine in this process; parameter servers run across processes")
     if predicted_per_device is None and plan is not None:
         check_calibrated(cfg, cfg.parallel.dp, "phalanx")  # before building anything
-    engine = build_engine(cfg, GPTTask(cfg.model, cfg.precision.policy, cfg.train.seed))
+    task = GPTTask(cfg.model, cfg.precision.policy, cfg.train.seed)
+    refuse_before_build(cfg, task)
+    mesh = build_mesh(cfg)
+    # A traced stage call's ops are found by its name scope (_trace_placement), which names one
+    # device: with tensor shards inside the call (tp > 1) the stages run inline here.
+    engine = gpt_engine(cfg, mesh, task, stage_calls=mesh.tp == 1)
     rng = np.random.default_rng(cfg.train.seed)
     batch = tf.constant(rng.integers(0, cfg.model.vocab, (cfg.train.global_batch, cfg.model.seq_len + 1)),
                         dtype=tf.int32)
@@ -237,7 +242,7 @@ def calibrate_keras(cfg, model=None, x=None, y=None, steps: int = 3, predicted_p
         split_for_tensor_parallel(model, cfg, mesh, verbose=0)
         apply_precision(model, cfg)
     batch = (tf.nest.map_structure(tf.constant, x), tf.nest.map_structure(tf.constant, y), None)
-    engine = KerasModelEngine(model, cfg, mesh, batch)
+    engine = KerasModelEngine(model, cfg, mesh, batch, stage_calls=mesh.tp == 1)  # (see calibrate)
     if builtin and predicted_per_device is None:
         predicted_per_device = {d: m.total for d, m in
                                 keras_memory_per_device(cfg, engine_blocks_per_stage(engine), "keras").items()}
