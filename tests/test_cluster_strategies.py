@@ -57,13 +57,12 @@ def test_resolve_errors(config, cluster, fragment):
     assert err.value.key == "parallel.strategy" and fragment in str(err.value)
 
 
-def test_multi_worker_is_each_workers_own_layout_unless_it_is_tf_distributes_step():
-    # phalanx train's built-in GPT: parallel.* is each worker's layout on the Keras-model engine.
+def test_multi_worker_is_each_workers_own_layout_and_parameter_servers_data_parallel_only():
+    # multi_worker: parallel.* is each worker's layout on the Keras-model engine.
     assert resolve_strategy_name(cfg("multi_worker", tp=2, pp=2), info(2)) == "multi_worker"
-    assert strategies.keras_workers(cfg("multi_worker")) and not strategies.keras_workers(cfg("multi_worker"), True)
-    # tf.distribute's own step (a Keras task's StrategyEngine) is data parallel only.
-    with pytest.raises(ConfigError, match=r"parallel.strategy: multi_worker is data parallel only.*mesh"):
-        resolve_strategy_name(cfg("multi_worker", tp=2), info(2), strategy_step=True)
+    # parameter servers run a whole step on one worker: data parallel only.
+    with pytest.raises(ConfigError, match=r"parallel.strategy: parameter_server is data parallel only.*mesh"):
+        resolve_strategy_name(cfg("parameter_server", tp=2), info(2, 1))
 
 
 def test_mesh_is_not_built_here():
@@ -163,45 +162,6 @@ def test_parameter_server_strategy_only_on_the_chief():
 
 # ---------------------------------------------------------------------------
 # Multi-process (slow)
-
-# Any Keras 3 model through phalanx's engines (KerasTask), 3 steps of global batch 8.
-# "multi": MultiWorkerMirroredStrategy, one replica per worker process, each feeding its
-# 4 rows; "mirrored": one process, MirroredStrategy on 2 logical CPUs fed all 8 rows.
-MULTI_WORKER_SCRIPT = textwrap.dedent('''
-    import json, sys
-    import numpy as np
-    import tensorflow as tf
-
-
-    def train(mode):
-        from phalanx.config import Config
-        from phalanx.cluster.strategies import setup_cluster
-        cfg = Config().replace(parallel={"strategy": "multi_worker" if mode == "multi" else "mirrored", "dp": 2},
-                               train={"global_batch": 8, "lr": 0.05, "warmup": 0})
-        setup = setup_cluster(cfg, strategy_step=True)   # first: before any other TF op; tf.distribute's step
-        strategy, rows = setup.strategy, setup.local_batch   # rows: this process's share of the global batch
-        import keras
-        from phalanx.engines.strategy import StrategyEngine
-        from phalanx.engines.task import KerasTask
-        rng = np.random.default_rng(0)
-        X = rng.normal(size=(3, 8, 5)).astype("float32")
-        Y = rng.normal(size=(3, 8, 1)).astype("float32")
-        keras.utils.set_random_seed(0)
-        task = KerasTask(lambda: keras.Sequential([keras.Input((5,)), keras.layers.Dense(16, activation="tanh"),
-                                                   keras.layers.Dense(1)]), keras.losses.MeanSquaredError())
-        engine = StrategyEngine(cfg, task, strategy)
-        w = setup.data_index
-        losses = [float(engine.train_step((X[k][w * rows:(w + 1) * rows], Y[k][w * rows:(w + 1) * rows]))["loss"])
-                  for k in range(3)]
-        setup_line = (strategy.num_replicas_in_sync, rows, type(strategy).__name__, setup.data_index, setup.data_count)
-        return setup_line, losses
-
-
-    if __name__ == "__main__":
-        setup_line, losses = train(sys.argv[1])
-        print("SETUP", *setup_line)
-        print("LOSSES", json.dumps(losses))
-''')
 
 def test_a_step_whose_worker_died_after_running_it_is_lost_not_fatal(capsys, monkeypatch):
     """A step's results stay on its worker until the chief copies them: when a worker dies
@@ -319,26 +279,6 @@ def run_launch(args, script, mode=None, timeout=120):
 
 def tagged(text, tag, prefix=""):
     return [line.split(f"{tag} ", 1)[1] for line in text.splitlines() if line.startswith(f"{prefix}{tag} ")]
-
-
-@pytest.mark.slow
-def test_two_workers_equal_mirrored_on_two_devices(tmp_path):
-    script = tmp_path / "multi_worker_loop.py"
-    script.write_text(MULTI_WORKER_SCRIPT)
-    # The reference in this process (MirroredStrategy on 2 of the session's logical CPUs), the
-    # same code as the workers run.
-    namespace = {}
-    exec(compile(MULTI_WORKER_SCRIPT, str(script), "exec"), namespace)
-    setup_line, expected = namespace["train"]("mirrored")
-    assert setup_line == (2, 8, "MirroredStrategy", 0, 1)
-
-    out, pids = run_launch(["--workers", "2"], script, "multi")
-    for w in (0, 1):
-        assert tagged(out.stdout, "SETUP", f"[worker:{w}] ") == [f"2 4 CollectiveAllReduceStrategy {w} 2"]  # MultiWorkerMirroredStrategy's class
-        [losses] = [json.loads(x) for x in tagged(out.stdout, "LOSSES", f"[worker:{w}] ")]
-        np.testing.assert_allclose(losses, expected, rtol=1e-5)
-    assert expected[0] != expected[1]  # the model does train (the steps are not no-ops)
-    _assert_gone(pids)
 
 
 @pytest.mark.slow
@@ -469,17 +409,3 @@ def test_the_builtin_gpt_across_workers_refuses_what_its_engine_does_not_run(set
         assert "parallel.strategy=mesh" in str(err) or "parallel.zero=0" in str(err), err
     else:
         assert not refused, f"{setting} accepted across workers although the engine does not run it"
-
-
-def test_a_keras_task_needs_tf_distributes_own_set_up_across_workers():
-    """The built-in GPT's set-up feeds every worker the whole batch; a Keras task's StrategyEngine
-    wants each worker's share, so that set-up is refused for it, saying how to build the right one."""
-    import keras
-    from phalanx.engines.factory import build_engine
-    from phalanx.engines.task import KerasTask
-
-    task = KerasTask(lambda: keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]),
-                     keras.losses.MeanSquaredError())
-    with pytest.raises(ConfigError, match=r"parallel.strategy: multi_worker: .*setup_cluster\(cfg, "
-                                          r"strategy_step=True\)"):
-        build_engine(cfg("multi_worker"), task, _keras_engine_setup())

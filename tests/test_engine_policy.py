@@ -1,6 +1,6 @@
 """No silent precision: an engine trains in its config's ``precision.policy``.
 
-A task that names no policy (``GPTTask(cfg.model)``, ``KerasTask(...)``) takes the config's
+A task that names no policy (``GPTTask(cfg.model)``) takes the config's
 (:func:`phalanx.engines.task.for_config`); one built for another policy is refused with a
 ConfigError naming ``precision.policy`` and both values, by every engine that takes a config
 and a task (KerasGPTEngine, and ``build_engine`` choosing the engine ``phalanx train`` runs). The policy that ran is read off
@@ -10,7 +10,6 @@ the step's own ops: the dtype of the matrix products TensorFlow executed.
 import doctest
 from collections import Counter
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -19,7 +18,7 @@ from phalanx.config import Config, ConfigError
 from phalanx.engines.factory import build_engine
 from phalanx.engines.keras_gpt import KerasGPTEngine
 from phalanx.engines import task as task_module
-from phalanx.engines.task import GPTTask, KerasTask
+from phalanx.engines.task import GPTTask
 from phalanx.mesh import Mesh
 from phalanx.train.calibrate import run_with_metadata
 
@@ -105,28 +104,6 @@ def test_expert_parallel_gpt_without_a_policy_computes_in_the_configs(monkeypatc
     counts = matmul_dtypes(lambda: float(engine.train_step(batch())["loss"]))
     # the router stays float32 by design (phalanx.layers.moe); everything else is bfloat16
     assert counts["bfloat16"] > counts["float32"] > 0, counts
-
-
-def _dense_task(inner_policy=None):
-    def model_fn():
-        return keras.Sequential([keras.Input((3,)), keras.layers.Dense(8, activation="tanh"),
-                                 keras.layers.Dense(1, dtype=inner_policy)])
-    return KerasTask(model_fn, keras.losses.MeanSquaredError())
-
-
-def test_a_keras_task_computes_in_the_configs_policy_or_is_refused(monkeypatch, devices):
-    cfg = auto_config(monkeypatch, "mixed_bfloat16")
-    engine = build_engine(cfg, _dense_task())  # (the Trainer's Keras task: the engine phalanx train builds)
-    assert [layer.compute_dtype for layer in engine.model.layers] == ["bfloat16", "bfloat16"]
-    x, y = np.ones([4, 3], "float32"), np.zeros([4, 1], "float32")
-    counts = matmul_dtypes(lambda: float(engine.train_step((x, y))["loss"]))
-    assert counts["bfloat16"] > 0 and set(counts) == {"bfloat16"}, counts
-    # a layer the user put on another mixed policy: refused, naming both
-    with pytest.raises(ConfigError, match="precision.policy: mixed_bfloat16, but layer .* computes in mixed_float16"):
-        build_engine(cfg, _dense_task("mixed_float16"))
-    cfg = auto_config(monkeypatch, "float32")
-    with pytest.raises(ConfigError, match="precision.policy: float32, but layer .* computes in mixed_bfloat16"):
-        build_engine(cfg, _dense_task("mixed_bfloat16"))
 
 
 def test_doctests():

@@ -180,7 +180,7 @@ def test_what_the_expert_parallel_engine_cannot_honour_is_refused(extra, key):
 
 def test_impossible_expert_layouts_are_config_errors():
     from phalanx.engines.factory import build_engine
-    from phalanx.engines.task import GPTTask, KerasTask
+    from phalanx.engines.task import GPTTask
 
     with pytest.raises(ConfigError, match=r"parallel.ep.*does not divide parallel.dp=2"):
         load_config(None, ["model.experts=4", "parallel.dp=2", "parallel.ep=4"])
@@ -188,8 +188,8 @@ def test_impossible_expert_layouts_are_config_errors():
                              "parallel.ep=2"])
     with pytest.raises(ConfigError, match="parallel.ep.*one process"):
         build_engine(cfg, GPTTask(cfg.model), cluster=object())      # not a setup_cluster set-up
-    with pytest.raises(ConfigError, match="parallel.ep.*one process"):
-        build_engine(cfg, KerasTask(lambda: None, None))
+    with pytest.raises(TypeError, match=r"trains the built-in GPT \(a GPTTask\), got ModelConfig; .*phalanx\.fit"):
+        build_engine(cfg, cfg.model)  # anything but the built-in GPT's task: a Keras model trains through phalanx.fit
 
 
 @pytest.mark.parametrize("layout", [

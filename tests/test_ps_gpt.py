@@ -96,7 +96,7 @@ def test_what_parameter_servers_cannot_honour_is_refused_before_anything_is_buil
 
     from phalanx.config import Config, ConfigError
     from phalanx.engines.factory import refuse_before_build
-    from phalanx.engines.task import GPTTask, KerasTask
+    from phalanx.engines.task import GPTTask
 
     ps = SimpleNamespace(name="parameter_server", coordinator=object(), devices=(), data_count=1)
     tiny = {"layers": 1, "d_model": 16, "heads": 2, "ffn": 32, "seq_len": 8}
@@ -106,6 +106,5 @@ def test_what_parameter_servers_cannot_honour_is_refused_before_anything_is_buil
         bad = cfg.replace(**keys)  # (a deep update: the other keys stay)
         refuse_before_build(bad, GPTTask(bad.model), ps)
     assert err.value.key == key, err.value
-    with pytest.raises(ConfigError, match=r"parameter_server: .*phalanx\.fit\(build_model") as err:
-        refuse_before_build(cfg, KerasTask(lambda: None, None), ps)
-    assert err.value.key == "parallel.strategy"
+    with pytest.raises(TypeError, match=r"trains the built-in GPT .*phalanx\.fit\("):  # a Keras model: phalanx.fit
+        refuse_before_build(cfg, object(), ps)

@@ -442,36 +442,30 @@ UNHONOURED = [({"zero": 1}, "parallel.zero"), ({"zero": 2}, "parallel.zero"),
               ({"microbatches": 2}, "parallel.microbatches"), ({"devices": "cpu:2"}, "parallel.devices")]
 
 
-@pytest.mark.parametrize("strategy,strategy_step", [("multi_worker", True), ("parameter_server", False),
-                                                    ("auto", True)])
+@pytest.mark.parametrize("strategy", ["parameter_server", "auto"])
 @pytest.mark.parametrize("parallel,key", UNHONOURED, ids=[f"{k}={list(p.values())[0]}" for p, k in UNHONOURED])
-def test_values_a_multi_process_strategy_cannot_honour_are_refused(strategy, strategy_step, parallel, key):
-    """tf.distribute's own steps (parameter servers; multi_worker for a Keras task's StrategyEngine)."""
+def test_values_a_parameter_server_cluster_cannot_honour_are_refused(strategy, parallel, key):
+    """Parameter servers run a whole step on one worker (auto picks them when TF_CONFIG has ps tasks)."""
     from phalanx.cluster.strategies import resolve_strategy_name
 
-    info = cluster(2, ps=1 if strategy == "parameter_server" else 0)
+    info = cluster(2, ps=1)
     with pytest.raises(ConfigError) as err:  # micro-batches without a pipeline: refused as the config is read
-        resolve_strategy_name(Config().replace(parallel={"strategy": strategy, **parallel}), info, strategy_step)
+        resolve_strategy_name(Config().replace(parallel={"strategy": strategy, **parallel}), info)
     ignored = key == "parallel.microbatches" and "is ignored unless parallel.pp > 1" in str(err.value)
     assert err.value.key == key and ("is not honoured by parallel.strategy=" in str(err.value) or ignored)
     assert ("parallel.strategy=mesh" in str(err.value)) or key == "parallel.devices" or ignored
-    assert resolve_strategy_name(Config().replace(parallel={"strategy": strategy}), info, strategy_step) in (
-        "multi_worker", "parameter_server")
+    assert resolve_strategy_name(Config().replace(parallel={"strategy": strategy}), info) == "parameter_server"
 
 
 @pytest.mark.parametrize("strategy", ["multi_worker", "auto"])
 def test_the_builtin_gpts_multi_worker_run_takes_zero_and_each_workers_layout(strategy):
     """phalanx train's multi_worker run is each worker's own layout on the Keras-model engine:
-    its devices, micro-batches and ZeRO (sliced over every worker's replicas) are honoured there;
-    tf.distribute's step (strategy_step) still refuses ZeRO."""
+    its devices, micro-batches and ZeRO (sliced over every worker's replicas) are honoured there."""
     from phalanx.cluster.strategies import resolve_strategy_name
 
     for zero in (1, 2, 3):
         assert resolve_strategy_name(Config().replace(parallel={"strategy": strategy, "zero": zero}),
                                      cluster(2)) == "multi_worker"
-        with pytest.raises(ConfigError, match=r"parallel.zero: .* is not honoured by parallel.strategy=multi_worker"):
-            resolve_strategy_name(Config().replace(parallel={"strategy": strategy, "zero": zero}), cluster(2),
-                                  strategy_step=True)
     assert resolve_strategy_name(Config().replace(parallel={"strategy": strategy, "devices": "cpu:2", "pp": 2,
                                                             "microbatches": 2}), cluster(2)) == "multi_worker" \
         or strategy == "auto"  # (auto with pp > 1 picks the mesh across workers)

@@ -146,8 +146,8 @@ def step_of(path: str | Path) -> int | None:
 
 def state_of(engine, extra: Mapping[str, np.ndarray] | None = None) -> list[ShardSet]:
     """The shard sets of ``engine``'s state: its own (``engine.checkpoint_slots()``: one per
-    device on the Keras GPT engine, :func:`variable_sets` of whole variables on the tf.distribute
-    engines; either way each slot is read when it is written, one at a time) or, for an
+    device on the Keras GPT engine, :func:`variable_sets` of whole variables on the
+    parameter-server engine; either way each slot is read when it is written, one at a time) or, for an
     engine without them, :func:`whole_tensor_sets` of ``state_dict()`` (the whole state on
     the host); plus ``extra`` whole tensors (e.g. pruning masks) in a set of their own."""
     slots = getattr(engine, "checkpoint_slots", None)

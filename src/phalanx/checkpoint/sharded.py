@@ -114,7 +114,7 @@ def variable_sets(variables: Mapping[str, Any], name: str = "tensors", parts: in
     ``dtype``, ``read_value()`` and ``assign()``), spread like :func:`whole_tensor_sets`, each
     slot read from its variable when it is written and assigned when it is restored: the
     writer and restoring threads hold one variable at a time on the host, never the state
-    (the tf.distribute engines' ``checkpoint_slots``).
+    (the parameter-server engine's ``checkpoint_slots``).
 
     Example:
         >>> import tensorflow as tf

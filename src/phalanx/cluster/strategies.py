@@ -6,7 +6,7 @@
   (``OneDeviceStrategy`` for one device, ``MirroredStrategy`` for several);
 * ``multi_worker`` -- data parallel across the workers of a TF_CONFIG cluster with
   ``MultiWorkerMirroredStrategy`` (ring all-reduce on CPU, NCCL-capable ``AUTO`` on
-  GPUs); every worker runs the same custom training loop on its share of the batch;
+  GPUs) set up for the Keras-model engine (below);
 * ``parameter_server`` -- ``ParameterServerStrategy``: variables live on the ps
   tasks, the chief (coordinator) runs the loop and schedules steps on the workers
   through a ``ClusterCoordinator`` (a Keras model's own steps:
@@ -26,14 +26,11 @@ step: ``parallel.*`` is each worker's own layout (its devices made here, ``dp``/
 the workers are data parallel (:class:`phalanx.engines.keras_cluster.WorkerGroup`). The
 strategy is still created, for what its constructor sets up (the collectives, the
 coordination service). Experts are sharded within a worker, never across workers: with
-``parallel.ep > 1``, ``mesh`` and ``parameter_server`` clusters are refused. A Keras task's
-tf.distribute step (:class:`~phalanx.engines.strategy.StrategyEngine`) asks for the strategy's
-own set-up with ``setup_cluster(cfg, strategy_step=True)``: each worker then feeds its share
-of the batch to MultiWorkerMirroredStrategy.
+``parallel.ep > 1``, ``mesh`` and ``parameter_server`` clusters are refused.
 
 Keras 3 ``model.fit`` fails under both multi-process strategies (keras-team/keras#20585,
-#18624); phalanx trains with a custom loop (``strategy.run`` + cross-replica sums),
-which works under both.
+#18624); phalanx runs its own steps (the Keras-model engine across workers, the
+parameter-server engine's scheduled steps).
 
 Order matters in a training process: MultiWorkerMirroredStrategy configures the
 collective ops, which TensorFlow allows only before its runtime starts (any earlier TF
@@ -73,12 +70,9 @@ PARAMETER_SERVER = "parameter_server"
 MESH = "mesh"
 
 
-def resolve_strategy_name(cfg: Any, info: ClusterInfo, strategy_step: bool = False) -> str:
-    """``parallel.strategy`` with ``auto`` resolved, checked against the cluster.
-
-    ``strategy_step``: the run is tf.distribute's own step (a Keras task's
-    :class:`~phalanx.engines.strategy.StrategyEngine`), not ``phalanx train``'s built-in GPT,
-    whose ``multi_worker`` run is each worker's own layout on the Keras-model engine.
+def resolve_strategy_name(cfg: Any, info: ClusterInfo) -> str:
+    """``parallel.strategy`` with ``auto`` resolved, checked against the cluster
+    (``multi_worker`` is each worker's own layout on the Keras-model engine: tp/pp allowed).
 
     >>> from phalanx.config import Config
     >>> resolve_strategy_name(Config(), ClusterInfo.single_process())
@@ -105,12 +99,10 @@ def resolve_strategy_name(cfg: Any, info: ClusterInfo, strategy_step: bool = Fal
                                                f"multi_worker only (launch without --ps): parallel.* is then each "
                                                f"worker's own layout, the experts sharded within a worker and the "
                                                f"workers data parallel")
-    if name in (MULTI_WORKER, PARAMETER_SERVER) and (p.tp > 1 or p.pp > 1) and \
-            not (name == MULTI_WORKER and keras_workers(cfg, strategy_step)):
+    if name == PARAMETER_SERVER and (p.tp > 1 or p.pp > 1):
         raise ConfigError("parallel.strategy", f"{name} is data parallel only; parallel.tp={p.tp} and "
-                                               f"parallel.pp={p.pp} need parallel.strategy=mesh" +
-                          (" (or the built-in GPT's multi_worker run, each worker's own layout)"
-                           if name == MULTI_WORKER else ""))
+                                               f"parallel.pp={p.pp} need parallel.strategy=mesh or multi_worker "
+                                               f"(each worker's own layout)")
     if name == LOCAL and info.num_workers > 1:
         raise ConfigError("parallel.strategy", f"mirrored trains in one process, but TF_CONFIG names "
                                                f"{info.num_workers} workers; use multi_worker (or parameter_server "
@@ -122,48 +114,33 @@ def resolve_strategy_name(cfg: Any, info: ClusterInfo, strategy_step: bool = Fal
         raise ConfigError("parallel.strategy", "parameter_server needs a cluster with ps tasks and a chief; e.g. "
                                                "phalanx launch --workers 2 --ps 1 -- phalanx train "
                                                "parallel.strategy=parameter_server (or set TF_CONFIG)")
-    refuse_unhonoured(cfg, name, strategy_step)
+    refuse_unhonoured(cfg, name)
     return name
 
 
-def keras_workers(cfg: Any, strategy_step: bool = False) -> bool:
-    """Whether a ``multi_worker`` run of ``cfg`` is each worker's own layout on the Keras-model
-    engine (``phalanx train``'s built-in GPT, and any run with ``parallel.ep > 1``) rather than
-    tf.distribute's step (``strategy_step``: a Keras task's :class:`StrategyEngine`).
-
-    >>> from phalanx.config import Config
-    >>> keras_workers(Config()), keras_workers(Config(), strategy_step=True)
-    (True, False)
-    """
-    return cfg.parallel.ep > 1 or not strategy_step
-
-
-def refuse_unhonoured(cfg: Any, name: str, strategy_step: bool = False) -> None:
+def refuse_unhonoured(cfg: Any, name: str) -> None:
     """Raise :class:`ConfigError` for a ``parallel.*`` value the strategy ``name`` would ignore.
 
-    multi_worker and mirrored train with tf.distribute's own step
-    (:class:`~phalanx.engines.strategy.StrategyEngine`), parameter_server a Keras model's
-    whole step on one worker (:mod:`phalanx.engines.ps`): whole AdamW states on every
-    replica or ps task, no activation recomputation, no pipeline micro-batches, the devices
-    the strategy finds. Only the Keras-model engine honours ``parallel.zero``,
-    ``parallel.recompute`` and ``parallel.microbatches`` (one process, or across the
-    workers of a cluster with ``parallel.strategy=mesh``); silently dropping them would
-    train with more memory than asked, or differently, without a word.
-    ``multi_worker`` without ``strategy_step`` (:func:`keras_workers`) is not the strategy's step
-    but the Keras-model engine's on each worker's own layout (module docstring): it honours
+    parameter_server runs a Keras model's whole step on one worker (:mod:`phalanx.engines.ps`):
+    whole optimizer states on the ps tasks, no activation recomputation, no pipeline
+    micro-batches, the devices the strategy finds; an explicit ``mirrored`` asks for
+    MirroredStrategy's whole copies. Only the Keras-model engine honours ``parallel.zero``,
+    ``parallel.recompute`` and ``parallel.microbatches``; silently dropping them would train
+    with more memory than asked, or differently, without a word. ``multi_worker`` is the
+    Keras-model engine on each worker's own layout (module docstring): it honours
     ``parallel.devices``, micro-batches, tp/pp and ZeRO (sliced over every worker's replicas);
     its own refusals apply (:func:`phalanx.engines.keras_gpt.refuse_unhonoured`).
 
     >>> from phalanx.config import Config
     >>> refuse_unhonoured(Config().replace(parallel={"zero": 3}), "multi_worker")  # the Keras-model engine's
-    >>> refuse_unhonoured(Config().replace(parallel={"zero": 1}), "multi_worker", strategy_step=True)
+    >>> refuse_unhonoured(Config().replace(parallel={"zero": 1}), "parameter_server")
     ... # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    phalanx.config.ConfigError: parallel.zero: 1 is not honoured by parallel.strategy=multi_worker (...
+    phalanx.config.ConfigError: parallel.zero: 1 is not honoured by parallel.strategy=parameter_server (...
     """
     p = cfg.parallel
-    if name == MULTI_WORKER and keras_workers(cfg, strategy_step):
+    if name == MULTI_WORKER:
         return
     # "mirrored" chosen by "auto" is not refused: in one process phalanx train builds the
     # Keras-model engine, which honours these keys (phalanx.engines.factory.build_engine).
@@ -401,11 +378,10 @@ class ClusterSetup:
     """Everything a training process needs from the cluster, built in the right order.
 
     ``data_index`` / ``data_count``: which shard of each global batch this process feeds
-    (``make_datasets(cfg, data_index, data_count)``): worker i of N under
-    multi_worker; the whole batch (0 of 1) for one process and for the
-    parameter-server chief, which feeds every step itself, and every worker of the
-    built-in GPT's ``multi_worker`` run on the Keras-model engine, which trains its own rows of
-    the whole batch (:func:`_keras_engine_setup`). ``is_chief``: this process writes checkpoints, metrics
+    (``make_datasets(cfg, data_index, data_count)``): the whole batch (0 of 1) in every
+    set-up: the parameter-server chief feeds every step itself, and every worker of a
+    ``multi_worker`` run on the Keras-model engine trains its own rows of the whole batch
+    (:func:`_keras_engine_setup`). ``is_chief``: this process writes checkpoints, metrics
     and logs.
     """
 
@@ -439,37 +415,31 @@ def needs_cluster(cfg: Any, info: ClusterInfo | None = None) -> bool:
     return cfg.parallel.strategy in ("auto", MESH) and info.is_distributed and (info.num_workers > 1 or info.num_ps > 0)
 
 
-def setup_cluster(cfg: Any, info: ClusterInfo | None = None, devices: Sequence[str] | None = None,
-                  strategy_step: bool = False) -> ClusterSetup:
+def setup_cluster(cfg: Any, info: ClusterInfo | None = None, devices: Sequence[str] | None = None
+                  ) -> ClusterSetup:
     """Serve (ps-mode worker/ps tasks, and non-chief tasks of a mesh across workers: never
     returns), then build and check the strategy (or, for ``mesh``, join the cluster and
     name the mesh's devices in ``ClusterSetup.devices``).
 
     ``multi_worker`` is set up for ``phalanx train``'s built-in GPT on the Keras-model engine
-    (:func:`_keras_engine_setup`: each worker's own devices, the whole batch on every worker);
-    ``strategy_step=True`` sets it up for tf.distribute's step instead (a Keras task's
-    :class:`~phalanx.engines.strategy.StrategyEngine`: each worker feeds its share).
+    (:func:`_keras_engine_setup`: each worker's own devices, the whole batch on every worker).
 
     Call it first in a training process, before any other TensorFlow op.
     """
     info = cluster_info_from_env() if info is None else info
-    name = resolve_strategy_name(cfg, info, strategy_step)  # config errors before a server starts
+    name = resolve_strategy_name(cfg, info)  # config errors before a server starts
     if name == MESH and info.is_distributed:
         # The mesh's devices span the tasks; non-chief tasks serve in here and never return.
         devices = setup_mesh_cluster(cfg, info)
         return ClusterSetup(info=info, strategy=None, coordinator=None, name=name, data_index=0, data_count=1,
                             local_batch=cfg.train.global_batch, devices=tuple(devices))
-    if name == MULTI_WORKER and keras_workers(cfg, strategy_step):
+    if name == MULTI_WORKER:
         return _keras_engine_setup(cfg, info)
     serve_if_server_task(info)
     strategy = make_strategy(cfg, info, devices)
     local_batch = check_batch(cfg, strategy)
-    if name == MULTI_WORKER and info.is_distributed:
-        index, count = info.worker_index, info.num_workers
-    else:
-        index, count = 0, 1
     return ClusterSetup(info=info, strategy=strategy, coordinator=make_coordinator(strategy), name=name,
-                        data_index=index, data_count=count, local_batch=local_batch)
+                        data_index=0, data_count=1, local_batch=local_batch)
 
 
 def _keras_engine_setup(cfg: Any, info: ClusterInfo) -> ClusterSetup:

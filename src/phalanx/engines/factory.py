@@ -10,9 +10,8 @@ The model code is written for one device; this step decides how it runs on the m
   ZeRO-1/2/3, recomputation, dropout, pruning; across workers with ``parallel.strategy=multi_worker``, each worker's own layout,
   :func:`_keras_gpt_across_workers`; on a mesh spanning the workers, ``parallel.strategy=mesh``,
   driven by the chief), except under parameter servers (``parallel.strategy=parameter_server``:
-  :class:`~phalanx.engines.ps.ParameterServerEngine`).
-  A Keras task of the Trainer trains on tf.distribute (data parallel; across workers with
-  ``setup_cluster(cfg, strategy_step=True)``);
+  :class:`~phalanx.engines.ps_gpt.GPTParameterServerEngine`). It takes the built-in GPT only:
+  a user's Keras model trains through :func:`phalanx.fit` (:func:`require_gpt_task`);
 * :func:`make_engine` applies a given mesh to a model from outside:
 
   - the built-in GPT (a :class:`~phalanx.engines.task.GPTTask` or a ``ModelConfig``) ->
@@ -34,26 +33,25 @@ Example:
 
 from __future__ import annotations
 
-from typing import NoReturn
-
 import keras
 
 from phalanx.engines.ps_gpt import GPTParameterServerEngine
 from phalanx.engines.ps_gpt import refuse_unhonoured as refuse_ps_gpt
-from phalanx.cluster.strategies import MULTI_WORKER, local_strategy, refuse_unhonoured
+from phalanx.cluster.strategies import MULTI_WORKER, refuse_unhonoured
 from phalanx.config import Config, ConfigError, ModelConfig, given
 from phalanx.engines import keras_cluster
 from phalanx.engines.keras_model import KerasModelEngine
 from phalanx.engines.keras_gpt import KerasGPTEngine
 from phalanx.engines.keras_gpt import refuse_unhonoured as keras_gpt_refusals
-from phalanx.engines.strategy import StrategyEngine
-from phalanx.engines.task import GPTTask, KerasTask
+from phalanx.engines.task import GPTTask
 from phalanx.mesh import Mesh, build_mesh
 
 
 def refuse_before_build(cfg: Config, task, cluster=None) -> None:
-    """The refusals of :func:`build_engine` that need no device (a ConfigError naming the key):
-    ``phalanx train`` runs them before anything is written into the run directory."""
+    """The refusals of :func:`build_engine` that need no device (a ConfigError naming the key,
+    or a TypeError for a task other than the built-in GPT): ``phalanx train`` runs them before
+    anything is written into the run directory."""
+    require_gpt_task(task)
     p = cfg.parallel
     for key in ("precision.loss_scale_init", "precision.loss_scale_growth_interval"):
         if given(cfg, key) and cfg.precision.policy != "mixed_float16":  # (auto: never float16 for the GPT)
@@ -63,32 +61,17 @@ def refuse_before_build(cfg: Config, task, cluster=None) -> None:
         raise ConfigError("parallel.sequence_parallel", "true: phalanx train runs sequence parallelism for the "
                                                         "dense GPT; the mixture-of-experts GPT (model.experts, "
                                                         "parallel.ep) does not run it yet")
-    across = isinstance(task, GPTTask) and _worker_group_cluster(cluster)
-    if p.ep > 1 or across or (isinstance(task, GPTTask) and cluster is None):
-        # the GPT of parallel Keras layers on the Keras-model engine (expert parallelism included)
-        if not isinstance(task, GPTTask):
-            raise ConfigError("parallel.ep", f"{p.ep}: phalanx train runs expert parallelism for the "
-                                             f"built-in GPT (in one process, or across workers with parallel."
-                                             f"strategy=multi_worker); for another task use parallel.ep=1 (a Keras "
-                                             f"model: phalanx.layers.MoE(ep=N) through phalanx.fit)")
-        keras_gpt_refusals(cfg)
-        if across:
-            refuse_unhonoured(cfg, MULTI_WORKER)  # (ZeRO across workers runs: slices over every worker's replicas)
-        if p.ep > 1 or across:
-            return
-    if getattr(cluster, "devices", None):  # a mesh across the workers' devices
-        if isinstance(task, GPTTask):
-            keras_gpt_refusals(cfg)
+    if getattr(cluster, "coordinator", None) is not None:  # parameter servers: that engine's refusals
+        refuse_unhonoured(cfg, cluster.name)
+        refuse_ps_gpt(cfg)
         return
-    elif cluster is not None:
-        refuse_unhonoured(cfg, cluster.name, strategy_step=True)
-        if getattr(cluster, "coordinator", None) is not None:  # parameter servers
-            if not isinstance(task, GPTTask):
-                raise ConfigError("parallel.strategy", f"parameter_server: phalanx train trains the built-in GPT on "
-                                                       f"parameter servers; a Keras model ({type(task).__name__}) "
-                                                       f"trains there through phalanx.fit(build_model, ...) (see "
-                                                       f"docs/clusters.md)")
-            refuse_ps_gpt(cfg)
+    keras_gpt_refusals(cfg)  # every other layout trains on the Keras-model engine
+    # multi_worker (each worker's own layout; ZeRO sliced over every worker's replicas), or a mesh
+    # across the workers' devices: nothing more to refuse
+    if p.ep > 1 or _worker_group_cluster(cluster) or getattr(cluster, "devices", None):
+        return
+    if cluster is not None:
+        refuse_unhonoured(cfg, cluster.name)
     else:  # (parallel.microbatches with parallel.pp=1: config.refuse_ignored; with pp=-1: at build)
         refuse_unhonoured(cfg, p.strategy)  # e.g. an explicit "mirrored" with parallel.zero=1
         if p.zero and p.dp == 1:
@@ -100,7 +83,7 @@ def _worker_group_cluster(cluster) -> bool:
     """Whether ``cluster`` is :func:`~phalanx.cluster.strategies.setup_cluster`'s ``multi_worker``
     set-up for the Keras-model engine (every worker reads the whole batch and trains its rows)."""
     return getattr(cluster, "name", None) == MULTI_WORKER and not getattr(cluster, "devices", None) \
-        and getattr(cluster, "coordinator", None) is None and getattr(cluster, "data_count", 1) == 1
+        and getattr(cluster, "coordinator", None) is None
 
 
 def _refuse_microbatches(n: int) -> None:
@@ -108,55 +91,43 @@ def _refuse_microbatches(n: int) -> None:
                                                f"pipeline; use train.grad_accum={n} to split each step's batch")
 
 
-def build_engine(cfg: Config, task, cluster=None):
-    """The engine ``phalanx train`` runs for ``cfg``: for the built-in GPT the Keras-model
-    engine (:class:`KerasGPTEngine`), under parameter servers the parameter-server engine;
-    tf.distribute for a Keras task. ``cluster``: what ``setup_cluster`` returned (None on one
-    process)."""
+def require_gpt_task(task) -> None:
+    """Refuse a task other than the built-in GPT: a user's Keras model trains through
+    :func:`phalanx.fit` (the Keras-model engine on every layout, or the parameter-server engine).
+
+    Example:
+        >>> require_gpt_task(object())  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: phalanx train (Trainer, build_engine) trains the built-in GPT (a GPTTask), got object; ...
+    """
+    if not isinstance(task, GPTTask):
+        raise TypeError(f"phalanx train (Trainer, build_engine) trains the built-in GPT (a GPTTask), got "
+                        f"{type(task).__name__}; train a Keras model with phalanx.fit(model, x, y, ...) "
+                        f"(its compiled optimizer, loss and metrics, on any layout: docs/keras.md)")
+
+
+def build_engine(cfg: Config, task: GPTTask, cluster=None):
+    """The engine ``phalanx train`` runs for ``cfg`` and the built-in GPT ``task``: the
+    Keras-model engine (:class:`KerasGPTEngine`), under parameter servers the parameter-server
+    engine. ``cluster``: what ``setup_cluster`` returned (None on one process)."""
     refuse_before_build(cfg, task, cluster)
-    if cfg.parallel.ep > 1:  # expert parallelism: the GPT of parallel Keras layers on the Keras-model engine
-        if cluster is None:
-            return KerasGPTEngine(cfg, task, build_mesh(cfg))
-        return _keras_gpt_across_workers(cfg, task, cluster)
-    if isinstance(task, GPTTask) and getattr(cluster, "name", None) == MULTI_WORKER \
-            and not getattr(cluster, "devices", None):
-        return _keras_gpt_across_workers(cfg, task, cluster)  # each worker's own layout, the workers data parallel
-    if isinstance(task, GPTTask) and cluster is None:
+    if cluster is None:
         return gpt_engine(cfg, build_mesh(cfg), task)
-    if getattr(cluster, "devices", None) and isinstance(task, GPTTask):  # a mesh whose devices span the workers:
+    if cfg.parallel.ep > 1 or _worker_group_cluster(cluster):
+        # each worker's own layout (dp, tp, pp, ep over its devices), the workers data parallel
+        return _keras_gpt_across_workers(cfg, task, cluster)
+    if getattr(cluster, "devices", None):  # a mesh whose devices span the workers:
         # the Keras-model engine on the remote devices (ZeRO sliced over the mesh's data replicas)
-        return gpt_engine(cfg, build_mesh(cfg, list(cluster.devices)), task, cluster)
+        return gpt_engine(cfg, build_mesh(cfg, list(cluster.devices)), task)
     if cfg.parallel.zero == 3:
         raise ConfigError("parallel.zero", "3: ZeRO-3 (sliced weights) runs on the Keras-model engine in one "
-                                           "process, not with this run's cluster strategy or task; use "
-                                           "parallel.zero=2")
-    if getattr(cluster, "devices", None):  # cluster: a mesh whose devices span the workers
-        mesh = build_mesh(cfg, list(cluster.devices))
-        if isinstance(task, GPTTask):  # the Keras-model engine on the remote devices
-            return gpt_engine(cfg, mesh, task)
-        _refuse_placed_task(task)
-    if cluster is not None:  # a multi-process strategy, built first (cluster.strategies.setup_cluster)
-        if cluster.coordinator is not None:  # cluster: parameter servers, steps scheduled on the workers
-            return GPTParameterServerEngine(cfg, task, cluster.strategy, cluster.coordinator,
-                                            cluster.info.num_workers)
-        if _worker_group_cluster(cluster) and cluster.info.num_workers > 1:
-            raise ConfigError("parallel.strategy", f"multi_worker: this cluster was set up for the built-in GPT on "
-                                                   f"the Keras-model engine (every worker reads the whole batch); "
-                                                   f"a {type(task).__name__} trains on tf.distribute's step: set it "
-                                                   f"up with phalanx.cluster.strategies.setup_cluster(cfg, "
-                                                   f"strategy_step=True)")
-        if isinstance(task, GPTTask):  # a one-process set-up (mirrored): the Keras-model engine on its devices
-            return gpt_engine(cfg, build_mesh(cfg, list(cluster.strategy.extended.worker_devices)), task)
-        return StrategyEngine(cfg, task, cluster.strategy)
-    mesh = build_mesh(cfg)
-    if cfg.parallel.sequence_parallel and mesh.tp < 2:
-        raise ConfigError("parallel.sequence_parallel", f"true needs tensor parallelism: parallel.tp > 1 (the "
-                                                        f"layout has tp={mesh.tp})")
-    if mesh.tp > 1 or mesh.pp > 1:  # (mesh: -1 degrees resolved)
-        _refuse_placed_task(task)
-    if cfg.parallel.microbatches != 1:  # (parallel.pp=-1 filled with 1)
-        _refuse_microbatches(cfg.parallel.microbatches)
-    return StrategyEngine(cfg, task, local_strategy(mesh.devices))
+                                           "process or across workers, not with this run's cluster strategy; "
+                                           "use parallel.zero=2")
+    if cluster.coordinator is not None:  # parameter servers, steps scheduled on the workers
+        return GPTParameterServerEngine(cfg, task, cluster.strategy, cluster.coordinator, cluster.info.num_workers)
+    # a one-process set-up (mirrored): the Keras-model engine on its devices
+    return gpt_engine(cfg, build_mesh(cfg, list(cluster.strategy.extended.worker_devices)), task)
 
 
 def gpt_engine(cfg: Config, mesh: Mesh, task: GPTTask, stage_calls: bool = True) -> KerasGPTEngine:
@@ -189,26 +160,10 @@ def _keras_gpt_across_workers(cfg: Config, task: GPTTask, cluster) -> KerasGPTEn
                                f"across workers with parallel.strategy=multi_worker (each worker's own "
                                f"layout, set up by phalanx.cluster.strategies.setup_cluster); got a "
                                f"{name or type(cluster).__name__} set-up")
-    if cluster.data_count != 1:  # a set-up feeding each worker a share of the batch (strategy_step=True)
-        raise ConfigError(key, f"{value}: every worker of the built-in GPT's multi_worker run reads the whole "
-                               f"global batch and trains its own rows of it, but this set-up feeds worker "
-                               f"{cluster.data_index} of {cluster.data_count} a share; build it with "
-                               f"phalanx.cluster.strategies.setup_cluster(cfg) (without strategy_step)")
     if not keras_cluster.cluster_mode(cfg, cluster.info):  # multi_worker without a cluster: this process alone
         return KerasGPTEngine(cfg, task, build_mesh(cfg))
     mesh = build_mesh(cfg, keras_cluster.local_devices(cfg, cluster.info))
     return KerasGPTEngine(cfg, task, mesh, workers=keras_cluster.WorkerGroup(cluster.info))
-
-
-def _refuse_placed_task(task) -> NoReturn:
-    """A task other than the built-in GPT on a tensor/pipeline layout (the Trainer's KerasTask
-    trains data parallel only)."""
-    if isinstance(task, KerasTask):
-        raise ConfigError("parallel.pp", "a Keras model trains on tensor/pipeline layouts through "
-                                         "phalanx.fit(model, x, y, ...) with its compiled optimizer; the "
-                                         "Trainer's KerasTask supports data parallelism only")
-    raise TypeError(f"a tensor/pipeline layout takes a GPTTask (or a Keras model through phalanx.fit), got "
-                    f"{type(task).__name__}")
 
 
 def make_engine(model_or_task, mesh: Mesh, cfg: Config, sample_batch=None):
@@ -226,6 +181,5 @@ def make_engine(model_or_task, mesh: Mesh, cfg: Config, sample_batch=None):
             raise ValueError("sample_batch: a Keras model needs one (x, y, sample_weight) batch to build its "
                              "compiled loss, metrics and optimizer; or train it with phalanx.fit")
         return KerasModelEngine(model_or_task, cfg, mesh, sample_batch)
-    if isinstance(task, GPTTask):
-        return gpt_engine(cfg, mesh, task)
-    _refuse_placed_task(task)
+    require_gpt_task(task)
+    return gpt_engine(cfg, mesh, task)

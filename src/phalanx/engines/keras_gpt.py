@@ -71,7 +71,7 @@ from phalanx.core import optim
 from phalanx.core.loss_scale import LossScale
 from phalanx.engines import keras_slots
 from phalanx.engines.keras_model import KerasModelEngine, check_zero
-from phalanx.engines.strategy import JoinedVariable
+from phalanx.engines.joined import JoinedVariable
 from phalanx.engines.task import GPTTask, _tf_variable, for_config
 from phalanx.layers import dropout as dropout_lib
 from phalanx.mesh import Mesh
@@ -331,7 +331,7 @@ class KerasGPTEngine:
         # then this worker's own devices; the workers are data parallel over it); None in one process.
         self.workers = workers
         self.world = 1 if workers is None else workers.size
-        # dp and n_devices count every worker's (the run's replicas, as StrategyEngine's dp).
+        # dp and n_devices count every worker's (the run's data replicas).
         self.dp, self.tp, self.pp, self.ep = mesh.dp * self.world, mesh.tp, mesh.pp, cfg.parallel.ep
         self.n_devices = len(mesh.devices) * self.world
         self.names = list(builtin.weight_shapes(cfg.model))

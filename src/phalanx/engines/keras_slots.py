@@ -38,7 +38,7 @@ from phalanx import checkpoint
 from phalanx.checkpoint import boxes
 from phalanx.checkpoint.sharded import spread
 from phalanx.engines import keras_state
-from phalanx.engines.strategy import JoinedVariable
+from phalanx.engines.joined import JoinedVariable
 
 OPTIMIZER_PREFIX = "optimizer/"
 

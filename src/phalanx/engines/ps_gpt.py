@@ -177,7 +177,7 @@ class GPTParameterServerEngine:
 
     def _state_variables(self) -> dict:
         """The state by logical name: each weight and moment a
-        :class:`~phalanx.engines.strategy.JoinedVariable` of the variables holding its parts
+        :class:`~phalanx.engines.joined.JoinedVariable` of the variables holding its parts
         (a moment lies beside its weight's variable, laid out alike), the step and the loss scale."""
         weights = self._convert.joined([_tf_variable(v) for v in self.model.trainable_variables])
         state = {name: weights[name] for name in self.names}

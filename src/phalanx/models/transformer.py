@@ -229,8 +229,8 @@ def weight_parts(model) -> dict[str, list[Part]]:
     """The built-in GPT's weights (:func:`~phalanx.models.gpt.weight_shapes` names and order)
     on ``model``'s variables (a :func:`gpt` model, any ``tp`` / ``ep``): for each name the
     :class:`Part` s that hold it. The one mapping between the two namings:
-    :func:`gpt_weights`, :func:`load_gpt_weights` and the tf.distribute engines' logical
-    state (:class:`phalanx.engines.task.GPTTask`) read it.
+    :func:`gpt_weights`, :func:`load_gpt_weights`, the engines' logical state and
+    :meth:`phalanx.engines.task.GPTTask.build` read it.
 
     Example:
         >>> cfg = ModelConfig(layers=1, d_model=8, heads=2, ffn=16, vocab=16, seq_len=4)

@@ -28,7 +28,7 @@ mask, so masked weights are exactly zero after every step on every layout. Masks
 checkpointed as ``prune/mask/<name>`` (float32 0/1) among the engine's own checkpoint
 slots, written and restored one at a time like the weights: by the Keras GPT engine
 (``phalanx train``'s, :class:`~phalanx.engines.keras_gpt.KerasGPTEngine`) per device (cut like
-the weights' variables), by the tf.distribute engines one whole variable at a time. The
+the weights' variables). The
 slots are optional, so a checkpoint written without pruning resumes into a pruning run
 with every weight kept until the next update.
 

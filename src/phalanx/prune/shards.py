@@ -57,22 +57,12 @@ class WeightShard:
 def weight_shards(engine, prunable: Callable[[str], bool]) -> dict[str, list[WeightShard]]:
     """The prunable weights of ``engine`` by name, each as the shards its devices hold.
 
-    The tf.distribute engines (``engine.masks``, ``engine.variables``, ``engine.apply_masks``):
-    one whole tensor per weight, which each replica holds anyway. An engine with a
-    ``weight_shards(prunable)`` method (the Keras GPT engine: one shard per variable holding a
-    part of a weight) gives its own.
-    Anything else: ConfigError naming ``train.prune.target``.
+    An engine with a ``weight_shards(prunable)`` method (the Keras GPT engine: one shard per
+    variable holding a part of a weight) gives them; anything else is a ConfigError naming
+    ``train.prune.target``.
     """
     if hasattr(engine, "weight_shards"):
         return engine.weight_shards(prunable)
-    out: dict[str, list[WeightShard]] = {}
-    if all(hasattr(engine, a) for a in ("masks", "variables", "apply_masks")):
-        for name, var in engine.variables.items():
-            if prunable(name):
-                shape = tuple(int(n) for n in var.shape)
-                out[name] = [WeightShard(name, shape, [(boxes.full(shape),) * 2], fetch=var.numpy,
-                                         install=lambda mask, name=name: engine.apply_masks({name: mask}))]
-        return out
     raise ConfigError("train.prune.target", f"{type(engine).__name__} cannot apply pruning masks; set "
                                             f"train.prune.target=0")
 

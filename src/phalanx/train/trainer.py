@@ -1,8 +1,7 @@
 """The training loop: parse -> build -> train -> close.
 
-:class:`Trainer` builds the engine for the config (the Keras-model engine for the
-built-in GPT on every layout but parameter servers, tf.distribute for a Keras task;
-:func:`phalanx.engines.factory.build_engine`), the input pipeline, resumes from the newest checkpoint in
+:class:`Trainer` builds the engine that trains the built-in GPT as the config says
+(:func:`phalanx.engines.factory.build_engine`), the input pipeline, resumes from the newest checkpoint in
 ``<run.dir>/checkpoints``, then runs ``train.steps`` steps with logging, periodic
 evaluation and checkpoints. SIGTERM (preemption) or SIGINT (Ctrl-C) saves a
 checkpoint at the next step boundary and returns normally (``Summary.stopped_early``;
@@ -36,7 +35,7 @@ from phalanx.cluster.preemption import StopSignals, stop_agreement
 from phalanx.config import Config, ConfigError, describe_layout
 from phalanx.data import pipeline
 from phalanx.data.tokenize import save_tokenizer
-from phalanx.engines.factory import build_engine, refuse_before_build
+from phalanx.engines.factory import build_engine, refuse_before_build, require_gpt_task
 from phalanx.engines.task import GPTTask
 from phalanx.fsutil import RunLock
 from phalanx.train.metrics import RunPeak, mfu_text
@@ -82,7 +81,9 @@ def device_count(engine) -> int:
 
 
 class Trainer:
-    """Trains ``task`` (default: the built-in GPT) as ``cfg`` says.
+    """Trains the built-in GPT (``task``: its :class:`~phalanx.engines.task.GPTTask`, by default
+    built from ``cfg``) as ``cfg`` says. A Keras model trains through :func:`phalanx.fit`
+    instead (any other ``task`` is a TypeError saying so).
 
     ``datasets`` (optional) overrides the built-in input pipeline: an object with
     ``.train`` (an infinite tf.data.Dataset of global batches) and ``.val``.
@@ -96,11 +97,12 @@ class Trainer:
         self.interactive, self.quiet = interactive, quiet
         if task is None:
             task = GPTTask(cfg.model, _keras_policy(cfg), cfg.train.seed)
+        require_gpt_task(task)
         self.task = task
         self._datasets = datasets
         self.is_chief = cluster is None or cluster.is_chief
         self._saver = checkpoint.AsyncSaver() if cfg.checkpoint.async_ else None
-        # which rows of each global batch this process feeds (worker i of N under multi_worker)
+        # which rows of each global batch this process feeds (the set-up says: every process feeds whole batches)
         self.worker_index = 0 if cluster is None else cluster.data_index
         self.num_workers = 1 if cluster is None else cluster.data_count
 
