@@ -204,8 +204,3 @@ def test_zero3_checkpoint_resumes_across_layouts(oracle, tmp_path):
     assert int(state["optimizer/step"]) == STEPS and np.any(state["optimizer/v/embed/tokens"] > 0)
 
 
-def test_zero3_with_expert_parallelism_is_refused_naming_the_key(tmp_path):
-    cfg = load_config(None, SMALL + MOE + ["parallel.devices=cpu:2", "parallel.dp=2", "parallel.ep=2",
-                                          "parallel.zero=3"])
-    with pytest.raises(ConfigError, match=r"parallel.zero: 3 with parallel.ep=2"):
-        build_engine(cfg, GPTTask(cfg.model, "float32", cfg.train.seed))

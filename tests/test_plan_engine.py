@@ -350,7 +350,7 @@ def test_ep_layouts_of_the_builtin_gpt_run_as_dp_x_ep_within_a_node(monkeypatch)
     assert any("ZeRO-1 with expert parallelism across nodes" in r
                for r in plan_only_reasons(m, Layout(dp=16, ep=2, zero=1), hw))
     (reason,) = plan_only_reasons(m, Layout(dp=16, ep=2, zero=3), hw)  # said once
-    assert reason.startswith("ZeRO-3 across nodes")
+    assert reason.startswith("ZeRO-3 with expert parallelism across nodes")
     # one flag makes ep plan only again if the engine stops running it
     monkeypatch.setattr(engine_rules, "GPT_EXPERT_PARALLEL", False)
     (reason,) = plan_only_reasons(m, Layout(dp=4, ep=2))

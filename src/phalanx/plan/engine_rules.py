@@ -204,7 +204,7 @@ def plan_only_reasons(m, lay, hw=None) -> list[str]:
                                f"{local_dp or 'none'} here)")
             elif lay.zero and (lay.zero < 3 or KERAS_ZERO_ACROSS_NODES):  # (ZeRO-3 across nodes: said above)
                 reasons.append(f"ZeRO-{lay.zero} with expert parallelism across nodes (the Keras-model engine "
-                               f"partitions the optimizer state within one process only)")
+                               f"slices expert shards over the replicas of one process only)")
     return reasons
 
 
