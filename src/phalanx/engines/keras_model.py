@@ -807,7 +807,11 @@ class KerasModelEngine:
 
             def run(v, st, inp):
                 return stage.apply(v, st, inp, False)
-        if self.stage_calls is None:
+        if self.stage_calls is None or (self.mesh.tp > 1 and s == len(self.stages) - 1
+                                        and getattr(self, "vocab_loss", True)):
+            # (the last stage inline when the loss may read a vocabulary-parallel head's shard
+            # logits: the head hands them over on its output tensor, which a call's outputs do not
+            # carry, and the loss would read the joined logits: test_keras_vocab_ce)
             return run(values, state, inputs)
         return self.stage_calls.call((replica, s, training), run, values, state, inputs,
                                      device=self.stage_device(replica, s), backward=training)
