@@ -59,6 +59,46 @@ def test_full_recompute_of_an_mlp_equals_keras_fit(layout, tmp_path):
     assert_same(model, reference, steps, ref_steps, f"full {layout}")
 
 
+def cnn():
+    """Two convolutions with BatchNormalization between them, then a Dense head."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(8, 3, padding="same", activation="relu"),
+                              keras.layers.BatchNormalization(), keras.layers.Conv2D(8, 3, activation="relu"),
+                              keras.layers.BatchNormalization(), keras.layers.Flatten(), keras.layers.Dense(4)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("layout", [[], ["parallel.devices=cpu:2", "parallel.pp=2"]], ids=["one_device", "pp2"])
+def test_full_recompute_of_a_cnn_with_batchnorm_equals_keras_fit(layout, tmp_path):
+    """Each stage's convolutions re-run in the backward, BatchNormalization's statistics
+    updated once (one micro-batch: Keras's own step, no ghost batches): the losses, weights and
+    moving statistics of Keras's fit."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 8, 8, 3)).astype("float32"), rng.normal(size=(32, 4)).astype("float32")
+    reference, ref_steps = cnn(), StepLosses()
+    reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[ref_steps])
+    model, steps = cnn(), StepLosses()
+    phalanx.fit(model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[steps],
+                overrides=layout + ["parallel.recompute=full", f"run.dir={tmp_path}"])
+    assert_same(model, reference, steps, ref_steps, f"cnn full {layout}")
+
+
+def test_selective_recompute_of_a_model_without_attention_is_refused(tmp_path):
+    """``selective`` recomputes attention cores only: on a model with none it would run as
+    ``none``, so it is refused, naming the key, before anything is written."""
+    from phalanx.config import ConfigError
+
+    x, y = xy()
+    for build in (mlp, cnn):
+        model = build()
+        data_x = x if build is mlp else np.zeros((32, 8, 8, 3), "float32")
+        with pytest.raises(ConfigError, match=r"parallel.recompute: selective: model .* has no attention layer"):
+            phalanx.fit(model, data_x, y, batch_size=8, epochs=1, verbose=0,
+                        overrides=["parallel.recompute=selective", f"run.dir={tmp_path / model.name}"])
+        assert not (tmp_path / model.name).exists()
+
+
 class Subclassed(keras.Model):
     """No graph to cut: recomputed as one block."""
 
@@ -147,18 +187,24 @@ def test_recompute_of_keras_hub_gpt2_with_dropout_equals_keras_fit(mode, tmp_pat
     assert_same(model, reference, steps, ref_steps, mode)
 
 
-def test_selective_recompute_of_keras_hub_llama_equals_keras_fit(tmp_path):
-    """Llama's own attention layer at tp=1 (its _compute_attention): one recomputed call per
-    block in the traced step, and Keras's numbers (Adam over 2 steps, epsilon 1e-4 on both sides:
-    the bound of the keras-hub tests, test_keras_hub.build)."""
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recompute_of_keras_hub_llama_equals_keras_fit(mode, tmp_path):
+    """Llama at tp=1, one device: ``full`` cuts the opened backbone into blocks of its decoder
+    layers, ``selective`` recomputes Llama's own attention layer (its _compute_attention: one
+    recomputed call per block in the traced step). Keras's numbers (Adam over 2 steps, epsilon
+    1e-4 on both sides: the bound of the keras-hub tests, test_keras_hub.build)."""
     x, y = data()
-    assert recomputed_calls(build("llama"), "selective", (x, y, None)) - \
-        recomputed_calls(build("llama"), "none", (x, y, None)) == 2
+    if mode == "selective":
+        assert recomputed_calls(build("llama"), "selective", (x, y, None)) - \
+            recomputed_calls(build("llama"), "none", (x, y, None)) == 2
+    else:  # the blocks of the cut stage: more than one recomputed call, each a custom gradient
+        assert recomputed_calls(build("llama"), "full", (x, y, None)) - \
+            recomputed_calls(build("llama"), "none", (x, y, None)) >= 2
     reference, ref_steps = build("llama"), StepLosses()
     reference.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[ref_steps])
     model, steps = build("llama"), StepLosses()
     phalanx.fit(model, x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[steps],
-                overrides=["parallel.recompute=selective", f"run.dir={tmp_path}"])
+                overrides=[f"parallel.recompute={mode}", f"run.dir={tmp_path}"])
     np.testing.assert_allclose(steps.losses, ref_steps.losses, rtol=1e-4)
     for mine, want in zip(model.weights, reference.weights):
         np.testing.assert_allclose(mine.numpy(), want.numpy(), rtol=1e-4, atol=1e-5, err_msg=mine.path)

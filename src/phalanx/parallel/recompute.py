@@ -21,7 +21,8 @@ again and differentiates that copy) by way of :func:`stage_runner`:
   (keras-hub GPT-2 / Llama after :func:`phalanx.parallelize`) and of every layer with
   Keras's ``_compute_attention(query, key, value, ...)`` (``keras.layers.MultiHeadAttention``
   and its keras-hub subclasses, keras-hub's ``LlamaAttention``: GPT-2's and Llama's attention
-  at tp=1) are recomputed, nothing else.
+  at tp=1) are recomputed, nothing else. A model without any such layer is refused
+  (:func:`check_attention`): ``selective`` would recompute nothing.
 
 Same numbers: the backward recomputes the same ops on the same inputs, so the activations
 it differentiates are those of the forward. Non-trainable state (BatchNormalization moving
@@ -48,7 +49,7 @@ from typing import Callable, Sequence
 import keras
 import tensorflow as tf
 
-from phalanx.config import RECOMPUTE
+from phalanx.config import RECOMPUTE, ConfigError
 from phalanx.layers.attention import ParallelSelfAttention
 from phalanx.parallel.keras_graph import Stage, UncuttableModelError, _blocked_cuts, _key_order, _unique, \
     split_keras_model
@@ -297,6 +298,7 @@ def stage_runner(stage, mode: str, model):
     if mode == "none":
         return _Plain(stage)
     if mode == "selective":
+        check_attention(model)
         return _Plain(stage, attention_of=model)
     cut = getattr(stage, "stage", None)
     if cut is not None:  # a pipeline stage of a Functional/Sequential model
@@ -311,6 +313,29 @@ def stage_runner(stage, mode: str, model):
 
 
 # -- selective: attention cores ------------------------------------------------------------------
+
+
+def _is_attention(layer) -> bool:
+    return isinstance(layer, ParallelSelfAttention) or callable(getattr(layer, "_compute_attention", None))
+
+
+def check_attention(model) -> None:
+    """Refuse ``parallel.recompute=selective`` for a model with no attention layer it could
+    recompute (it would run as ``none``, the option silently ignored).
+
+    Example:
+        >>> import keras
+        >>> mlp = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)], name="mlp")
+        >>> try:
+        ...     check_attention(mlp)
+        ... except ConfigError as err:
+        ...     print(err.key)
+        parallel.recompute
+    """
+    if not any(_is_attention(layer) for layer in model._flatten_layers(include_self=False)):
+        raise ConfigError("parallel.recompute", f"selective: model {model.name!r} has no attention layer to "
+                                                "recompute (ParallelSelfAttention, Keras's MultiHeadAttention or a "
+                                                "keras-hub attention layer); use parallel.recompute=full or none")
 
 
 def _recomputed_core(core: Callable) -> Callable:
