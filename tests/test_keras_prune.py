@@ -143,15 +143,26 @@ def test_unstructured_pruning_equals_keras_fit_with_numpy_masks(layout, tmp_path
         assert int(np.count_nonzero(v.numpy() == 0)) == round(0.5 * v.numpy().size), v.path
 
 
-def test_pruning_a_cnn_with_batchnorm_equals_keras_fit(tmp_path):
+@pytest.mark.parametrize("pattern", ["unstructured", "2:4"])
+@pytest.mark.parametrize("layout", [[], ["parallel.devices=cpu:2", "parallel.pp=2"]], ids=["one_device", "pp2"])
+def test_pruning_a_cnn_with_batchnorm_equals_keras_fit(layout, pattern, tmp_path):
+    """The Conv2D kernel (2:4 groups along its input channels, axis -2) and the Dense head's, on
+    one device and cut into two pipeline stages (one micro-batch: BatchNorm sees Keras's
+    batches): Keras's fit with the NumPy masks, and the checkpointed masks are those masks."""
     x, y = xy((8, 8, 4), rows=32)
-    ref, ref_steps, _ = reference(cnn, x, y)
+    ref, ref_steps, callback = reference(cnn, x, y, nm=None if pattern == "unstructured" else (2, 4))
     model, steps = cnn(), StepLosses()
     phalanx.fit(model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[steps],
-                overrides=PRUNE + [f"run.dir={tmp_path}"])
-    assert_same(model, ref, steps, ref_steps)
+                overrides=layout + PRUNE + [f"train.prune.pattern={pattern}", f"run.dir={tmp_path}"])
+    assert_same(model, ref, steps, ref_steps, what=f"{layout} {pattern}")
+    masks = saved_masks(tmp_path)
+    assert len(masks) == 2
+    for want, got in zip(callback.masks, [masks[k] for k in sorted(masks)]):
+        np.testing.assert_array_equal(got, want)
     conv = kernels_of(model)[0].numpy()  # [3, 3, 4, 8]
     assert np.count_nonzero(conv == 0) == round(0.5 * conv.size)
+    if pattern == "2:4":  # two zeros in every group of 4 input channels
+        assert (np.count_nonzero(conv.reshape(9, 1, 4, 8) == 0, axis=2) == 2).all()
 
 
 def test_two_four_pruning_equals_keras_fit_and_keeps_two_of_every_four(tmp_path):
@@ -202,23 +213,41 @@ def test_masks_resume_from_the_epoch_checkpoint(tmp_path):
         assert int(np.count_nonzero(v.numpy() == 0)) == round(0.5 * v.numpy().size), v.path
 
 
-@pytest.mark.parametrize("pattern", ["unstructured", "2:4"])
-def test_pruning_keras_hub_gpt2_on_tp2_equals_one_device_and_keras_fit(pattern, tmp_path):
-    """The attention's EinsumDense kernels and the MLP's Dense kernels of GPT-2; at tp=2 they
-    are the preset's tensor-parallel layers, and each shard's mask is its part of the mask over
-    the whole kernel: the joined masks equal the one-device run's and the NumPy reference's.
-    2:4 groups along the input axis: hidden for q/k/v [16, 2, 8] (cut along heads at tp=2),
-    head_dim for the output [2, 8, 16] (cut along heads), the input of the MLP's kernels."""
+def llama():
+    """tests/test_keras_hub.py's small Llama (4 query heads, 2 key/value heads, untied head),
+    compiled with SGD as :func:`gpt2`."""
+    from test_keras_hub import build
+
+    model = build("llama")
+    model.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+CAUSAL_LMS = {"gpt2": lambda: gpt2(dropout=0.0), "llama": llama}
+# Prunable kernels of 2 blocks: GPT-2's q, k, v, out + fc, proj; Llama's q, k, v, out + gate, up, down
+KERNELS = {"gpt2": 12, "llama": 14}
+
+
+@pytest.mark.parametrize("kind,pattern", [("gpt2", "unstructured"), ("gpt2", "2:4"), ("llama", "2:4")])
+def test_pruning_keras_hub_on_tp2_equals_one_device_and_keras_fit(kind, pattern, tmp_path):
+    """The attention's EinsumDense kernels and the MLP's Dense kernels of GPT-2 and Llama; at
+    tp=2 they are the preset's tensor-parallel layers, and each shard's mask is its part of the
+    mask over the whole kernel: the joined masks equal the one-device run's and the NumPy
+    reference's. 2:4 groups along the input axis: hidden for q/k/v (GPT-2 [16, 2, 8]; Llama's
+    key/value [16, 2, 4], grouped-query heads), head_dim for the output (cut along heads), the
+    input of the MLP's kernels."""
     x, y = data()
     prune = ["train.prune.target=0.5", "train.prune.start=0", "train.prune.end=2", "train.prune.every=1",
              f"train.prune.pattern={pattern}"]
-    ref, ref_steps = gpt2(dropout=0.0), StepLosses()
+    build = CAUSAL_LMS[kind]
+    ref, ref_steps = build(), StepLosses()
     callback = NumpyPruning(kernels_of(ref), 0.5, 0, 2, 1, nm=None if pattern == "unstructured" else (2, 4),
                             nm_axes=input_axes(ref))
     ref.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[callback, ref_steps])
     runs = {}
     for layout, overrides in {"one_device": [], "tp2": ["parallel.devices=cpu:2", "parallel.tp=2"]}.items():
-        model, steps = gpt2(dropout=0.0), StepLosses()
+        model, steps = build(), StepLosses()
         phalanx.fit(model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[steps],
                     overrides=overrides + prune + [f"run.dir={tmp_path / layout}"])
         # each mask is named by its kernel's logical name in this layout's model: in the kernels' order
@@ -229,7 +258,7 @@ def test_pruning_keras_hub_gpt2_on_tp2_equals_one_device_and_keras_fit(pattern, 
         masks = saved_masks(tmp_path / layout)
         assert sorted(masks) == sorted(keys), layout
         runs[layout] = [masks[key] for key in keys]
-    assert len(runs["one_device"]) == len(kernels_of(ref)) == 12  # 2 blocks: 4 attention + 2 MLP kernels each
+    assert len(runs["one_device"]) == len(kernels_of(ref)) == KERNELS[kind]
     assert len(runs["tp2"]) == len(runs["one_device"])
     for layout, masks in runs.items():
         for i, (mask, want) in enumerate(zip(masks, callback.masks)):
