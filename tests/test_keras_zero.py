@@ -606,9 +606,10 @@ def test_zero3_holds_a_dp_th_of_the_state_per_device_plus_the_gathered_stage():
     model.optimizer's whole copies, apart). Counted by shapes: each device holds half of its
     stage's weights and Adam state (3 x weights / dp), and no whole weight. Measured (the
     allocator's record of a step, tests/test_step_memory.py's machinery): each device's step
-    peak is at most that state plus 4 x its stage's weights (the gathered weights, their
-    gradient, the slices' gradients arriving, and the activations and Adam's temporaries:
-    generous)."""
+    peak, activations and Adam's temporaries included, is within 10% of one device's
+    parameters + gradients + Adam state (4 x its stage's weights) over dp, plus the largest
+    weights gathered at once (a stage's: the engine gathers a stage for its forward and keeps
+    it to its last backward). Measured ~0.6 MB against the bound's ~0.98 MB."""
     from phalanx.train.calibrate import _short, _trace_placement, measure_step_memory
 
     rng = np.random.default_rng(0)
@@ -635,7 +636,8 @@ def test_zero3_holds_a_dp_th_of_the_state_per_device_plus_the_gathered_stage():
     print("zero3 dp2 x pp2 step peaks", peaks, "state", state, "stage weights", stage_weights)
     for dev in state:
         least = min(p[dev] for p in peaks)
-        assert least <= state[dev] + 4 * stage_weights[dev], (dev, least, state[dev], stage_weights[dev])
+        bound = 1.1 * (4 * stage_weights[dev] / 2 + stage_weights[dev])  # (P + G + Adam's 2) / dp + gathered
+        assert least <= bound, (dev, least, bound, state[dev], stage_weights[dev])
 
 
 # -- keras-hub GPT-2 -------------------------------------------------------------------------------
