@@ -278,3 +278,22 @@ def test_bad_prune_settings_are_refused_before_anything_is_written(tmp_path):
         phalanx.fit(embedding_only, np.zeros((8, 3), "int32"), np.zeros((8, 3, 4), "float32"), batch_size=8,
                     verbose=0, overrides=["train.prune.target=0.5", f"run.dir={tmp_path / 'b'}"])
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_pruning_under_zero_equals_keras_fit(zero, tmp_path):
+    """dp2 with the weights (3) or the optimizer state (1) sliced over the replicas: the masks
+    are applied to the weights the optimizer updates, and its state and step count carry on
+    across the mask updates: Keras's fit with the NumPy masks."""
+    x, y = xy()
+    ref, ref_steps, callback = reference(mlp, x, y)
+    model, steps = mlp(), StepLosses()
+    phalanx.fit(model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[steps],
+                overrides=["parallel.devices=cpu:2", "parallel.dp=2", f"parallel.zero={zero}"] + PRUNE +
+                [f"run.dir={tmp_path}"])
+    assert_same(model, ref, steps, ref_steps, what=f"zero={zero}")
+    for mine, want in zip(model.optimizer.variables, ref.optimizer.variables):
+        np.testing.assert_allclose(mine.numpy(), want.numpy(), rtol=1e-5, atol=1e-6, err_msg=mine.path)
+    masks = saved_masks(tmp_path)
+    for want, got in zip(callback.masks, [masks[k] for k in sorted(masks)]):
+        np.testing.assert_array_equal(got, want)

@@ -288,3 +288,11 @@ def test_selective_recompute_lowers_the_attention_peak():
     none, selective = step_peak(model(), "none", batch), step_peak(model(), "selective", batch)
     assert selective < 0.7 * none, f"recompute=selective step peak {selective / 2**20:.1f} MiB vs none " \
                                    f"{none / 2**20:.1f} MiB (ratio {selective / none:.2f}, bound 0.7)"
+
+
+def test_the_docstring_examples_run():
+    import doctest
+
+    from phalanx.parallel import recompute
+
+    assert doctest.testmod(recompute).failed == 0

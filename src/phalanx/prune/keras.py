@@ -184,16 +184,20 @@ class KerasPruning:
 
     def train_step(self, engine, batch):
         """``engine.train_step(batch)`` with the masks recomputed first when the schedule says
-        so and applied to the updated weights after (``engine``: its ``train_step`` and
-        ``sync_copies``, which refreshes the data replicas' copies of the weights)."""
+        so and applied to the updated weights after (``engine``: its ``train_step``,
+        ``gather_state``, which under ZeRO writes the sliced weights and optimizer state into the
+        model and ``model.optimizer``, and ``sync_copies``, which refreshes the data replicas'
+        copies of the weights and under ZeRO cuts that state into the slices again)."""
         if not self.on:
             return engine.train_step(batch)
         step = int(self.model.optimizer.iterations.numpy())
         if is_update_step(step, self.pc):
+            engine.gather_state()  # the masks follow the weights the slices hold, not a stale whole copy
             self.update(step)
             engine.sync_copies()
         result = engine.train_step(batch)
         if self.installed:
+            engine.gather_state()  # (the slices are cut again from the model and model.optimizer next)
             self._apply()
             engine.sync_copies()
         return result
