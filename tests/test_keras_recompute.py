@@ -48,17 +48,6 @@ def assert_same(model, reference, steps, ref_steps, what):
         np.testing.assert_allclose(mine.numpy(), want.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"{what} {mine.path}")
 
 
-@pytest.mark.parametrize("layout", [[], ["parallel.devices=cpu:2", "parallel.pp=2"]], ids=["one_device", "pp2"])
-def test_full_recompute_of_an_mlp_equals_keras_fit(layout, tmp_path):
-    x, y = xy()
-    reference, ref_steps = mlp(), StepLosses()
-    reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[ref_steps])
-    model, steps = mlp(), StepLosses()
-    phalanx.fit(model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[steps],
-                overrides=layout + ["parallel.recompute=full", f"run.dir={tmp_path}"])
-    assert_same(model, reference, steps, ref_steps, f"full {layout}")
-
-
 def cnn():
     """Two convolutions with BatchNormalization between them, then a Dense head."""
     keras.utils.set_random_seed(0)
@@ -69,19 +58,25 @@ def cnn():
     return model
 
 
-@pytest.mark.parametrize("layout", [[], ["parallel.devices=cpu:2", "parallel.pp=2"]], ids=["one_device", "pp2"])
-def test_full_recompute_of_a_cnn_with_batchnorm_equals_keras_fit(layout, tmp_path):
-    """Each stage's convolutions re-run in the backward, BatchNormalization's statistics
-    updated once (one micro-batch: Keras's own step, no ghost batches): the losses, weights and
-    moving statistics of Keras's fit."""
+def cnn_xy():
     rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(32, 8, 8, 3)).astype("float32"), rng.normal(size=(32, 4)).astype("float32")
-    reference, ref_steps = cnn(), StepLosses()
+    return rng.normal(size=(32, 8, 8, 3)).astype("float32"), rng.normal(size=(32, 4)).astype("float32")
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+@pytest.mark.parametrize("layout", [[], ["parallel.devices=cpu:2", "parallel.pp=2"]], ids=["one_device", "pp2"])
+def test_full_recompute_equals_keras_fit(kind, layout, tmp_path):
+    """The MLP (Dropout and BatchNormalization between its Dense layers) and the CNN
+    (BatchNormalization after each convolution): each stage's blocks re-run in the backward,
+    dropout masks drawn and BatchNorm statistics updated once (one micro-batch: Keras's own
+    step, no ghost batches): the losses, weights and moving statistics of Keras's fit."""
+    build, (x, y) = {"mlp": (mlp, xy()), "cnn": (cnn, cnn_xy())}[kind]
+    reference, ref_steps = build(), StepLosses()
     reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[ref_steps])
-    model, steps = cnn(), StepLosses()
+    model, steps = build(), StepLosses()
     phalanx.fit(model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[steps],
                 overrides=layout + ["parallel.recompute=full", f"run.dir={tmp_path}"])
-    assert_same(model, reference, steps, ref_steps, f"cnn full {layout}")
+    assert_same(model, reference, steps, ref_steps, f"{kind} full {layout}")
 
 
 def test_selective_recompute_of_a_model_without_attention_is_refused(tmp_path):
@@ -89,12 +84,10 @@ def test_selective_recompute_of_a_model_without_attention_is_refused(tmp_path):
     ``none``, so it is refused, naming the key, before anything is written."""
     from phalanx.config import ConfigError
 
-    x, y = xy()
-    for build in (mlp, cnn):
+    for build, (x, y) in ((mlp, xy()), (cnn, cnn_xy())):
         model = build()
-        data_x = x if build is mlp else np.zeros((32, 8, 8, 3), "float32")
         with pytest.raises(ConfigError, match=r"parallel.recompute: selective: model .* has no attention layer"):
-            phalanx.fit(model, data_x, y, batch_size=8, epochs=1, verbose=0,
+            phalanx.fit(model, x, y, batch_size=8, epochs=1, verbose=0,
                         overrides=["parallel.recompute=selective", f"run.dir={tmp_path / model.name}"])
         assert not (tmp_path / model.name).exists()
 
