@@ -45,9 +45,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
 
 from phalanx.config import ConfigError, SCHEDULES, from_dict
 from phalanx.core.costs import layer_costs
@@ -77,69 +75,6 @@ KERAS_EP_ZERO = 3
 # (tests/test_cluster_train.py), so ZeRO-3 layouts across nodes are not plan only. False would list
 # them as "ZeRO-3 across nodes" again.
 KERAS_ZERO_ACROSS_NODES = True
-
-
-# -- which engine trains the built-in GPT -----------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GPTRun:
-    """What decides the engine of a built-in GPT run: its keys and the cluster it runs in.
-
-    ``cluster``: the strategy a cluster was set up for (``multi_worker``, ``parameter_server``,
-    ``mesh`` for a mesh whose devices span the workers), None in one process.
-
-    >>> GPTRun(dp=2, zero=3, recompute="selective").old_engine_reasons()
-    []
-    >>> GPTRun(dp=2, tp=2).engine(), GPTRun(dp=2, zero=2, recompute="full").engine(), GPTRun(prune=True, dropout=0.1).engine()
-    ('keras', 'keras', 'keras')
-    """
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    zero: int = 0
-    recompute: str = "none"
-    prune: bool = False
-    dropout: float = 0.0
-    ep: int = 1
-    strategy: str = "auto"
-    cluster: str | None = None
-
-    @classmethod
-    def of(cls, cfg: Any, tp: int | None = None, pp: int | None = None, cluster: str | None = None) -> "GPTRun":
-        """From a :class:`~phalanx.config.Config` (``tp``/``pp``: the resolved degrees, default
-        the config's)."""
-        p = cfg.parallel
-        return cls(dp=p.dp, tp=p.tp if tp is None else tp, pp=p.pp if pp is None else pp, zero=p.zero,
-                   recompute=p.recompute, prune=cfg.train.prune.target > 0, dropout=cfg.model.dropout, ep=p.ep,
-                   strategy=p.strategy, cluster=cluster)
-
-    def old_engine_reasons(self) -> list[str]:
-        """Why this run needs another engine than the Keras-model engine (the rows of
-        :data:`OLD_ENGINE_ROWS` that apply)."""
-        return [f"{key}={getattr(self, attr)}: {why}" for key, attr, applies, why in OLD_ENGINE_ROWS
-                if applies(self)]
-
-    def engine(self) -> str:
-        """``keras`` (:class:`~phalanx.engines.keras_gpt.KerasGPTEngine`, the Keras-model
-        engine), or ``parameter_server`` when a row of :data:`OLD_ENGINE_ROWS` applies (a
-        parameter-server cluster: its own engine)."""
-        if self.ep > 1 or not self.old_engine_reasons():
-            return "keras"  # (expert parallelism refuses there what it cannot run)
-        return "parameter_server"
-
-
-#: The runs of the built-in GPT that ``phalanx train`` does not train on the Keras-model engine
-#: (``engines/keras_gpt.py``): ``(key, GPTRun field, applies, why)``; :meth:`GPTRun.engine`.
-#: Every other run (one device, dp, tp, pp with any schedule, sequence parallelism, grad
-#: accumulation, mixed precision, ZeRO-1/2/3, recomputation, dropout, pruning, the MoE GPT, and
-#: across workers with ``parallel.strategy=multi_worker``, each worker's own layout) trains there
-#: (across workers, a run a row applies to is refused: ``engines/factory.py`` refuse_before_build).
-OLD_ENGINE_ROWS: tuple = (
-    ("parallel.strategy", "cluster", lambda r: r.cluster == "parameter_server",
-     "parameter servers run on their own engine"),
-)
 
 
 @lru_cache(maxsize=None)
