@@ -183,14 +183,7 @@ def test_calibrate_within_10_percent_on_every_device(tmp_path, layout, policy):
     On the Keras-model engine (where phalanx train runs these layouts since 2026-11-27), one run
     each: dp2 +1.5/+2.2%, tp2 +3.3/+2.9%, pp2 mixed_bfloat16 +1.1/+5.8%, dp2 x tp2 x pp2 m4 ZeRO-1
     -2.8..+0.8%, dp2 x tp2 x pp2 mixed_bfloat16 +0.4..+6.2%, dp2 ZeRO-2 +1.2/+1.6%, pp2 with full
-    recomputation +1.7/-3.7% (each about 48 s at load 7). On the mesh engine before, measured on 2026-11-23 (4 layers, d_model 256, batch 8),
-    error per device over 3 runs,
-    float32: dp2 -0.9/0.0%, tp2 +2.8/-0.1..-3.0%, pp2 +2.6/+4.2..+7.3%, dp2 x tp2 x pp2
-    -3.9..+4.0%; mixed_bfloat16: dp2 +0.7/+0.7%, tp2 -0.7..+0.6/-1.3..-2.5%, pp2
-    +0.6/+2.6..+4.3%, dp2 x tp2 x pp2 -2.5..+2.1%; spread between the profiled steps 0.0% on
-    every device. The optimizer step is the same in every run (ShardedAdamW updates one group
-    after another per device, once the norm exists); what still moves between runs (up to
-    1.7 MiB of 50, e.g. tp2 CPU:1) is the forward and backward's order."""
+    recomputation +1.7/-3.7% (each about 48 s at load 7)."""
     argv = [sys.executable, "-m", "phalanx.commands.plan", "model.layers=4", "model.d_model=256", "model.heads=4",
             "model.seq_len=128", "train.global_batch=8", f"precision.policy={policy}", *CALIBRATE_LAYOUTS[layout],
             "--hardware", "this-cpu", "--calibrate", "--calibrate-steps", "3", "--json"]
