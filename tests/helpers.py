@@ -113,8 +113,8 @@ def numpy_peaks(fn, runs: int = 3) -> list[tuple[int, int]]:
       data was 64-byte aligned were kept); malloc hands out an aligned buffer or not by the
       heap's history, so which variables keep theirs changes call by call and with the tests
       run before. Their bytes then count in the peak (and in ``held``) as if the call still
-      needed them, though they are the variables' own state (a mesh engine restore's peak 2.1
-      MB above its transient in one run; the strategy-engine restore's held bytes 0.23-2.3 MB);
+      needed them, though they are the variables' own state (one restore's peak 2.1 MB above
+      its transient in one run; another's held bytes 0.23-2.3 MB);
     * tracemalloc counts every thread's and every finalizer's allocations in its window (once
       +256 KiB, one tp4 shard, on one of six identical calls).
 

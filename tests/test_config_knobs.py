@@ -224,12 +224,11 @@ def test_an_ignored_key_is_refused_naming_what_would_make_it_matter(overrides, k
 
 
 def test_engine_refusals_come_before_the_run_directory_is_touched(tmp_path):
-    """recompute under an explicit mirrored strategy, ZeRO with one replica and loss scaling under
-    precision.policy=auto (never float16 for the GPT): refused before the lock file exists."""
+    """ZeRO with one replica and loss scaling under precision.policy=auto (never float16 for the
+    GPT): refused before the lock file exists."""
     from phalanx.train.trainer import Trainer
     corpus = write_corpus(tmp_path / "corpus", files=1, lines=50)
-    for extra, key in ((["parallel.strategy=mirrored", "parallel.recompute=full"], "parallel.recompute"),
-                       (["parallel.zero=1"], "parallel.zero"),
+    for extra, key in ((["parallel.zero=1"], "parallel.zero"),
                        (["precision.loss_scale_init=1024"], "precision.loss_scale_init")):
         cfg = load_config(None, tiny_overrides(tmp_path, corpus, "run") + extra)
         with pytest.raises(ConfigError) as err:

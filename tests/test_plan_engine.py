@@ -16,7 +16,6 @@ from phalanx.config import ConfigError, load_config
 from phalanx.core.costs import layer_costs
 from phalanx.parallel.partition import partition
 from phalanx.commands import plan as cli
-from phalanx.plan import engine_rules
 from phalanx.core.costs import ModelSpec, param_count
 from phalanx.plan.engine_rules import plan_only_reasons, stage_bounds
 from phalanx.plan.estimate import estimate
@@ -86,7 +85,7 @@ def test_dp_gradient_sync_priced_as_each_strategy_sums():
     assert mesh.time.dp_comm_s == pytest.approx(ring.time.dp_comm_s * 4)   # 7 G vs 1.75 G
 
 
-def test_plan_cli_strategy_picks_reduction_and_plan_only_values(capsys, monkeypatch):
+def test_plan_cli_strategy_picks_reduction_and_plan_only_values(capsys):
     assert cli.main(["parallel.dp=2", "--hardware", "a100-40gb", "--json", "parallel.strategy=multi_worker"]) == 0
     assert json.loads(capsys.readouterr().out)["layout"]["reduction"] == "ring"
     assert cli.main(["parallel.dp=2", "--hardware", "a100-40gb", "--json"]) == 0
@@ -97,10 +96,6 @@ def test_plan_cli_strategy_picks_reduction_and_plan_only_values(capsys, monkeypa
     assert cli.main(["parallel.dp=16", "parallel.zero=3", "--hardware", "a100-40gb", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)                          # two nodes of 8: slices across workers
     assert doc["runs_on_engine"] and not doc["plan_only_reasons"]
-    monkeypatch.setattr(engine_rules, "KERAS_ZERO_ACROSS_NODES", False)  # the flag decides it
-    assert cli.main(["parallel.dp=16", "parallel.zero=3", "--hardware", "a100-40gb", "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)
-    assert not doc["runs_on_engine"] and "ZeRO-3 across nodes" in doc["plan_only_reasons"][0]
     assert cli.main(["parallel.dp=4", "parallel.schedule=zb", "parallel.pp=2", "parallel.dp=2",
                      "parallel.microbatches=2", "--hardware", "a100-40gb", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -188,14 +183,7 @@ def test_calibrate_within_10_percent_on_every_device(tmp_path, layout, policy):
     On the Keras-model engine (where phalanx train runs these layouts since 2026-11-27), one run
     each: dp2 +1.5/+2.2%, tp2 +3.3/+2.9%, pp2 mixed_bfloat16 +1.1/+5.8%, dp2 x tp2 x pp2 m4 ZeRO-1
     -2.8..+0.8%, dp2 x tp2 x pp2 mixed_bfloat16 +0.4..+6.2%, dp2 ZeRO-2 +1.2/+1.6%, pp2 with full
-    recomputation +1.7/-3.7% (each about 48 s at load 7). On the mesh engine before, measured on 2026-11-23 (4 layers, d_model 256, batch 8),
-    error per device over 3 runs,
-    float32: dp2 -0.9/0.0%, tp2 +2.8/-0.1..-3.0%, pp2 +2.6/+4.2..+7.3%, dp2 x tp2 x pp2
-    -3.9..+4.0%; mixed_bfloat16: dp2 +0.7/+0.7%, tp2 -0.7..+0.6/-1.3..-2.5%, pp2
-    +0.6/+2.6..+4.3%, dp2 x tp2 x pp2 -2.5..+2.1%; spread between the profiled steps 0.0% on
-    every device. The optimizer step is the same in every run (ShardedAdamW updates one group
-    after another per device, once the norm exists); what still moves between runs (up to
-    1.7 MiB of 50, e.g. tp2 CPU:1) is the forward and backward's order."""
+    recomputation +1.7/-3.7% (each about 48 s at load 7)."""
     argv = [sys.executable, "-m", "phalanx.commands.plan", "model.layers=4", "model.d_model=256", "model.heads=4",
             "model.seq_len=128", "train.global_batch=8", f"precision.policy={policy}", *CALIBRATE_LAYOUTS[layout],
             "--hardware", "this-cpu", "--calibrate", "--calibrate-steps", "3", "--json"]
@@ -315,7 +303,7 @@ def test_ep_that_does_not_divide_dp_or_experts_is_refused(capsys):
         assert "parallel.ep" in err and text in err and "Traceback" not in err
 
 
-def test_ep_layouts_of_the_builtin_gpt_run_as_dp_x_ep_within_a_node(monkeypatch):
+def test_ep_layouts_of_the_builtin_gpt_run_as_dp_x_ep_within_a_node():
     m, hw = _moe(), get_hardware("a100-80gb")
     assert plan_only_reasons(m, Layout(dp=4)) == [] == plan_only_reasons(m, Layout(dp=4, ep=2))  # dp, dp x ep
     for knobs in ({"pp": 2}, {"tp": 2}, {"tp": 2, "pp": 2}):  # the ep engine runs them
@@ -351,56 +339,32 @@ def test_ep_layouts_of_the_builtin_gpt_run_as_dp_x_ep_within_a_node(monkeypatch)
                for r in plan_only_reasons(m, Layout(dp=16, ep=2, zero=1), hw))
     (reason,) = plan_only_reasons(m, Layout(dp=16, ep=2, zero=3), hw)  # said once
     assert reason.startswith("ZeRO-3 with expert parallelism across nodes")
-    # one flag makes ep plan only again if the engine stops running it
-    monkeypatch.setattr(engine_rules, "GPT_EXPERT_PARALLEL", False)
-    (reason,) = plan_only_reasons(m, Layout(dp=4, ep=2))
-    assert "parallel.ep=2" in reason and "phalanx train" in reason
-    assert all(c.layout.ep == 1 for c in search(m, hw, devices=8, global_batch=32, top=50).candidates)
 
 
-def test_moe_flags_match_the_engines_refusals(devices):
-    """engine_rules states what the engines run for the MoE GPT, each flag checked against the
-    engine ``phalanx train`` builds for a real GPTTask (refused: a ConfigError naming the key the
-    flag is about; not refused: the engine is built). When an engine learns a layout, this says
-    which flag to flip."""
+def test_the_moe_layouts_the_planner_runs_are_built(devices):
+    """Every expert-parallel layout of one node that plan_only_reasons calls runnable (ep with
+    tp, pp, ZeRO 1-3 and recomputation) is built by the engine phalanx train builds for a real
+    GPTTask, and so is the MoE GPT without ep, recomputed."""
     from phalanx.engines.factory import build_engine
     from phalanx.engines.keras_gpt import KerasGPTEngine
     from phalanx.engines.task import GPTTask
 
-    def refused(key, build):
-        try:
-            engine = build()
-        except ConfigError as err:
-            assert err.key == key, err  # refused, and for what the flag says
-            return True
-        assert engine is not None
-        return False
-
     tiny = ["model.experts=4", "model.layers=2", "model.d_model=32", "model.heads=2", "model.ffn=32",
             "model.seq_len=8", "train.global_batch=4", "precision.policy=float32"]
-    cfg = load_config(None, tiny + ["parallel.devices=cpu:2", "parallel.dp=2", "parallel.ep=2"])
-    built = []
-
-    def dp_x_ep():
-        built.append(build_engine(cfg, GPTTask(cfg.model)))
-        return built[-1]
-
-    assert refused("parallel.ep", dp_x_ep) == (not engine_rules.GPT_EXPERT_PARALLEL)
-    assert all(isinstance(e, KerasGPTEngine) for e in built)  # dp x ep runs on the expert-parallel engine
-    for key, knob, flag in (
-            ("parallel.tp", ["parallel.devices=cpu:4", "parallel.tp=2"], engine_rules.GPT_EP_WITH_TP_PP),
-            ("parallel.pp", ["parallel.devices=cpu:4", "parallel.pp=2"], engine_rules.GPT_EP_WITH_TP_PP),
-            ("parallel.zero", ["parallel.zero=1"], engine_rules.GPT_EP_WITH_ZERO),
-            ("parallel.zero", ["parallel.zero=2"], engine_rules.GPT_EP_WITH_ZERO and engine_rules.KERAS_EP_ZERO >= 2),
-            ("parallel.zero", ["parallel.zero=3"], engine_rules.GPT_EP_WITH_ZERO and engine_rules.KERAS_EP_ZERO >= 3),
-            ("parallel.recompute", ["parallel.recompute=full"], engine_rules.GPT_EP_WITH_RECOMPUTE)):
+    spec = ModelSpec(layers=2, d_model=32, heads=2, vocab=256, seq_len=8, experts=4)
+    for knob, lay in (([], Layout(dp=2, ep=2)),
+                      (["parallel.devices=cpu:4", "parallel.tp=2"], Layout(dp=2, tp=2, ep=2)),
+                      (["parallel.devices=cpu:4", "parallel.pp=2"], Layout(dp=2, pp=2, ep=2)),
+                      (["parallel.zero=1"], Layout(dp=2, ep=2, zero=1)),
+                      (["parallel.zero=2"], Layout(dp=2, ep=2, zero=2)),
+                      (["parallel.zero=3"], Layout(dp=2, ep=2, zero=3)),
+                      (["parallel.recompute=full"], Layout(dp=2, ep=2, recompute="full"))):
+        assert plan_only_reasons(spec, lay, get_hardware("a100-80gb")) == [], lay
         cfg = load_config(None, tiny + ["parallel.devices=cpu:2", "parallel.dp=2", "parallel.ep=2"] + knob)
-        assert refused(key, lambda: build_engine(cfg, GPTTask(cfg.model))) == (not flag), key
-    # the MoE GPT without ep, recomputed, on the Keras-model engine like every other layout
+        assert isinstance(build_engine(cfg, GPTTask(cfg.model)), KerasGPTEngine), knob
     cfg = load_config(None, tiny + ["parallel.recompute=full"])
     assert isinstance(build_engine(cfg, GPTTask(cfg.model)), KerasGPTEngine)
-    assert engine_rules.plan_only_reasons(
-        ModelSpec(layers=2, d_model=32, heads=2, vocab=256, seq_len=8, experts=4), Layout(recompute="full")) == []
+    assert plan_only_reasons(spec, Layout(recompute="full")) == []
 
 
 def test_plan_cli_prints_ep_and_the_all_to_all(capsys):

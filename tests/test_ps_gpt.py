@@ -98,7 +98,7 @@ def test_what_parameter_servers_cannot_honour_is_refused_before_anything_is_buil
     from phalanx.engines.factory import refuse_before_build
     from phalanx.engines.task import GPTTask
 
-    ps = SimpleNamespace(name="parameter_server", coordinator=object(), devices=(), data_count=1)
+    ps = SimpleNamespace(name="parameter_server", coordinator=object(), devices=())
     tiny = {"layers": 1, "d_model": 16, "heads": 2, "ffn": 32, "seq_len": 8}
     cfg = Config().replace(model=tiny, parallel={"strategy": "parameter_server"}, train={"global_batch": 8})
     refuse_before_build(cfg, GPTTask(cfg.model), ps)  # the plain run is accepted

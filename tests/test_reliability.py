@@ -471,16 +471,26 @@ def test_the_builtin_gpts_multi_worker_run_takes_zero_and_each_workers_layout(st
         or strategy == "auto"  # (auto with pp > 1 picks the mesh across workers)
 
 
-@pytest.mark.parametrize("parallel,key", UNHONOURED[:5], ids=[f"{k}={list(p.values())[0]}" for p, k in UNHONOURED[:5]])
-def test_explicit_mirrored_refuses_what_it_does_not_honour(parallel, key):
+@pytest.mark.parametrize("parallel", [{"dp": 2, "zero": 1}, {"dp": 2, "zero": 3}, {"recompute": "full"},
+                                      {"recompute": "selective"}, {"dp": 2, "tp": 2, "devices": "cpu:4"},
+                                      {"zero": 1}, {"microbatches": 2}],
+                         ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
+def test_explicit_mirrored_is_the_default_one_process_run(parallel):
+    """In one process parallel.strategy=mirrored is what auto is: the same engine on the same
+    layout, so it accepts and refuses the same values, with the same messages."""
+    from phalanx.engines.factory import refuse_before_build
     from phalanx.engines.task import GPTTask
-    from phalanx.engines.factory import build_engine
 
-    with pytest.raises(ConfigError) as err:
-        cfg = Config().replace(parallel={"strategy": "mirrored", **parallel}, model={"layers": 1, "d_model": 32,
-                                                                                  "heads": 2, "seq_len": 8})
-        build_engine(cfg, GPTTask(cfg.model))
-    assert err.value.key == key
+    def outcome(strategy):
+        try:
+            cfg = Config().replace(parallel={"strategy": strategy, **parallel},
+                                   model={"layers": 1, "d_model": 32, "heads": 2, "seq_len": 8})
+            refuse_before_build(cfg, GPTTask(cfg.model))
+        except ConfigError as err:
+            return err.key, str(err).replace(f"strategy={strategy}", "strategy=?")
+        return None
+
+    assert outcome("mirrored") == outcome("auto")
 
 
 def test_pipeline_microbatches_without_a_pipeline_are_refused():

@@ -1017,8 +1017,10 @@ MEANINGS: dict[str, str] = {
     "parallel.schedule": "pipeline schedule: gpipe, 1f1b or interleaved",
     "parallel.virtual_stages": "model chunks per pipeline rank (interleaved schedule)",
     "parallel.devices": "auto (GPUs if any, else the CPU), cpu:N (the CPU split into N logical devices) or gpu:N",
-    "parallel.strategy": "auto, mirrored, multi_worker, parameter_server or mesh (see docs/clusters.md)",
-    "parallel.zero": "ZeRO stage: 0 off; 1 optimizer state divided over the data replicas; 2 also the gradients",
+    "parallel.strategy": "auto, mirrored (one process: the run auto makes without a cluster), multi_worker, "
+                         "parameter_server or mesh (see docs/clusters.md)",
+    "parallel.zero": "ZeRO stage: 0 off; 1 optimizer state divided over the data replicas; 2 also the gradients; "
+                     "3 also the weights",
     "parallel.recompute": "activation recomputation: none, full (whole block) or selective (attention core)",
     "parallel.ep": "expert parallelism: each MoE layer's experts sharded over groups of ep data replicas (divides dp and `model.experts`)",
     "parallel.sequence_parallel": "Megatron sequence parallelism beside tp > 1: LayerNorm, dropout and residuals on sequence chunks",

@@ -97,8 +97,8 @@ def stop_agreement(cluster: Any) -> Callable[[bool], bool]:
     import tensorflow as tf
 
     strategy = getattr(cluster, "strategy", None)
-    # The workers of the cluster, not its data shards: the expert-parallel GPT feeds every worker the
-    # whole batch (data_count 1), and its workers must still stop together.
+    # The workers of the cluster: each reads the whole batch and trains its rows of it, and they
+    # must stop together.
     if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) or cluster.info.num_workers < 2:
         return bool
     return _CollectiveFlag(strategy)

@@ -2,8 +2,12 @@
 
 ``parallel.strategy``:
 
-* ``mirrored`` -- one process, data parallel over this host's devices
-  (``OneDeviceStrategy`` for one device, ``MirroredStrategy`` for several);
+* ``mirrored`` -- one process on this host's devices: the run ``auto`` makes without a
+  cluster (``phalanx train`` and ``phalanx.fit`` place the model on the configured layout with
+  the Keras-model engine, every ``parallel.*`` key honoured); a TF_CONFIG naming several
+  workers is refused. :func:`make_strategy` gives it as a ``OneDeviceStrategy`` or
+  ``MirroredStrategy`` over the first ``parallel.dp`` devices, whose devices
+  :func:`phalanx.engines.factory.build_engine` places the engine on;
 * ``multi_worker`` -- data parallel across the workers of a TF_CONFIG cluster with
   ``MultiWorkerMirroredStrategy`` (ring all-reduce on CPU, NCCL-capable ``AUTO`` on
   GPUs) set up for the Keras-model engine (below);
@@ -41,7 +45,7 @@ configured at program startup"). :func:`setup_cluster` does it all in order::
     # = info = cluster_info_from_env(); serve_if_server_task(info)  (ps-mode worker/ps
     #   tasks serve here and never return); strategy = make_strategy(cfg, info);
     #   check_batch(cfg, strategy); coordinator = make_coordinator(strategy)
-    datasets = make_datasets(cfg, setup.data_index, setup.data_count)
+    datasets = make_datasets(cfg)           # every process reads the whole global batch
 
 Example (one process, one device):
     >>> from phalanx.config import Config
@@ -121,49 +125,44 @@ def resolve_strategy_name(cfg: Any, info: ClusterInfo) -> str:
 def refuse_unhonoured(cfg: Any, name: str) -> None:
     """Raise :class:`ConfigError` for a ``parallel.*`` value the strategy ``name`` would ignore.
 
-    parameter_server runs a Keras model's whole step on one worker (:mod:`phalanx.engines.ps`):
-    whole optimizer states on the ps tasks, no activation recomputation, no pipeline
-    micro-batches, the devices the strategy finds; an explicit ``mirrored`` asks for
-    MirroredStrategy's whole copies. Only the Keras-model engine honours ``parallel.zero``,
-    ``parallel.recompute`` and ``parallel.microbatches``; silently dropping them would train
-    with more memory than asked, or differently, without a word. ``multi_worker`` is the
-    Keras-model engine on each worker's own layout (module docstring): it honours
-    ``parallel.devices``, micro-batches, tp/pp and ZeRO (sliced over every worker's replicas);
-    its own refusals apply (:func:`phalanx.engines.keras_gpt.refuse_unhonoured`).
+    Only ``parameter_server`` refuses any: it runs a Keras model's whole step on one worker
+    (:mod:`phalanx.engines.ps`): whole optimizer states on the ps tasks, no activation
+    recomputation, no pipeline micro-batches, the devices the strategy finds; silently dropping
+    ``parallel.zero``, ``parallel.recompute``, ``parallel.microbatches`` or ``parallel.devices``
+    would train with more memory than asked, or differently, without a word. Every other
+    strategy trains on the Keras-model engine, which honours them: ``mirrored`` and ``auto`` in
+    one process, ``mesh``, and ``multi_worker`` (each worker's own layout, ZeRO sliced over
+    every worker's replicas), whose own refusals apply
+    (:func:`phalanx.engines.keras_gpt.refuse_unhonoured`).
 
     >>> from phalanx.config import Config
     >>> refuse_unhonoured(Config().replace(parallel={"zero": 3}), "multi_worker")  # the Keras-model engine's
+    >>> refuse_unhonoured(Config().replace(parallel={"dp": 2, "recompute": "full"}), "mirrored")
     >>> refuse_unhonoured(Config().replace(parallel={"zero": 1}), "parameter_server")
     ... # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
     phalanx.config.ConfigError: parallel.zero: 1 is not honoured by parallel.strategy=parameter_server (...
     """
+    if name != PARAMETER_SERVER:
+        return
     p = cfg.parallel
-    if name == MULTI_WORKER:
-        return
-    # "mirrored" chosen by "auto" is not refused: in one process phalanx train builds the
-    # Keras-model engine, which honours these keys (phalanx.engines.factory.build_engine).
-    if name not in (MULTI_WORKER, PARAMETER_SERVER) and not (name == LOCAL and p.strategy == LOCAL):
-        return
-    mesh_hint = ("the Keras-model engine honours it: parallel.strategy=mesh (one process, or across workers "
-                 "under phalanx launch)" if name != LOCAL else "parallel.strategy=auto or mesh honours it")
-    why = {MULTI_WORKER: "MultiWorkerMirroredStrategy", PARAMETER_SERVER: "ParameterServerStrategy",
-           LOCAL: "MirroredStrategy"}[name]
+    hint = ("the Keras-model engine honours it: parallel.strategy=mesh (one process, or across workers under "
+            "phalanx launch)")
     if p.zero:
-        raise ConfigError("parallel.zero", f"{p.zero} is not honoured by parallel.strategy={name} ({why} keeps "
-                                           f"whole optimizer states on every replica); {mesh_hint}; or set "
-                                           f"parallel.zero=0")
+        raise ConfigError("parallel.zero", f"{p.zero} is not honoured by parallel.strategy={name} "
+                                           f"(ParameterServerStrategy keeps whole optimizer states on the ps "
+                                           f"tasks); {hint}; or set parallel.zero=0")
     if p.recompute != "none":
         raise ConfigError("parallel.recompute", f"{p.recompute!r} is not honoured by parallel.strategy={name} "
-                                                f"({why} runs Keras's own forward and backward); {mesh_hint}; "
-                                                f"or set parallel.recompute=none")
+                                                f"(ParameterServerStrategy runs Keras's own forward and "
+                                                f"backward); {hint}; or set parallel.recompute=none")
     if p.microbatches != 1:
         raise ConfigError("parallel.microbatches", f"{p.microbatches} is not honoured by parallel.strategy={name} "
                                                    f"(no pipeline to feed); use train.grad_accum="
                                                    f"{p.microbatches} to split each step's batch, or "
                                                    f"parallel.strategy=mesh with parallel.pp > 1")
-    if name != LOCAL and p.devices != "auto":
+    if p.devices != "auto":
         raise ConfigError("parallel.devices", f"{p.devices!r} is not honoured by parallel.strategy={name}: each "
                                               f"task trains on the devices it finds (its GPUs, else its CPU); "
                                               f"set parallel.devices=auto")
@@ -377,21 +376,17 @@ def is_chief(info: ClusterInfo) -> bool:
 class ClusterSetup:
     """Everything a training process needs from the cluster, built in the right order.
 
-    ``data_index`` / ``data_count``: which shard of each global batch this process feeds
-    (``make_datasets(cfg, data_index, data_count)``): the whole batch (0 of 1) in every
-    set-up: the parameter-server chief feeds every step itself, and every worker of a
-    ``multi_worker`` run on the Keras-model engine trains its own rows of the whole batch
-    (:func:`_keras_engine_setup`). ``is_chief``: this process writes checkpoints, metrics
-    and logs.
+    Every process that feeds data reads the whole global batch: the parameter-server chief
+    feeds every step itself, the chief of a mesh across workers drives every device, and every
+    worker of a ``multi_worker`` run trains its own rows of the whole batch (the engine takes
+    them and checks that the workers had the same batch: :func:`_keras_engine_setup`).
+    ``is_chief``: this process writes checkpoints, metrics and logs.
     """
 
     info: ClusterInfo
     strategy: tf.distribute.Strategy
     coordinator: Any
     name: str
-    data_index: int
-    data_count: int
-    local_batch: int
     #: mesh across workers (chief only): the mesh's device names, on every task of the cluster
     devices: tuple[str, ...] | None = None
 
@@ -431,15 +426,13 @@ def setup_cluster(cfg: Any, info: ClusterInfo | None = None, devices: Sequence[s
     if name == MESH and info.is_distributed:
         # The mesh's devices span the tasks; non-chief tasks serve in here and never return.
         devices = setup_mesh_cluster(cfg, info)
-        return ClusterSetup(info=info, strategy=None, coordinator=None, name=name, data_index=0, data_count=1,
-                            local_batch=cfg.train.global_batch, devices=tuple(devices))
+        return ClusterSetup(info=info, strategy=None, coordinator=None, name=name, devices=tuple(devices))
     if name == MULTI_WORKER:
         return _keras_engine_setup(cfg, info)
     serve_if_server_task(info)
     strategy = make_strategy(cfg, info, devices)
-    local_batch = check_batch(cfg, strategy)
-    return ClusterSetup(info=info, strategy=strategy, coordinator=make_coordinator(strategy), name=name,
-                        data_index=0, data_count=1, local_batch=local_batch)
+    check_batch(cfg, strategy)
+    return ClusterSetup(info=info, strategy=strategy, coordinator=make_coordinator(strategy), name=name)
 
 
 def _keras_engine_setup(cfg: Any, info: ClusterInfo) -> ClusterSetup:
@@ -447,8 +440,8 @@ def _keras_engine_setup(cfg: Any, info: ClusterInfo) -> ClusterSetup:
     devices for its ``parallel.*`` layout (logical CPUs split before the runtime starts), then
     a MultiWorkerMirroredStrategy for what its constructor sets up (the collectives, the
     coordination service), as :func:`phalanx.init` does for ``phalanx.fit``. Every worker
-    reads the whole global batch (data shard 0 of 1): the engine takes this worker's rows and
-    checks that every worker had the same batch."""
+    reads the whole global batch: the engine takes this worker's rows and checks that every
+    worker had the same batch."""
     p = cfg.parallel
     kind, count = parse_devices(p.devices)
     if not count:
@@ -471,5 +464,4 @@ def _keras_engine_setup(cfg: Any, info: ClusterInfo) -> ClusterSetup:
         except RuntimeError:
             pass  # the runtime has started (one process, devices made before): the engine's mesh checks the count
     strategy = multi_worker_strategy(info)
-    return ClusterSetup(info=info, strategy=strategy, coordinator=None, name=MULTI_WORKER, data_index=0,
-                        data_count=1, local_batch=cfg.train.global_batch)
+    return ClusterSetup(info=info, strategy=strategy, coordinator=None, name=MULTI_WORKER)

@@ -15,7 +15,7 @@ The model code is written for one device; this step decides how it runs on the m
 * :func:`make_engine` applies a given mesh to a model from outside:
 
   - the built-in GPT (a :class:`~phalanx.engines.task.GPTTask` or a ``ModelConfig``) ->
-    :func:`gpt_engine` (:class:`~phalanx.engines.keras_gpt.KerasGPTEngine` on that mesh);
+    :class:`~phalanx.engines.keras_gpt.KerasGPTEngine` on that mesh;
   - a user's compiled ``keras.Model`` (with ``sample_batch``) ->
     :class:`~phalanx.engines.keras_model.KerasModelEngine` (the model's own optimizer,
     loss and metrics). :func:`phalanx.fit` does this for you.
@@ -65,18 +65,12 @@ def refuse_before_build(cfg: Config, task, cluster=None) -> None:
         refuse_unhonoured(cfg, cluster.name)
         refuse_ps_gpt(cfg)
         return
-    keras_gpt_refusals(cfg)  # every other layout trains on the Keras-model engine
-    # multi_worker (each worker's own layout; ZeRO sliced over every worker's replicas), or a mesh
-    # across the workers' devices: nothing more to refuse
-    if p.ep > 1 or _worker_group_cluster(cluster) or getattr(cluster, "devices", None):
-        return
-    if cluster is not None:
-        refuse_unhonoured(cfg, cluster.name)
-    else:  # (parallel.microbatches with parallel.pp=1: config.refuse_ignored; with pp=-1: at build)
-        refuse_unhonoured(cfg, p.strategy)  # e.g. an explicit "mirrored" with parallel.zero=1
-        if p.zero and p.dp == 1:
-            raise ConfigError("parallel.zero", f"{p.zero} shards the optimizer state over the data replicas, and "
-                                               f"parallel.dp=1 has one: set parallel.dp > 1, or parallel.zero=0")
+    # every other layout trains on the Keras-model engine (any strategy it runs: one process, auto
+    # or mirrored; multi_worker, each worker's own layout; a mesh across the workers' devices)
+    keras_gpt_refusals(cfg)
+    if cluster is None and p.zero and p.dp == 1:  # (across workers ZeRO slices over every worker's replicas)
+        raise ConfigError("parallel.zero", f"{p.zero} shards the optimizer state over the data replicas, and "
+                                           f"parallel.dp=1 has one: set parallel.dp > 1, or parallel.zero=0")
 
 
 def _worker_group_cluster(cluster) -> bool:
@@ -84,11 +78,6 @@ def _worker_group_cluster(cluster) -> bool:
     set-up for the Keras-model engine (every worker reads the whole batch and trains its rows)."""
     return getattr(cluster, "name", None) == MULTI_WORKER and not getattr(cluster, "devices", None) \
         and getattr(cluster, "coordinator", None) is None
-
-
-def _refuse_microbatches(n: int) -> None:
-    raise ConfigError("parallel.microbatches", f"{n} splits a pipeline's batch, but parallel.pp=1 trains without a "
-                                               f"pipeline; use train.grad_accum={n} to split each step's batch")
 
 
 def require_gpt_task(task) -> None:
@@ -113,36 +102,17 @@ def build_engine(cfg: Config, task: GPTTask, cluster=None):
     engine. ``cluster``: what ``setup_cluster`` returned (None on one process)."""
     refuse_before_build(cfg, task, cluster)
     if cluster is None:
-        return gpt_engine(cfg, build_mesh(cfg), task)
+        return KerasGPTEngine(cfg, task, build_mesh(cfg))
     if cfg.parallel.ep > 1 or _worker_group_cluster(cluster):
         # each worker's own layout (dp, tp, pp, ep over its devices), the workers data parallel
         return _keras_gpt_across_workers(cfg, task, cluster)
     if getattr(cluster, "devices", None):  # a mesh whose devices span the workers:
         # the Keras-model engine on the remote devices (ZeRO sliced over the mesh's data replicas)
-        return gpt_engine(cfg, build_mesh(cfg, list(cluster.devices)), task)
-    if cfg.parallel.zero == 3:
-        raise ConfigError("parallel.zero", "3: ZeRO-3 (sliced weights) runs on the Keras-model engine in one "
-                                           "process or across workers, not with this run's cluster strategy; "
-                                           "use parallel.zero=2")
+        return KerasGPTEngine(cfg, task, build_mesh(cfg, list(cluster.devices)))
     if cluster.coordinator is not None:  # parameter servers, steps scheduled on the workers
         return GPTParameterServerEngine(cfg, task, cluster.strategy, cluster.coordinator, cluster.info.num_workers)
-    # a one-process set-up (mirrored): the Keras-model engine on its devices
-    return gpt_engine(cfg, build_mesh(cfg, list(cluster.strategy.extended.worker_devices)), task)
-
-
-def gpt_engine(cfg: Config, mesh: Mesh, task: GPTTask, stage_calls: bool = True) -> KerasGPTEngine:
-    """The engine that trains the built-in GPT ``task`` on ``mesh`` (driven by this process, its
-    devices local or, on a mesh spanning the workers, theirs over gRPC): :class:`KerasGPTEngine`.
-    ``stage_calls=False`` inlines every pipeline stage per micro-batch (for the memory profiler,
-    :mod:`phalanx.train.calibrate`)."""
-    if task.cfg != cfg.model:
-        raise ConfigError("model", "the GPTTask's ModelConfig differs from cfg.model; build the task from cfg.model")
-    if cfg.parallel.sequence_parallel and mesh.tp < 2:
-        raise ConfigError("parallel.sequence_parallel", f"true needs tensor parallelism: parallel.tp > 1 (the "
-                                                        f"layout has tp={mesh.tp})")
-    if cfg.parallel.microbatches != 1 and mesh.pp == 1:
-        _refuse_microbatches(cfg.parallel.microbatches)
-    return KerasGPTEngine(cfg, task, mesh, stage_calls=stage_calls)
+    # a one-process set-up (mirrored): the Keras-model engine on the strategy's devices
+    return KerasGPTEngine(cfg, task, build_mesh(cfg, list(cluster.strategy.extended.worker_devices)))
 
 
 def _keras_gpt_across_workers(cfg: Config, task: GPTTask, cluster) -> KerasGPTEngine:
@@ -182,4 +152,4 @@ def make_engine(model_or_task, mesh: Mesh, cfg: Config, sample_batch=None):
                              "compiled loss, metrics and optimizer; or train it with phalanx.fit")
         return KerasModelEngine(model_or_task, cfg, mesh, sample_batch)
     require_gpt_task(task)
-    return gpt_engine(cfg, mesh, task)
+    return KerasGPTEngine(cfg, task, mesh)

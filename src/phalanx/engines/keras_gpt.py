@@ -22,7 +22,7 @@ and not a Keras ``fit``:
   (``mixed_float16``), exactly as the parameter-server engine's;
 * **the state** has the built-in GPT's logical names (weights, ``optimizer/m/*``,
   ``optimizer/v/*``, ``optimizer/step``, ``loss_scale/*``), written per device by box: a
-  checkpoint written here resumes on any layout, the one-device engine's included, and back;
+  checkpoint written here resumes on any layout (one device included), and back;
 * **the figures**: ``train_step`` returns ``loss``, ``grad_norm``, ``lr``, ``loss_scale`` and
   ``skipped``; the MoE layers' step totals (all replicas and micro-batches) are on
   ``model`` for :mod:`phalanx.train.moe_stats`.
@@ -72,7 +72,7 @@ from phalanx.core.loss_scale import LossScale
 from phalanx.engines import keras_slots
 from phalanx.engines.keras_model import KerasModelEngine, check_zero
 from phalanx.engines.joined import JoinedVariable
-from phalanx.engines.task import GPTTask, _tf_variable, for_config
+from phalanx.engines.task import GPTTask, for_config
 from phalanx.layers import dropout as dropout_lib
 from phalanx.mesh import Mesh
 from phalanx.models import gpt as builtin
@@ -288,12 +288,7 @@ def compiled_gpt(cfg: Config, task: GPTTask, device: str, tp: int = 1, ep: int =
     model = transformer.gpt(cfg.model, tp=tp, ep=ep, seed=None, dtype_policy=task.dtype_policy,
                             sequence_parallel=cfg.parallel.sequence_parallel, dropout_seed=task.seed)
     convert = _Converter(model)
-    # the built-in initial weights (gpt.initial_weights' values, drawn in seeded tiles), each
-    # variable's part made alone: the host never holds the whole initial model
-    init = builtin.initializer(cfg.model, task.seed)
-    for name, joined in convert.joined([_tf_variable(v) for v in model.trainable_variables]).items():
-        for var, box in joined.parts:
-            var.assign(np.reshape(init(name, box), tuple(var.shape)))
+    transformer.initialize(model, cfg.model, task.seed)  # each variable's part made alone
     # each variable holds a part of one logical weight (_Converter checks it): its decay flag
     variables = model.trainable_variables
     decays = {id(variables[i]): builtin.decays(name) for name, (indices, _) in convert.parts.items()
@@ -316,7 +311,11 @@ class KerasGPTEngine:
     global batch to :meth:`train_step` and trains its rows of it, the gradients are summed across
     workers before the AdamW apply (the same update on every worker; under ZeRO each worker applies
     on its slices, the global norm summed across workers, and :meth:`before_checkpoint` gathers
-    them on every worker) and the MoE totals averaged; the experts stay within a worker. :meth:`eval_step` runs the whole batch on every worker."""
+    them on every worker) and the MoE totals averaged; the experts stay within a worker. :meth:`eval_step` runs the whole batch on every worker.
+
+    ``stage_calls``: passed to :class:`KerasModelEngine` (False traces every pipeline stage
+    inline per micro-batch, so that every op shows in the step's own graph: the memory profiler,
+    :mod:`phalanx.train.calibrate`)."""
 
     def __init__(self, cfg: Config, task: GPTTask, mesh: Mesh, workers=None, stage_calls: bool = True):
         if not isinstance(task, GPTTask):
@@ -342,7 +341,7 @@ class KerasGPTEngine:
         self.loss_scale = self.optimizer.loss_scale
         tokens = np.zeros([cfg.train.global_batch, cfg.model.seq_len], np.int32)
         self.engine = KerasModelEngine(self.model, cfg, mesh, (tokens, tokens, None), workers=workers,
-                                       stage_calls=stage_calls)  # (False: every stage inline, for calibrate)
+                                       stage_calls=stage_calls)
         # False, or what was assigned outside a step and the rest must follow: "whole" (the model's
         # weights: a mask installed, weights loaded) or "slices" (a checkpoint restored into ZeRO's slices)
         self._stale: bool | str = False
@@ -473,11 +472,9 @@ class KerasGPTEngine:
         restores into it box by box."""
         # what was assigned since the last step (a mask installed) reaches the slices before they are saved
         self._sync()
-        # Under ZeRO across workers this process holds its own slices only: the checkpoint holds the
-        # whole state, all-gathered on every worker by before_checkpoint, and a restore cuts it again.
-        sliced = self.engine.slices is not None and self.workers is None
-        # a restore assigns the weights outside a step: under ZeRO into the slices themselves
-        self._stale = "slices" if sliced else "whole"
+        # a restore assigns the weights outside a step: under ZeRO into the slices themselves (across
+        # workers the whole state, all-gathered on every worker by before_checkpoint, cut again after)
+        self._stale = "slices" if keras_slots.saved_slices(self.engine) is not None else "whole"
         variables = self.model.trainable_variables
         parts = {name: [(variables[i], box) for i, (_, box) in zip(indices, joined.parts)]
                  for name, (indices, joined) in self._convert.parts.items()}

@@ -1229,7 +1229,7 @@ class KerasModelEngine:
         """After :meth:`checkpoint_slots` were loaded: the replicas' copies follow the restored
         weights; under ZeRO (the slots were the slices) the whole copies, the model's weights and
         ``model.optimizer``'s state follow the slices."""
-        if self.slices is None or self.workers is not None:  # (across workers the slots were whole)
+        if keras_slots.saved_slices(self) is None:  # (across workers the slots were whole)
             self.sync_copies()
         else:
             self.sync_copies(from_slices=True)

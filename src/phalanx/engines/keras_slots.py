@@ -208,6 +208,15 @@ def by_prefix(variables) -> list[tuple[str, Any]]:
 # -- the shard sets -------------------------------------------------------------------------------
 
 
+def saved_slices(engine):
+    """The ZeRO slices (:mod:`phalanx.parallel.keras_zero`) that a checkpoint of ``engine`` (a
+    :class:`~phalanx.engines.keras_model.KerasModelEngine`) holds and a restore assigns, or None
+    when it holds whole variables: without ZeRO, and across workers, where a process holds its
+    own slices only and the whole state, gathered into the model and its optimizer on every
+    worker before the chief saves, is written instead."""
+    return engine.slices if getattr(engine, "workers", None) is None else None
+
+
 def shard_sets(engine, parts: dict[str, list], scalars: dict[str, Any] | None = None,
                extra: list[tuple[str, checkpoint.Slot]] = ()) -> list[checkpoint.ShardSet]:
     """The state of ``engine`` (a :class:`~phalanx.engines.keras_model.KerasModelEngine`) as one
@@ -216,10 +225,7 @@ def shard_sets(engine, parts: dict[str, list], scalars: dict[str, Any] | None = 
     (name -> variable) on the first device (None: the optimizer's own variables that are no
     element-wise slot, by their Keras path under ``optimizer/``); ``extra`` ``(device, slot)``
     as given. Sets are named by mesh coordinates (``dp{d}-pp{r}-tp{t}``), in mesh order."""
-    # Under ZeRO across workers a process holds its own slices only: the whole state, gathered
-    # into the model and its optimizer on every worker before the chief saves, is written instead.
-    zs = engine.slices if getattr(engine, "workers", None) is None else None
-    slots = _slots(engine.model, zs, engine.mesh.device(0, 0, 0), parts, scalars)
+    slots = _slots(engine.model, saved_slices(engine), engine.mesh.device(0, 0, 0), parts, scalars)
     return _by_device(engine.mesh, slots + list(extra))
 
 

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from phalanx.checkpoint import boxes
 from phalanx.config import Config, ConfigError, ModelConfig
 from phalanx.core import costs
-from phalanx.models import gpt, transformer
+from phalanx.models import transformer
 
 
 def _tf_variable(v) -> tf.Variable:
@@ -56,7 +55,7 @@ def for_config(task, cfg: Config):
 class GPTTask:
     """The built-in GPT (:func:`phalanx.models.transformer.gpt` at ``tp=1``) on int32 batches
     ``[b, seq_len + 1]``; its weights are named as :func:`phalanx.models.gpt.weight_shapes`
-    names them (:meth:`variable_parts`).
+    names them.
 
     ``dtype_policy``: the Keras policy its layers compute in. None (the default): the
     ``precision.policy`` of the config an engine trains it under (:func:`for_config`; an engine
@@ -71,28 +70,8 @@ class GPTTask:
 
     def build(self):
         """The one-device Keras model of the GPT, holding its initial weights (the values every
-        layout starts from: :func:`phalanx.models.gpt.initial_weights`)."""
-        model = transformer.gpt(self.cfg, seed=None, dtype_policy=self.dtype_policy or "float32")
-        # one tensor at a time (the values of gpt.initial_weights, drawn in seeded tiles): the
-        # host never holds the whole initial model
-        init = gpt.initializer(self.cfg, self.seed)
-        for name, parts in self.variable_parts(model).items():
-            value = init(name)
-            for var, box in parts:
-                var.assign(value[boxes.index(box)].reshape(tuple(var.shape)))
-        return model
-
-    def variable_parts(self, model) -> dict[str, list]:
-        """Logical name -> ``[(tf.Variable, box of the logical tensor it holds)]``
-        (:func:`phalanx.models.transformer.weight_parts`), in :func:`~phalanx.models.gpt.weight_shapes`
-        order (what :meth:`build` fills)."""
-        parts = transformer.weight_parts(model)
-        shapes = gpt.weight_shapes(self.cfg)
-        got = {n: transformer.built_in_shape(p) for n, p in parts.items()}
-        if list(got) != list(shapes) or any(got[n] != shapes[n] for n in shapes):
-            raise ValueError(f"model {model.name!r} does not hold the weights of model config {self.cfg}: "
-                             f"{sorted(set(got.items()) ^ set(shapes.items()))[:4]} differ")
-        return {n: [(_tf_variable(p.variable), p.box) for p in parts[n]] for n in shapes}
+        layout starts from: :func:`phalanx.models.transformer.initialize`)."""
+        return transformer.gpt(self.cfg, seed=self.seed, dtype_policy=self.dtype_policy or "float32")
 
     def flops_per_example(self) -> float:
         return costs.gpt_training_flops_per_token(self.cfg) * self.cfg.seq_len

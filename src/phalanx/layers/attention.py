@@ -28,7 +28,7 @@ from phalanx.config import ATTENTION
 from phalanx.layers import blocked_attention
 from phalanx.layers import kernels as kernels_lib
 from phalanx.layers.sharding import ShardedLayer, on_device_of
-from phalanx.layers.tensor_parallel import add_shards, dims, matmul, shard_scope, shard_values
+from phalanx.layers.tensor_parallel import add_shards, dims, matmul, shard_values
 
 _MASKED = -1e9  # added to masked scores, as keras.layers.Softmax does (float32 here)
 
@@ -141,9 +141,10 @@ class ParallelSelfAttention(ShardedLayer):
         self.bias_initializer = keras.initializers.get(bias_initializer)
         self.seed_generator = keras.random.SeedGenerator(seed) if self.dropout else None
 
-    #: what wraps the attention core when a caller of :meth:`partials` gives no ``wrap_core``:
-    #: set while a training step is traced with ``parallel.recompute=selective``
-    #: (:func:`phalanx.parallel.recompute.attention_cores`); None: the core runs as it is
+    #: what wraps the attention core ``(q, k, v) -> o`` (scores, softmax, weighted sum), e.g.
+    #: ``tf.recompute_grad``: set while a training step is traced with
+    #: ``parallel.recompute=selective`` (:func:`phalanx.parallel.recompute.attention_cores`);
+    #: None: the core runs as it is
     core_wrapper = None
 
     #: the dimension each logical weight is cut along (the head axis; None: whole)
@@ -193,52 +194,41 @@ class ParallelSelfAttention(ShardedLayer):
                     out[r][name] = value
         return out
 
-    def partials(self, xs: list, weights: list, attention_mask=None, padding_mask=None, training=None,
-                 devices=None, kernels=None, wrap_core=None) -> list:
+    def partials(self, xs: list, weights: list, attention_mask=None, padding_mask=None, training=None) -> list:
         """The per-shard partial outputs (before their sum and ``output_bias``) when shard
-        ``r`` reads input ``xs[r]`` ``[B, T, D]`` with ``weights[r]``. The one definition of
-        the attention's per-shard math: :meth:`call`, the sequence-parallel
-        :class:`~phalanx.layers.transformer.TransformerBlock` runs it.
+        ``r`` reads input ``xs[r]`` ``[B, T, D]`` with ``weights[r]`` (as :meth:`shard_weights`
+        gives them), on the device of its ``output`` value. The one definition of the
+        attention's per-shard math: :meth:`call` and the sequence-parallel
+        :class:`~phalanx.layers.transformer.TransformerBlock` run it.
 
-        ``weights[r]``: as :meth:`shard_weights` gives them (any tensors of those shapes,
-        flattened or not), or with the projections fused, ``qkv`` ``[D, (H + 2 KV) hd / tp]``
-        (columns ``[q_r | k_r | v_r]``) and ``qkv_bias``, plus ``output`` ``[H hd / tp, D]``.
-        With no ``attention_mask`` / ``padding_mask`` a causal layer's softmax is
-        ``kernels.causal_softmax``; masks go through the float32 additive-mask softmax.
-        ``devices``: shard ``r``'s device (else the device of its ``output`` value);
-        ``kernels``: default the layer's; ``wrap_core``: wraps the attention core
-        ``(q, k, v) -> o`` (scores, softmax, weighted sum), e.g. ``tf.recompute_grad``
-        (default :attr:`core_wrapper`).
+        With no ``attention_mask`` / ``padding_mask`` a causal layer's softmax is the layer's
+        ``kernels.causal_softmax``; masks go through the float32 additive-mask softmax. The
+        attention core is wrapped by :attr:`core_wrapper` when one is set.
         """
-        kernels = self.kernels if kernels is None else kernels
-        wrap_core = self.core_wrapper if wrap_core is None else wrap_core
         dropping = bool(training) and self.dropout > 0
         # Seeds drawn once, outside the shards' device scopes: the generator's state is one
         # whole variable, and each shard must drop with its own seed.
         seeds = [self.seed_generator.next() for _ in weights] if dropping else [None] * len(weights)
         parts = []
         for r, w in enumerate(weights):
-            with shard_scope(devices, r, w["output"]):
+            with on_device_of(w["output"]):
                 parts.append(self._shard(tf.cast(xs[r], self.compute_dtype), w, attention_mask, padding_mask,
-                                         seeds[r], kernels, wrap_core))
+                                         seeds[r]))
         return parts
 
-    def _shard(self, x, w, attention_mask, padding_mask, seed, kernels, wrap_core):
+    def _shard(self, x, w, attention_mask, padding_mask, seed):
         b, t, d = dims(x)
         hd, groups = self.head_dim, self.num_heads // self.num_kv_heads
         kv = self.num_kv_heads // self.tp                 # key/value heads per shard
-        if "qkv" in w:
-            y = matmul(x, w["qkv"], bias=w.get("qkv_bias"))
-            q, k, v = tf.split(y, [kv * groups * hd, kv * hd, kv * hd], axis=-1)
-            q, k, v = (tf.reshape(z, [b, t, n, hd]) for z, n in ((q, kv * groups), (k, kv), (v, kv)))
-        else:
-            def project(name, heads):
-                bias = w.get(f"{name}_bias")
-                y = matmul(x, tf.reshape(w[name], [d, heads * hd]),
-                           bias=None if bias is None else tf.reshape(bias, [heads * hd]))
-                return tf.reshape(y, [b, t, heads, hd])
+        kernels, wrap_core = self.kernels, self.core_wrapper
 
-            q, k, v = project("query", kv * groups), project("key", kv), project("value", kv)
+        def project(name, heads):
+            bias = w.get(f"{name}_bias")
+            y = matmul(x, tf.reshape(w[name], [d, heads * hd]),
+                       bias=None if bias is None else tf.reshape(bias, [heads * hd]))
+            return tf.reshape(y, [b, t, heads, hd])
+
+        q, k, v = project("query", kv * groups), project("key", kv), project("value", kv)
         if self.rope_max_wavelength is not None:
             q = rotary(q, self.rope_max_wavelength, self.rope_scaling_factor)
             k = rotary(k, self.rope_max_wavelength, self.rope_scaling_factor)

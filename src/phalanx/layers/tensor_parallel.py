@@ -72,17 +72,11 @@ def matmul(x, w, transpose_b: bool = False, bias=None):
     return y if x.shape.rank == 2 else tf.reshape(y, dims(x)[:-1] + [n])
 
 
-def shard_scope(devices, r: int, anchor):
-    """The device scope of shard ``r``: ``devices[r]`` when the caller names the devices, else the device ``anchor`` (a value of shard ``r``) was made on."""
-    return tf.device(devices[r]) if devices else on_device_of(anchor)
-
-
-def add_shards(parts, device_of, devices=None):
-    """The sum of per-shard partial results, on shard 0's device (``devices[0]`` when given,
-    else the device of ``device_of``)."""
+def add_shards(parts, device_of):
+    """The sum of per-shard partial results, on shard 0's device (the device of ``device_of``)."""
     if len(parts) == 1:
         return parts[0]
-    with shard_scope(devices, 0, device_of):
+    with on_device_of(device_of):
         return tf.add_n(parts)
 
 
@@ -309,24 +303,23 @@ class VocabParallelEmbedding(ShardedLayer):
                 "embeddings_initializer": _serialize(self.embeddings_initializer)}
 
 
-def embedding_lookup(ids, tables, devices=None):
+def embedding_lookup(ids, tables):
     """Rows ``ids`` of the table cut into ``tables`` (shards of rows, rank order), in the
-    tables' dtype: shard ``r`` looks up the ids in its range on its device (zeros for the
-    others) and the lookups are summed on shard 0's device (:class:`VocabParallelEmbedding`).
-    ``devices``: shard ``r``'s device, or None to follow the tables' devices."""
+    tables' dtype: shard ``r`` looks up the ids in its range on its table's device (zeros for
+    the others) and the lookups are summed on shard 0's device (:class:`VocabParallelEmbedding`)."""
     ids = tf.cast(ids, "int32")
     if len(tables) == 1:
-        with shard_scope(devices, 0, tables[0]):
+        with on_device_of(tables[0]):
             return tf.gather(tables[0], ids)
     rows = tables[0].shape[0]
     parts = []
     for r, table in enumerate(tables):
-        with shard_scope(devices, r, table):
+        with on_device_of(table):
             local = ids - r * rows
             mine = (local >= 0) & (local < rows)
             found = tf.gather(table, tf.where(mine, local, 0))
             parts.append(found * tf.cast(mine, found.dtype)[..., None])
-    return add_shards(parts, tables[0], devices)
+    return add_shards(parts, tables[0])
 
 
 _VOCAB_MARK = "_phalanx_vocab_shards"  # set on a vocab-parallel head's concat op: its tp
@@ -372,21 +365,21 @@ def vocab_logit_shards(y, tp: int):
     return None
 
 
-def shard_logits_cross_entropy(logits: list, labels, devices=None, anchors=None):
+def shard_logits_cross_entropy(logits: list, labels, anchors=None):
     """Per-token cross-entropy ``-log softmax(z)[label]`` of the logits ``z`` cut by
     vocabulary into ``logits`` (shard ``r``'s ``[..., vocab/tp]``, rank order), without
     joining them: each shard reduces its logits to a max, then (after the global max, on
     shard 0's device) a sum of exps and the target logit when the label is in its range;
     shard 0 combines ``max + log(sum of sums) - target``. Only those per-token scalars
     cross devices. The logits are read in float32; the result ``[...]`` (float32) is on
-    shard 0's device. Equal to ``keras.losses.sparse_categorical_crossentropy(labels,
+    shard 0's device. Shard ``r``'s ops run on the device of ``anchors[r]``. Equal to ``keras.losses.sparse_categorical_crossentropy(labels,
     concat(logits), from_logits=True)``.
 
     Args:
         logits: the shard logits.
         labels: ``[...]`` integer targets in ``[0, vocab)``.
-        devices: shard ``r``'s device, or None to follow ``anchors[r]`` (default: the shard
-            logits themselves).
+        anchors: a value of each shard, whose device the shard's ops run on (default: the
+            shard logits themselves).
 
     Example:
         >>> import numpy as np
@@ -403,22 +396,22 @@ def shard_logits_cross_entropy(logits: list, labels, devices=None, anchors=None)
     rows = logits[0].shape[-1]
     floats, maxes = [], []
     for r, z in enumerate(logits):
-        with shard_scope(devices, r, anchors[r]):
+        with on_device_of(anchors[r]):
             z = tf.cast(z, "float32")
             floats.append(z)
             maxes.append(tf.reduce_max(z, axis=-1))
-    with shard_scope(devices, 0, anchors[0]):
+    with on_device_of(anchors[0]):
         # A shift for a stable log-sum-exp; its gradient cancels exactly, so none flows.
         top = tf.stop_gradient(tf.reduce_max(tf.stack(maxes), axis=0))
     sums, targets = [], []
     for r, z in enumerate(floats):
-        with shard_scope(devices, r, anchors[r]):
+        with on_device_of(anchors[r]):
             sums.append(tf.reduce_sum(tf.exp(z - top[..., None]), axis=-1))
             local = labels - r * rows
             mine = (local >= 0) & (local < rows)
             picked = tf.gather(z, tf.where(mine, local, 0)[..., None], batch_dims=labels.shape.rank)[..., 0]
             targets.append(picked * tf.cast(mine, z.dtype))
-    with shard_scope(devices, 0, anchors[0]):
+    with on_device_of(anchors[0]):
         return top + tf.math.log(add_shards(sums, anchors[0])) - add_shards(targets, anchors[0])
 
 
@@ -426,11 +419,11 @@ _REDUCTIONS = ("sum_over_batch_size", "mean_with_sample_weight", "sum", "none")
 
 
 def vocab_parallel_cross_entropy(hidden, table, labels, sample_weight=None, reduction: str = "sum_over_batch_size",
-                                 transposed: bool = False, devices=None, kernels=None):
+                                 transposed: bool = False, kernels=None):
     """Token cross-entropy of the tied-head logits ``hidden @ table^T`` against ``labels``,
     computed shard by shard so the full logits are never on one device.
 
-    Shard ``r`` forms its logits ``[..., vocab/tp]`` (float32) on its device and reduces them
+    Shard ``r`` forms its logits ``[..., vocab/tp]`` (float32) on its shard's device and reduces them
     to a max, then (after the global max is known, on shard 0's device) a sum of exps and the
     target logit when the label is in its range; shard 0 combines
     ``loss = max + log(sum of sums) - target``. Equal to
@@ -446,7 +439,6 @@ def vocab_parallel_cross_entropy(hidden, table, labels, sample_weight=None, redu
         reduction: as a Keras loss: ``"sum_over_batch_size"`` (sum of weighted losses / number
             of tokens), ``"mean_with_sample_weight"`` (/ sum of weights), ``"sum"`` or ``"none"``.
             Unlike a Keras loss object it does not rescale under a distribution strategy.
-        devices: shard ``r``'s device, or None to follow the shards' devices.
         kernels: the :class:`~phalanx.layers.kernels.Kernels` of the one-shard loss (the
             whole logits on one device, in the compute dtype of ``hidden``).
 
@@ -476,16 +468,16 @@ def vocab_parallel_cross_entropy(hidden, table, labels, sample_weight=None, redu
     raw = not isinstance(table, VocabParallelEmbedding) and hidden.dtype.is_floating
     dtype = hidden.dtype if raw else shards[0].dtype
     if len(shards) == 1:
-        with shard_scope(devices, 0, shards[0]):
+        with on_device_of(shards[0]):
             z = matmul(tf.cast(hidden, dtype), shards[0], transpose_b=not transposed)
             losses = kernels_lib.get(kernels).cross_entropy(z, labels)
     else:
         logits = []
         for r, table_r in enumerate(shards):
-            with shard_scope(devices, r, table_r):
+            with on_device_of(table_r):
                 logits.append(tf.cast(matmul(tf.cast(hidden, dtype), table_r, transpose_b=not transposed), "float32"))
-        losses = shard_logits_cross_entropy(logits, labels, devices, anchors=shards)
-    with shard_scope(devices, 0, shards[0]):
+        losses = shard_logits_cross_entropy(logits, labels, anchors=shards)
+    with on_device_of(shards[0]):
         if reduction == "none":
             return losses if sample_weight is None else losses * tf.cast(sample_weight, losses.dtype)
         weight = tf.ones_like(losses) if sample_weight is None else tf.cast(sample_weight, losses.dtype)
@@ -562,20 +554,17 @@ class ParallelMLP(ShardedLayer):
                     out[r][name] = value
         return out
 
-    def partials(self, xs: list, weights: list, devices=None, kernels=None) -> list:
+    def partials(self, xs: list, weights: list) -> list:
         """The per-shard partial outputs (before their sum and ``down_bias``) when shard
-        ``r`` reads input ``xs[r]`` with ``weights[r]`` (as :meth:`shard_weights` gives them;
-        any tensors of those shapes, e.g. an engine's own shard variables). The one
-        definition of the MLP's per-shard math: :meth:`call`, the sequence-parallel
-        :class:`~phalanx.layers.transformer.TransformerBlock` runs it.
-
-        ``devices``: shard ``r``'s device (else the device of its ``down`` value);
-        ``kernels``: the :class:`~phalanx.layers.kernels.Kernels` (default the layer's).
+        ``r`` reads input ``xs[r]`` with ``weights[r]`` (as :meth:`shard_weights` gives them),
+        on the device of its ``down`` value. The one definition of the MLP's per-shard math:
+        :meth:`call` and the sequence-parallel
+        :class:`~phalanx.layers.transformer.TransformerBlock` run it.
         """
-        kernels = self.kernels if kernels is None else kernels
+        kernels = self.kernels
         parts = []
         for r, w in enumerate(weights):
-            with shard_scope(devices, r, w["down"]):
+            with on_device_of(w["down"]):
                 x = tf.cast(xs[r], self.compute_dtype)
                 h = matmul(x, w["up"])
                 if self.gated:

@@ -64,7 +64,7 @@ from phalanx.layers.attention import ParallelSelfAttention
 from phalanx.layers.kernels import gelu_approximate
 from phalanx.layers.moe import MoE
 from phalanx.layers.sharding import ShardedLayer, on_device_of, shard_values
-from phalanx.layers.tensor_parallel import ParallelMLP, concat_pieces, shard_scope
+from phalanx.layers.tensor_parallel import ParallelMLP, concat_pieces
 
 __all__ = ["LayerNorm", "PositionEmbedding", "TransformerBlock", "sequence_chunks",
            "gelu_approximate"]  # (the GPT's activation, defined with the kernels)
@@ -103,14 +103,13 @@ class LayerNorm(ShardedLayer):
         self.gamma = self.add_logical_weight("gamma", (d,), None, initializer="ones")[0]
         self.beta = self.add_logical_weight("beta", (d,), None, initializer="zeros")[0]
 
-    def normalize(self, x, gamma=None, beta=None, kernels=None):
-        """``x`` normalised with this layer's ``gamma``/``beta`` or the given tensors (an
-        engine's own), by ``kernels`` (default the layer's), in the compute dtype."""
+    def normalize(self, x, gamma=None, beta=None):
+        """``x`` normalised with this layer's ``gamma``/``beta`` (or the given tensors: the values
+        read once for a call), by the layer's kernels, in the compute dtype."""
         gamma = _read(self.gamma) if gamma is None else gamma
         beta = _read(self.beta) if beta is None else beta
-        kernels = self.kernels if kernels is None else kernels
         with tf.name_scope("layer_norm"):
-            return kernels.layer_norm(tf.cast(x, self.compute_dtype), gamma, beta, self.epsilon)
+            return self.kernels.layer_norm(tf.cast(x, self.compute_dtype), gamma, beta, self.epsilon)
 
     def call(self, inputs):
         return self.normalize(inputs)
@@ -342,16 +341,14 @@ class TransformerBlock(ShardedLayer):
             return x
         return dropout_lib.dropout(x, self.dropout, key, row_offset, position_offset)
 
-    def _site_keys(self, training, dropout_key) -> list:
-        """The keys of the block's two dropout sites (attention, MLP) for this call: folded from
-        ``dropout_key`` (an engine's, e.g. from the seed, the step and the layer) or from the
-        block's seed state (:class:`~phalanx.layers.dropout.DropoutContext`: one call per step);
-        None when nothing is dropped."""
+    def _site_keys(self, training) -> list:
+        """The keys of the block's two dropout sites (attention, MLP) for this call, folded from
+        the block's seed state (:class:`~phalanx.layers.dropout.DropoutContext`: one call per
+        step); None when nothing is dropped."""
         if not (training and self.dropout):
             return [None, None]
-        if dropout_key is None:
-            dropout_key = self.dropout_context.key()
-        return [dropout_lib.fold(dropout_key, site) for site in (0, 1)]
+        key = self.dropout_context.key()
+        return [dropout_lib.fold(key, site) for site in (0, 1)]
 
     def own_weights(self) -> dict:
         """The block's weights as tensors on their devices, the ``weights`` of :meth:`forward`:
@@ -373,39 +370,31 @@ class TransformerBlock(ShardedLayer):
         rows = self.dropout_context.row_offset() if training and self.dropout else 0
         return self.forward(inputs, self.own_weights(), padding_mask, attention_mask, training, row_offset=rows)
 
-    def forward(self, x, weights: dict, padding_mask=None, attention_mask=None, training=None, devices=None,
-                kernels=None, wrap_core=None, dropout_key=None, row_offset=0):
-        """The block on ``x [B, T, D]`` with ``weights`` (as :meth:`own_weights` gives them, or
-        an engine's own tensors of those shapes: the attention's may have the fused ``qkv``,
-        see :meth:`~phalanx.layers.attention.ParallelSelfAttention.partials`). ``devices``:
-        the device of each tensor rank (when the caller places them), else the weights' devices;
-        ``kernels`` (default the block's) and ``wrap_core`` as for the attention's ``partials``.
-        The residual stream, the LayerNorms and the output sums run on rank 0's device, or
-        with sequence parallelism on the ranks' sequence chunks. ``dropout_key`` (a uint32
-        scalar, :func:`phalanx.layers.dropout.fold`) and ``row_offset`` (the first row of ``x``
-        in the whole batch) key the dropout masks (training only); without a key each call
-        draws one from the block's seed generator."""
+    def forward(self, x, weights: dict, padding_mask=None, attention_mask=None, training=None, row_offset=0):
+        """The block on ``x [B, T, D]`` with ``weights`` (as :meth:`own_weights` gives them), each
+        tensor rank's work on the device of its weights. The residual stream, the LayerNorms and
+        the output sums run on rank 0's device, or with sequence parallelism on the ranks'
+        sequence chunks. ``row_offset`` (the first row of ``x`` in the whole batch) and the
+        block's seed state key the dropout masks (training only)."""
         x = tf.cast(x, self.compute_dtype)
-        kernels = self.kernels if kernels is None else kernels
         anchors = [w["output"] for w in weights["attention"]]
 
         def scope(r):
-            return shard_scope(devices, r, anchors[r])
+            return on_device_of(anchors[r])
 
         t = x.shape[1]
         if self.sequence_parallel and self.tp > 1 and t is not None and t % self.tp == 0:
-            return self._forward_sequence_parallel(x, weights, padding_mask, attention_mask, training, devices,
-                                                   kernels, wrap_core, scope, dropout_key, row_offset)
-        keys = self._site_keys(training, dropout_key)
+            return self._forward_sequence_parallel(x, weights, padding_mask, attention_mask, training, scope,
+                                                   row_offset)
+        keys = self._site_keys(training)
         with scope(0):
-            h = self.ln1.normalize(x, *weights["ln1"], kernels=kernels)
-        parts = self.attention.partials([h] * self.tp, weights["attention"], attention_mask, padding_mask, training,
-                                        devices, kernels, wrap_core)
+            h = self.ln1.normalize(x, *weights["ln1"])
+        parts = self.attention.partials([h] * self.tp, weights["attention"], attention_mask, padding_mask, training)
         with scope(0):
             x = x + self._drop(_sum(parts, weights["attention_bias"]), keys[0], row_offset)
-            h = self.ln2.normalize(x, *weights["ln2"], kernels=kernels)
+            h = self.ln2.normalize(x, *weights["ln2"])
         if self.moe is None:
-            parts = self.mlp.partials([h] * self.tp, weights["mlp"], devices, kernels)
+            parts = self.mlp.partials([h] * self.tp, weights["mlp"])
             with scope(0):
                 m = _sum(parts, weights["mlp_bias"])
         else:
@@ -413,11 +402,10 @@ class TransformerBlock(ShardedLayer):
         with scope(0):
             return x + self._drop(m, keys[1], row_offset)
 
-    def _forward_sequence_parallel(self, x, weights, padding_mask, attention_mask, training, devices, kernels,
-                                   wrap_core, scope, dropout_key=None, row_offset=0):
+    def _forward_sequence_parallel(self, x, weights, padding_mask, attention_mask, training, scope, row_offset=0):
         n = self.tp
         chunks = sequence_chunks(x, n)
-        keys, span = self._site_keys(training, dropout_key), x.shape[1] // n  # chunk r: positions [r*span, ...)
+        keys, span = self._site_keys(training), x.shape[1] // n  # chunk r: positions [r*span, ...)
 
         def on_chunks(fn, *lists):
             out = []
@@ -429,14 +417,13 @@ class TransformerBlock(ShardedLayer):
         def all_gather(pieces):
             return on_chunks(lambda r: tf.concat(pieces, axis=1))
 
-        h = on_chunks(lambda r, c: self.ln1.normalize(c, *weights["ln1"], kernels=kernels), chunks)
-        parts = self.attention.partials(all_gather(h), weights["attention"], attention_mask, padding_mask, training,
-                                        devices, kernels, wrap_core)
+        h = on_chunks(lambda r, c: self.ln1.normalize(c, *weights["ln1"]), chunks)
+        parts = self.attention.partials(all_gather(h), weights["attention"], attention_mask, padding_mask, training)
         a = _reduce_scatter(parts, scope, weights["attention_bias"])
         x = on_chunks(lambda r, c, y: c + self._drop(y, keys[0], row_offset, r * span), chunks, a)
-        h = on_chunks(lambda r, c: self.ln2.normalize(c, *weights["ln2"], kernels=kernels), x)
+        h = on_chunks(lambda r, c: self.ln2.normalize(c, *weights["ln2"]), x)
         if self.moe is None:
-            parts = self.mlp.partials(all_gather(h), weights["mlp"], devices, kernels)
+            parts = self.mlp.partials(all_gather(h), weights["mlp"])
             m = _reduce_scatter(parts, scope, weights["mlp_bias"])
         else:  # routing capacity and the balancing loss are defined over the whole call
             with scope(0):

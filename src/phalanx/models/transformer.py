@@ -50,7 +50,7 @@ from phalanx.layers.kernels import Kernels
 from phalanx.layers.tensor_parallel import ColumnParallelDense, VocabParallelEmbedding
 from phalanx.layers.transformer import LayerNorm, PositionEmbedding, TransformerBlock, gelu_approximate
 from phalanx.models import gpt_ops
-from phalanx.models.gpt import INIT_STD, initial_weights, weight_shapes
+from phalanx.models.gpt import INIT_STD, initializer, weight_shapes
 from phalanx.models.gpt_ops import LAYER_NORM_EPS
 
 
@@ -112,7 +112,7 @@ def gpt(cfg: ModelConfig, tp: int = 1, ep: int = 1, sequence_parallel: bool = Fa
                                      dtype=policy)(x)
     model = keras.Model(tokens, logits, name=name)
     if seed is not None:
-        load_gpt_weights(model, initial_weights(cfg, seed))
+        initialize(model, cfg, seed)
     return model
 
 
@@ -229,8 +229,8 @@ def weight_parts(model) -> dict[str, list[Part]]:
     """The built-in GPT's weights (:func:`~phalanx.models.gpt.weight_shapes` names and order)
     on ``model``'s variables (a :func:`gpt` model, any ``tp`` / ``ep``): for each name the
     :class:`Part` s that hold it. The one mapping between the two namings:
-    :func:`gpt_weights`, :func:`load_gpt_weights`, the engines' logical state and
-    :meth:`phalanx.engines.task.GPTTask.build` read it.
+    :func:`gpt_weights`, :func:`load_gpt_weights`, :func:`initialize` and the engines' logical
+    state read it.
 
     Example:
         >>> cfg = ModelConfig(layers=1, d_model=8, heads=2, ffn=16, vocab=16, seq_len=4)
@@ -310,6 +310,33 @@ def load_gpt_weights(model, weights: dict) -> None:
             p.variable.assign(value[boxes.index(p.box)].reshape(p.variable.shape))
 
 
+def initialize(model, cfg: ModelConfig, seed: int) -> None:
+    """Assign the built-in GPT's initial weights to ``model`` (a :func:`gpt` model of ``cfg``, any
+    ``tp`` / ``ep``): the values of :func:`phalanx.models.gpt.initial_weights` ``(cfg, seed)``,
+    the weights every phalanx engine starts from, each variable's part made alone
+    (:func:`phalanx.models.gpt.initializer`), so the host never holds a whole initial tensor of a
+    sharded weight.
+
+    Example:
+        >>> from phalanx.models.gpt import initial_weights
+        >>> cfg = ModelConfig(layers=1, d_model=8, heads=2, ffn=16, vocab=16, seq_len=4)
+        >>> model = gpt(cfg, tp=2, seed=None)
+        >>> initialize(model, cfg, seed=3)
+        >>> want = initial_weights(cfg, 3)
+        >>> all(np.array_equal(got, want[name]) for name, got in gpt_weights(model).items())
+        True
+    """
+    parts, shapes = weight_parts(model), weight_shapes(cfg)
+    got = {name: built_in_shape(held) for name, held in parts.items()}
+    if got != shapes:
+        raise ValueError(f"initialize: model {model.name!r} does not hold the weights of model config {cfg}: "
+                         f"{sorted(set(got.items()) ^ set(shapes.items()))[:4]} differ")
+    init = initializer(cfg, seed)
+    for name, held in parts.items():
+        for p in held:
+            p.variable.assign(np.reshape(init(name, p.box), tuple(p.variable.shape)))
+
+
 def check_tp(cfg: ModelConfig, tp: int) -> None:
     """Raise ``ValueError`` naming the model dim that ``tp`` does not divide."""
     for key, value in (("model.heads", cfg.heads), ("model.ffn", cfg.ffn_dim), ("model.vocab", cfg.vocab)):
@@ -317,5 +344,5 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
             raise ValueError(f"parallel.tp={tp} does not divide {key}={value}")
 
 
-__all__ = ["gpt", "blocks", "weight_parts", "Part", "gpt_weights", "load_gpt_weights", "check_tp",
+__all__ = ["gpt", "blocks", "weight_parts", "Part", "gpt_weights", "load_gpt_weights", "initialize", "check_tp",
            "FusedKernels", "FUSED"]

@@ -1,8 +1,8 @@
 """What phalanx's engines run, as the planner needs to know it.
 
 The planner can model more than the engines run (the ``zb`` schedule, sequence parallelism for
-the mixture-of-experts GPT or without ``tp > 1`` dividing the sequence, ZeRO-3 across nodes,
-and expert parallelism across nodes). Such a layout is *plan only*: shown in its
+the mixture-of-experts GPT or without ``tp > 1`` dividing the sequence, and expert parallelism
+across nodes that is not within each node, or with ZeRO). Such a layout is *plan only*: shown in its
 own labelled list, never proposed as the best. What is runnable is read from the engines' own
 rules where they can be probed:
 
@@ -11,7 +11,7 @@ rules where they can be probed:
   (3: weights sliced too) run on the Keras-model engine
   (:class:`~phalanx.engines.keras_model.KerasModelEngine`, :mod:`phalanx.parallel.keras_zero`),
   ``phalanx train``'s for the built-in GPT and ``phalanx.fit``'s, in one process and across
-  nodes (:data:`KERAS_ZERO_ACROSS_NODES`), with expert parallelism up to :data:`KERAS_EP_ZERO`;
+  nodes (sliced over every worker's replicas), with expert parallelism too (in one node);
 * the stage split: the engine's cost-balanced :func:`phalanx.parallel.partition.partition`
   over :func:`phalanx.core.costs.layer_costs` (FLOPs per token of each block,
   the embedding and the head), not equal layer counts;
@@ -20,10 +20,10 @@ rules where they can be probed:
   reduce-scatter (replica ``d`` sums slice ``d``); only ``parallel.strategy=multi_worker``
   sums across workers with TensorFlow's collective RING all-reduce (the engine's worker group,
   :mod:`phalanx.engines.keras_cluster`);
-* the mixture-of-experts GPT: four flags, :data:`GPT_EXPERT_PARALLEL`, :data:`GPT_EP_WITH_TP_PP`,
-  :data:`GPT_EP_WITH_ZERO` and :data:`GPT_EP_WITH_RECOMPUTE`, stated here because the refusals sit
-  inside the engines' constructors; ``tests/test_plan_engine.py`` checks each against the engine's refusal,
-  so when an engine learns one the test says which flag to flip.
+* the mixture-of-experts GPT: expert parallelism with tp, pp, ZeRO 1-3 and recomputation runs
+  on the Keras-model engine; across nodes the experts are sharded within a node (ep divides a
+  node's data replicas) and ZeRO is not combined with ep (:func:`plan_only_reasons`);
+  ``tests/test_plan_engine.py`` builds the engine for each layout said to run.
 
 Example:
     >>> from phalanx.core.costs import ModelSpec
@@ -45,101 +45,11 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
 
 from phalanx.config import ConfigError, SCHEDULES, from_dict
 from phalanx.core.costs import layer_costs
 from phalanx.parallel.partition import partition
-
-
-# What the built-in GPT's engines run for a mixture-of-experts model (``model.experts``).
-# Flip a flag when the engine runs it: the planner then proposes those layouts.
-# True: `phalanx train` runs dp x ep for the MoE GPT (engines/factory.py build_engine routes
-# parallel.ep > 1 to engines/keras_gpt.py KerasGPTEngine), in one process (its devices: one node).
-GPT_EXPERT_PARALLEL = True
-# True: that engine runs ep with tp and pp too (it cuts the GPT into tensor shards and stages).
-GPT_EP_WITH_TP_PP = True
-# True: that engine runs ep with ZeRO (the AdamW moments, at parallel.zero=2 the gradients, at 3
-# the weights, cut into slices over the data replicas, engines/keras_model.py) up to KERAS_EP_ZERO.
-GPT_EP_WITH_ZERO = True
-# True: that engine runs ep with parallel.recompute=full|selective (parallel/recompute.py).
-GPT_EP_WITH_RECOMPUTE = True
-# The highest ZeRO stage the Keras-model engine runs with ep (at 3 an expert shard is gathered from
-# its slices, one per ep group, on the group's replica that holds it: engines/keras_model.py), for
-# phalanx train and phalanx.fit.
-KERAS_EP_ZERO = 3
-# True: the Keras-model engine runs ZeRO 1-3 across nodes: under parallel.strategy=multi_worker it
-# slices over the data replicas of every worker (parallel/keras_zero.py: workers x local replicas
-# slices, gradients all-reduced across workers and cut, slices all-gathered; engines/keras_cluster.py),
-# and under parallel.strategy=mesh over the data replicas of a mesh spanning the workers' devices
-# (tests/test_cluster_train.py), so ZeRO-3 layouts across nodes are not plan only. False would list
-# them as "ZeRO-3 across nodes" again.
-KERAS_ZERO_ACROSS_NODES = True
-
-
-# -- which engine trains the built-in GPT -----------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GPTRun:
-    """What decides the engine of a built-in GPT run: its keys and the cluster it runs in.
-
-    ``cluster``: the strategy a cluster was set up for (``multi_worker``, ``parameter_server``,
-    ``mesh`` for a mesh whose devices span the workers), None in one process.
-
-    >>> GPTRun(dp=2, zero=3, recompute="selective").old_engine_reasons()
-    []
-    >>> GPTRun(dp=2, tp=2).engine(), GPTRun(dp=2, zero=2, recompute="full").engine(), GPTRun(prune=True, dropout=0.1).engine()
-    ('keras', 'keras', 'keras')
-    """
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    zero: int = 0
-    recompute: str = "none"
-    prune: bool = False
-    dropout: float = 0.0
-    ep: int = 1
-    strategy: str = "auto"
-    cluster: str | None = None
-
-    @classmethod
-    def of(cls, cfg: Any, tp: int | None = None, pp: int | None = None, cluster: str | None = None) -> "GPTRun":
-        """From a :class:`~phalanx.config.Config` (``tp``/``pp``: the resolved degrees, default
-        the config's)."""
-        p = cfg.parallel
-        return cls(dp=p.dp, tp=p.tp if tp is None else tp, pp=p.pp if pp is None else pp, zero=p.zero,
-                   recompute=p.recompute, prune=cfg.train.prune.target > 0, dropout=cfg.model.dropout, ep=p.ep,
-                   strategy=p.strategy, cluster=cluster)
-
-    def old_engine_reasons(self) -> list[str]:
-        """Why this run needs another engine than the Keras-model engine (the rows of
-        :data:`OLD_ENGINE_ROWS` that apply)."""
-        return [f"{key}={getattr(self, attr)}: {why}" for key, attr, applies, why in OLD_ENGINE_ROWS
-                if applies(self)]
-
-    def engine(self) -> str:
-        """``keras`` (:class:`~phalanx.engines.keras_gpt.KerasGPTEngine`, the Keras-model
-        engine), or ``parameter_server`` when a row of :data:`OLD_ENGINE_ROWS` applies (a
-        parameter-server cluster: its own engine)."""
-        if self.ep > 1 or not self.old_engine_reasons():
-            return "keras"  # (expert parallelism refuses there what it cannot run)
-        return "parameter_server"
-
-
-#: The runs of the built-in GPT that ``phalanx train`` does not train on the Keras-model engine
-#: (``engines/keras_gpt.py``): ``(key, GPTRun field, applies, why)``; :meth:`GPTRun.engine`.
-#: Every other run (one device, dp, tp, pp with any schedule, sequence parallelism, grad
-#: accumulation, mixed precision, ZeRO-1/2/3, recomputation, dropout, pruning, the MoE GPT, and
-#: across workers with ``parallel.strategy=multi_worker``, each worker's own layout) trains there
-#: (across workers, a run a row applies to is refused: ``engines/factory.py`` refuse_before_build).
-OLD_ENGINE_ROWS: tuple = (
-    ("parallel.strategy", "cluster", lambda r: r.cluster == "parameter_server",
-     "parameter servers run on their own engine"),
-)
 
 
 @lru_cache(maxsize=None)
@@ -172,39 +82,23 @@ def plan_only_reasons(m, lay, hw=None) -> list[str]:
     reasons = []
     if lay.zero not in engine_zero_stages():
         reasons.append(f"ZeRO-{lay.zero} (the engines run parallel.zero {', '.join(map(str, engine_zero_stages()))})")
-    elif lay.zero == 3 and hw is not None and lay.devices > hw.devices_per_node and not KERAS_ZERO_ACROSS_NODES:
-        reasons.append(f"ZeRO-3 across nodes ({lay.devices} devices, {hw.devices_per_node} per node: the "
-                       f"Keras-model engine slices over the data replicas of one process)")
     if lay.pp > 1 and lay.schedule not in engine_schedules():
         reasons.append(f"the {lay.schedule} schedule (the executor runs {', '.join(engine_schedules())})")
     if lay.sequence_parallel and (lay.tp < 2 or m.seq_len % lay.tp or m.experts):
         reasons.append("sequence parallelism without tp > 1 dividing the sequence, or with experts (the engine "
                        "runs it for the dense GPT)")
-    if m.experts and lay.ep > 1:
-        if not GPT_EXPERT_PARALLEL:
-            reasons.append(f"expert parallelism parallel.ep={lay.ep} for the built-in GPT (phalanx train refuses "
-                           f"parallel.ep > 1: its experts train data parallel; ep runs for Keras models with "
-                           f"phalanx.layers.MoE(ep=...) through phalanx.fit)")
-        elif (lay.tp > 1 or lay.pp > 1) and not GPT_EP_WITH_TP_PP:
-            reasons.append(f"expert parallelism parallel.ep={lay.ep} with tp/pp (phalanx train runs ep as dp x ep "
-                           f"only)")
-        elif (lay.zero > (KERAS_EP_ZERO if GPT_EP_WITH_ZERO else 0)
-              or (lay.recompute != "none" and not GPT_EP_WITH_RECOMPUTE)):
-            reasons.append(f"expert parallelism parallel.ep={lay.ep} with ZeRO-{lay.zero}/recompute "
-                           f"{lay.recompute} (the engines run ep with dp, tp, pp"
-                           f"{f' and ZeRO up to {KERAS_EP_ZERO}' if GPT_EP_WITH_ZERO else ''} only)")
-        elif hw is not None and lay.dp * lay.tp * lay.pp > hw.devices_per_node:
-            # Across nodes (phalanx launch, multi_worker): parallel.* is each node's own layout, the
-            # experts sharded over the node's own data replicas, the nodes data parallel.
-            per_node = lay.tp * lay.pp
-            local_dp = hw.devices_per_node // per_node if hw.devices_per_node % per_node == 0 else 0
-            if not local_dp or local_dp % lay.ep or lay.dp % local_dp:
-                reasons.append(f"expert parallelism parallel.ep={lay.ep} across nodes (phalanx train shards the "
-                               f"experts within one node: ep must divide the data replicas of a node, "
-                               f"{local_dp or 'none'} here)")
-            elif lay.zero and (lay.zero < 3 or KERAS_ZERO_ACROSS_NODES):  # (ZeRO-3 across nodes: said above)
-                reasons.append(f"ZeRO-{lay.zero} with expert parallelism across nodes (the Keras-model engine "
-                               f"slices expert shards over the replicas of one process only)")
+    if m.experts and lay.ep > 1 and hw is not None and lay.dp * lay.tp * lay.pp > hw.devices_per_node:
+        # Across nodes (phalanx launch, multi_worker): parallel.* is each node's own layout, the
+        # experts sharded over the node's own data replicas, the nodes data parallel.
+        per_node = lay.tp * lay.pp
+        local_dp = hw.devices_per_node // per_node if hw.devices_per_node % per_node == 0 else 0
+        if not local_dp or local_dp % lay.ep or lay.dp % local_dp:
+            reasons.append(f"expert parallelism parallel.ep={lay.ep} across nodes (phalanx train shards the "
+                           f"experts within one node: ep must divide the data replicas of a node, "
+                           f"{local_dp or 'none'} here)")
+        elif lay.zero:
+            reasons.append(f"ZeRO-{lay.zero} with expert parallelism across nodes (the Keras-model engine "
+                           f"slices expert shards over the replicas of one process only)")
     return reasons
 
 

@@ -93,7 +93,8 @@ def calibrate(cfg, plan=None, steps: int = 3, predicted_per_device: dict | None 
 
     from phalanx.config import ConfigError
     from phalanx.engines.task import GPTTask
-    from phalanx.engines.factory import gpt_engine, refuse_before_build
+    from phalanx.engines.factory import refuse_before_build
+    from phalanx.engines.keras_gpt import KerasGPTEngine
 
     from phalanx.plan.keras_memory import check_calibrated, keras_memory_per_device
 
@@ -107,7 +108,7 @@ def calibrate(cfg, plan=None, steps: int = 3, predicted_per_device: dict | None 
     mesh = build_mesh(cfg)
     # A traced stage call's ops are found by its name scope (_trace_placement), which names one
     # device: with tensor shards inside the call (tp > 1) the stages run inline here.
-    engine = gpt_engine(cfg, mesh, task, stage_calls=mesh.tp == 1)
+    engine = KerasGPTEngine(cfg, task, mesh, stage_calls=mesh.tp == 1)
     rng = np.random.default_rng(cfg.train.seed)
     batch = tf.constant(rng.integers(0, cfg.model.vocab, (cfg.train.global_batch, cfg.model.seq_len + 1)),
                         dtype=tf.int32)

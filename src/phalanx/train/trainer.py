@@ -102,9 +102,6 @@ class Trainer:
         self._datasets = datasets
         self.is_chief = cluster is None or cluster.is_chief
         self._saver = checkpoint.AsyncSaver() if cfg.checkpoint.async_ else None
-        # which rows of each global batch this process feeds (the set-up says: every process feeds whole batches)
-        self.worker_index = 0 if cluster is None else cluster.data_index
-        self.num_workers = 1 if cluster is None else cluster.data_count
 
     # -- building ---------------------------------------------------------------
 
@@ -121,7 +118,8 @@ class Trainer:
         keras.utils.set_random_seed(self.cfg.train.seed)
         self._check_run_dir()
         if self._datasets is None:
-            self._datasets = pipeline.make_datasets(self.cfg, self.worker_index, self.num_workers)
+            # every process reads the whole global batch (a multi_worker engine takes its own rows)
+            self._datasets = pipeline.make_datasets(self.cfg)
         self.engine = build_engine(self.cfg, self.task, self.cluster)
         self.pruner = prune.Pruner(self.cfg, self.engine) if prune.enabled(self.cfg) else None
         if self.is_chief:
