@@ -64,8 +64,7 @@ def test_planned_states_are_the_bytes_the_engine_places_on_each_device(devices, 
 
 def test_what_the_keras_memory_model_was_not_measured_for_is_refused(capsys):
     base = ["model.layers=2", "parallel.devices=cpu:2"]
-    for extra, key in ((["parallel.tp=2", "train.grad_accum=2"], "train.grad_accum"),
-                       (["parallel.tp=2", "model.dropout=0.1"], "model.dropout"),
+    for extra, key in ((["parallel.tp=2", "model.dropout=0.1"], "model.dropout"),
                        (["parallel.tp=2", "parallel.sequence_parallel=true"], "parallel.sequence_parallel"),
                        (["parallel.tp=2", "precision.policy=mixed_float16"], "precision.policy"),
                        (["parallel.tp=2", "parallel.pp=2", "parallel.schedule=interleaved",
