@@ -47,8 +47,10 @@ compiled metrics. The engine only decides *where* things run:
   ``global_clipnorm`` clips by the norm over every worker's slices and a ``LossScaleOptimizer``
   skips a step when any worker's slices are not finite.
 * **The step** (one ``tf.function``): every replica cuts its rows of the global batch into
-  ``grad_accum x microbatches`` micro-batches and runs the pipeline schedule
-  (:func:`phalanx.parallel.pipeline.run_schedule`); each stage runs *statelessly* on the
+  ``grad_accum x microbatches`` micro-batches and runs the pipeline schedule once per
+  accumulation step (:func:`phalanx.parallel.pipeline.run_schedule`), the replica's gradient
+  sums carried from one step into the next and each step started on a rank once the previous
+  one ended there (one step's activations and one gradient set at a time); each stage runs *statelessly* on the
   replica's weight values; without expert shards or recomputation the stage's forward is traced
   once per replica and called for every micro-batch, tensor shards on their ranks inside the call
   (:mod:`phalanx.parallel.stage_calls`): its ops are traced and optimised once, not once per

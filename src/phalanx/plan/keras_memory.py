@@ -23,8 +23,13 @@ plans with its fullest device. The terms, as found in the allocator's record of 
   kernel per call and the backward reads the cast); the last stage's logits;
 * **gradients**: every backward adds its float32 gradients into one running sum per weight
   (:func:`phalanx.parallel.pipeline.run_schedule`), so a rank holds one gradient set once its
-  first backward has run; with ``train.grad_accum > 1`` the earlier accumulation steps'
-  gradients are one more set, and the last step ends forming the sum of the two (three sets);
+  first backward has run; with ``train.grad_accum > 1`` the engine carries the sums from one
+  accumulation step into the next and starts a step on a rank once the previous one ended there,
+  so a later step holds them from its start (``summed`` in :func:`rank_peak_parts`);
+* **traced stage calls** (:mod:`phalanx.parallel.stage_calls`, which the engine runs when
+  ``microbatches x grad_accum > 1``): with ``train.grad_accum > 1`` a call's backward forms its
+  micro-batch's whole gradient set beside the carried sums and the call's saved activations
+  (``formed``), one more float32 set at each backward of a later accumulation step;
 * **no flat buffers**: Keras's optimizer updates each variable in place; its ``m`` and
   ``v`` slots (float32, 8 bytes per parameter) live next to each weight (a tensor shard's
   on its rank), none for the last stage's mirror of a tied embedding;
@@ -152,11 +157,18 @@ tp2 +3.3/+2.9%, pp2 mixed_bfloat16 +1.1/+5.8%, dp2 x tp2 x pp2 mixed_bfloat16 +0
 tp2 x pp2 with 4 micro-batches at ZeRO-1 -2.8..+0.8%, dp2 ZeRO-2 +1.2/+1.6%, pp2 with
 ``recompute=full`` +1.7/-3.7%.
 
-``train.grad_accum=2`` (measured once each, by hand, load 7): dp2 +7.2/-2.0% (device 0 moved by
-8% between two runs); pp2 with 2 micro-batches -21.4/-6.1%: with a pipeline the executor starts
-the next accumulation step's forwards before the last one's backwards end (nothing orders them),
-which this does not model, so :func:`check_calibrated` refuses it and the planner's figure for
-a pipeline with accumulation is low. Planned but not measured (:func:`keras_devices` models
+``train.grad_accum=2`` (2026-11-28, ``--keras --calibrate``, tests/test_calibrate_keras.py, 4
+layers, d_model 256, seq 128, batch 8, float32; stage calls as the engine runs them, load 8):
+dp2 -2.4/-0.9%, pp2 with 2 micro-batches 1f1b -2.8/-1.2%, gpipe -2.8/-0.5%, dp2 zero=2
+-1.2/-0.7%, dp2 zero=3 +1.9/+3.0% (no stage calls at ZeRO-3), tp2 +2.1/+2.7% (inline: calibrate
+runs no calls under tp); ``phalanx plan --calibrate`` (phalanx's AdamW) dp2 -1.2/-0.9%, pp2 1f1b
+-2.9/+1.2%. No constant was read off these. Before the engine carried the sums and ordered the
+steps (each step its own sums, joined at the end; nothing ordered two steps, and with a
+pipeline the executor ran the next step's forwards beside the last one's backwards): pp2 1f1b
+device 0 held 68.1 MiB, 54.5 MiB after. The calls' ``formed`` set is counted with accumulation
+only: at ``grad_accum=1`` with several micro-batches (pp2, 2 micro-batches, float32) the calls'
+backward measured 16% above this model's figure on both devices, which it does not count yet.
+Planned but not measured (:func:`keras_devices` models
 them, :func:`check_calibrated` refuses to calibrate them): the interleaved schedule (the walk per
 chunk), sequence parallelism (every tensor rank keeps ``1/tp`` of a block's activations), dropout (its
 masks, :func:`~phalanx.plan.activations.layer_activation_bytes`), ``mixed_float16`` (as
