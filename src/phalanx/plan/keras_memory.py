@@ -161,8 +161,9 @@ tp2 x pp2 with 4 micro-batches at ZeRO-1 -2.8..+0.8%, dp2 ZeRO-2 +1.2/+1.6%, pp2
 layers, d_model 256, seq 128, batch 8, float32; stage calls as the engine runs them, load 8):
 dp2 -2.4/-0.9%, pp2 with 2 micro-batches 1f1b -2.8/-1.2%, gpipe -2.8/-0.5%, dp2 zero=2
 -1.2/-0.7%, dp2 zero=3 +1.9/+3.0% (no stage calls at ZeRO-3), tp2 +2.1/+2.7% (inline: calibrate
-runs no calls under tp); ``phalanx plan --calibrate`` (phalanx's AdamW) dp2 -1.2/-0.9%, pp2 1f1b
--2.9/+1.2%. No constant was read off these. Before the engine carried the sums and ordered the
+runs no calls under tp); mixed_bfloat16 pp2 1f1b -0.0/+1.8%, dp2 zero=3 +1.0/+1.9%;
+``grad_accum=4`` (batch 16) pp2 1f1b -4.6/-1.2%; ``phalanx plan --calibrate`` (phalanx's AdamW)
+dp2 -1.2/-0.9%, pp2 1f1b -2.9/+1.2%. No constant was read off these. Before the engine carried the sums and ordered the
 steps (each step its own sums, joined at the end; nothing ordered two steps, and with a
 pipeline the executor ran the next step's forwards beside the last one's backwards): pp2 1f1b
 device 0 held 68.1 MiB, 54.5 MiB after. The calls' ``formed`` set is counted with accumulation
