@@ -64,8 +64,7 @@ def test_planned_states_are_the_bytes_the_engine_places_on_each_device(devices, 
 
 def test_what_the_keras_memory_model_was_not_measured_for_is_refused(capsys):
     base = ["model.layers=2", "parallel.devices=cpu:2"]
-    for extra, key in ((["parallel.tp=2", "train.grad_accum=2"], "train.grad_accum"),
-                       (["parallel.tp=2", "model.dropout=0.1"], "model.dropout"),
+    for extra, key in ((["parallel.tp=2", "model.dropout=0.1"], "model.dropout"),
                        (["parallel.tp=2", "parallel.sequence_parallel=true"], "parallel.sequence_parallel"),
                        (["parallel.tp=2", "precision.policy=mixed_float16"], "precision.policy"),
                        (["parallel.tp=2", "parallel.pp=2", "parallel.schedule=interleaved",
@@ -145,7 +144,8 @@ def _calibrate_within_bracket(tmp_path, policy: str, layout: list[str], label: s
     assert [d["device"] for d in cal["devices"]] == [f"CPU:{i}" for i in range(n)]
     assert [d["predicted_bytes"] for d in cal["devices"]] == [m["total"] for m in planned]
     assert cal["unplaced_bytes"] <= unplaced
-    print(f"calibrate keras {label}: error per device", [round(d["error"], 4) for d in cal["devices"]])
+    print(f"calibrate keras {label}: error per device", [round(d["error"], 4) for d in cal["devices"]],
+          "unplaced bytes", cal["unplaced_bytes"])
     assert all(-UNDER_TOLERANCE <= d["error"] <= OVER_TOLERANCE for d in cal["devices"]), cal["devices"]
 
 
@@ -177,6 +177,39 @@ def test_zero3_calibrate_on_every_device(tmp_path, layout, policy):
     the tests above). Also measured, not tested here: dp2 zero1 and zero2 float32 +1.2/+1.6% each,
     dp2 zero3 with recompute=full -0.3/+5.5%."""
     _calibrate_within_bracket(tmp_path, policy, ZERO3_LAYOUTS[layout], f"zero3 {layout} {policy}", unplaced=1024)
+
+
+ACCUM_LAYOUTS = {
+    "dp2": ["parallel.devices=cpu:2", "parallel.dp=2"],
+    "pp2-1f1b": ["parallel.devices=cpu:2", "parallel.pp=2", "parallel.microbatches=2"],
+    "pp2-gpipe": ["parallel.devices=cpu:2", "parallel.pp=2", "parallel.microbatches=2", "parallel.schedule=gpipe"],
+    "dp2-zero2": ["parallel.devices=cpu:2", "parallel.dp=2", "parallel.zero=2"],
+    "dp2-zero3": ["parallel.devices=cpu:2", "parallel.dp=2", "parallel.zero=3"],
+}
+
+
+@pytest.mark.memory_peak
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(ACCUM_LAYOUTS))
+def test_grad_accum_calibrate_on_every_device(tmp_path, layout):
+    """`phalanx plan --keras --calibrate` with ``train.grad_accum=2``: every device's predicted
+    peak within UNDER_TOLERANCE below and OVER_TOLERANCE above the allocator's record (median of 3
+    profiled steps after a warm-up). The engine carries each replica's gradient sums from one
+    accumulation step into the next and starts a step on a rank once the previous one ended there
+    (phalanx.parallel.pipeline.run_schedule's ``initial``); the stages run as traced calls (the
+    engine calls a stage once per accumulation step, below ZeRO-3), whose backward forms the
+    micro-batch's whole gradient set beside the carried sums and its saved activations.
+
+    Measured on 2026-11-28 (load 8 on 2 cores), error per device: dp2 -2.4/-0.9%, pp2 1f1b
+    -2.8/-1.2%, pp2 gpipe -2.8/-0.5%, dp2 zero2 -1.2/-0.7%, dp2 zero3 +1.9/+3.0%. Before the engine
+    ordered the steps and carried the sums (each step its own sums, joined at the end; the next
+    step's forwards ran beside the last one's backwards): dp2 -10.2/-13.8%, pp2 1f1b
+    -33.1/-20.1% against the planner's figure of then. Not fitted: no constant was read off these.
+    Unplaced: 0 bytes at pp2; with stage calls at dp2 the graph optimiser splits inputs off a
+    gradient sum at run time (in no partition graph: 256 KiB each, 1 MiB measured with phalanx's
+    AdamW, 1.8% of the smaller device), so 2 MiB; a call's body left unplaced is ~100 MB."""
+    _calibrate_within_bracket(tmp_path, "float32", ACCUM_LAYOUTS[layout] + ["train.grad_accum=2"],
+                              f"grad_accum2 {layout}", unplaced=2 << 20)
 
 
 EP_LAYOUTS = {

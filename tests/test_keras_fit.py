@@ -31,8 +31,10 @@ LAYOUTS = {
     "pp2": ["parallel.devices=cpu:2", "parallel.pp=2", "parallel.microbatches=2"],
     "dp2pp2": ["parallel.devices=cpu:4", "parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2"],
     "accum2": ["train.grad_accum=2"],
+    # the pipeline run once per accumulation step, the gradient sums carried from one into the next
+    "pp2accum2": ["parallel.devices=cpu:2", "parallel.pp=2", "parallel.microbatches=2", "train.grad_accum=2"],
 }
-CHUNKS = {"one": 1, "dp2": 2, "pp2": 2, "dp2pp2": 4, "accum2": 2}
+CHUNKS = {"one": 1, "dp2": 2, "pp2": 2, "dp2pp2": 4, "accum2": 2, "pp2accum2": 4}
 REPLICAS = {"dp2": 2, "dp2pp2": 2}
 N, BATCH, EPOCHS = 16, 8, 2
 
@@ -190,6 +192,18 @@ def references():
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_fit_equals_keras_fit(name, opt, layout, tmp_path, references):
+    _fit_equals_keras_fit(name, opt, layout, tmp_path, references)
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
+def test_pipeline_with_grad_accum_equals_keras_fit(name, tmp_path, references):
+    """pp2 with 2 micro-batches and train.grad_accum=2 (Adam): the engine carries the gradient sums
+    from one accumulation step into the next and orders the steps on each rank; Keras's fit of
+    the whole batch (the cnn's of 4 ghost batches, the micro-batches in order) is the oracle."""
+    _fit_equals_keras_fit(name, "adam", "pp2accum2", tmp_path, references)
+
+
+def _fit_equals_keras_fit(name, opt, layout, tmp_path, references):
     ref_losses, ref_history, reference, ref_optimizer = references(name, opt, CHUNKS[layout], REPLICAS.get(layout, 1))
     losses, history, model = phalanx_run(name, opt, layout, tmp_path)
     assert len(losses) == len(ref_losses) == EPOCHS * N // BATCH

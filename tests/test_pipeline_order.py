@@ -4,7 +4,8 @@ Keras-model engine runs every pipeline step with) on a 4-stage toy model over 4 
 * its gradients and loss equal a plain unpipelined GradientTape of the same model;
 * 1F1B, not GPipe: the traced actions follow the schedule table per rank and every action's
   ops wait for the previous action's (control dependencies in the graph), a broken record is
-  caught, and the executor's own record (a profiler trace) shows the same order at run time.
+  caught, and the executor's own record (a profiler trace) shows the same order at run time;
+* accumulation steps carry one gradient sum, and a rank starts a step once it ended the last.
 """
 
 from __future__ import annotations
@@ -104,3 +105,53 @@ def test_1f1b_order_at_run_time_from_the_profiler(toy, tmp_path):
     actions = profile_actions(str(tmp_path))
     assert executed_order(actions, PP) == [[str(a) for a in rank] for rank in schedule.per_stage]
     assert 0.0 <= measured_bubble(actions, PP) < 1.0
+
+
+def test_accumulation_steps_carry_one_sum_and_start_after_the_previous_step(toy, devices):
+    """Two accumulation steps (``initial``: the first step's sums): the gradients are the tape's
+    over both steps' micro-batches, and each rank's first action of the second step waits for the
+    first step's sum of its stage (a control or data input of every op that action starts with),
+    so a rank never holds the two steps' activations at once."""
+    schedule, _, _, _, weights, x = toy
+    rows = ROWS // MB
+    second, sums = PipelineTrace(), []
+
+    def forward_on(part):
+        def forward(stage, mb, h):
+            with tf.device(devices[stage]):
+                start = (part * MB + mb) * rows // 2
+                h = x[start:start + rows // 2] if stage == 0 else h
+                out = tf.tanh(h @ weights[stage])
+                return tf.reduce_mean(tf.square(out)) if stage == PP - 1 else out
+        return forward
+
+    @tf.function(autograph=False)
+    def step():
+        first, loss0 = run_schedule(schedule, forward_on(0), [[w] for w in weights], tf.constant(0.5 / MB),
+                                    prefix="dp0_acc0")
+        grads, loss1 = run_schedule(schedule, forward_on(1), [[w] for w in weights], tf.constant(0.5 / MB),
+                                    trace=second, prefix="dp0_acc1", initial=first)
+        sums[:] = [g[0].op.name for g in first]  # the first step's sum of each stage (stage r on rank r)
+        return [g[0] for g in grads], loss0 + loss1
+
+    graph = step.get_concrete_function().graph
+    by_name = {op.name: op for op in graph.get_operations()}
+    for rank in range(PP):
+        names = set(second.ops[rank][0])
+        roots = [by_name[n] for n in second.ops[rank][0] if not any(i.op.name in names for i in by_name[n].inputs)]
+        assert roots
+        for op in roots:
+            before = {c.name for c in op.control_inputs} | {i.op.name for i in op.inputs}
+            assert sums[rank] in before, (rank, op.name, sums[rank])
+    with tf.GradientTape() as tape:  # the reference: the mean loss of the 8 half micro-batches
+        losses = []
+        for k in range(2 * MB):
+            h = x[k * rows // 2:(k + 1) * rows // 2]
+            for w in weights:
+                h = tf.tanh(h @ w)
+            losses.append(tf.reduce_mean(tf.square(h)))
+        loss = tf.add_n(losses) * (0.5 / MB)
+    want = tape.gradient(loss, weights)
+    grads, _ = step()
+    for g, w in zip(grads, want):  # float32 sums of 8 micro-batches in another order
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-7)

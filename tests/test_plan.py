@@ -191,10 +191,15 @@ def test_interleaved_sequence_parallel_and_accumulation():
     sp = memory_per_device(m, Layout(tp=2, micro_batch=2, policy="float32", sequence_parallel=True),
                            overhead_fraction=0)
     assert sp.total < plain.total
-    # grad accumulation: the earlier accumulation steps' gradients (one float32 set) beside the step
+    # grad accumulation: a later accumulation step's backward runs beside the sums carried from the
+    # earlier steps (one float32 set), and the stage's traced call (the engine calls the stage once
+    # per accumulation step) forms its whole gradient set beside them: two sets more; inline, one
     one = memory_per_device(m, Layout(micro_batch=2, policy="float32"), overhead_fraction=0)
     two = memory_per_device(m, Layout(micro_batch=2, accum=2, policy="float32"), overhead_fraction=0)
-    assert two.total - one.total == pytest.approx(4 * one.params)
+    assert two.total - one.total == pytest.approx(8 * one.params)
+    inline = [keras_memory.keras_devices(m, micro_batch=2, policy="float32", accum=a, stage_calls=False)[0].total
+              for a in (1, 2)]
+    assert inline[1] - inline[0] == pytest.approx(4 * one.params)
 
 
 ENGINE_LAYOUTS = {"one device": [], "dp2": ["parallel.dp=2"], "tp2": ["parallel.tp=2"],
@@ -237,9 +242,11 @@ def test_search_closed_form_step_peak_is_the_schedule_walk(schedule, pp, m):
     sched = build_schedule(schedule, pp, m, 1)
     peaks, _ = schedule_in_flight(schedule, pp, m, 1)
     for r in range(pp):
-        for set_b, grad_b, bwd, carried in ((10.0, 1.0, 0.5, 0.0), (1.0, 10.0, 0.5, 0.0), (3.0, 3.0, 7.0, 2.0)):
-            walk = keras_memory.rank_peak_parts(sched, r, set_b, grad_b, bwd, carried)[0]
-            closed = keras_memory.step_peak_estimate(peaks[r], m, set_b, grad_b, bwd, carried)[0]
+        for set_b, grad_b, bwd, summed, formed in ((10.0, 1.0, 0.5, False, 0.0), (1.0, 10.0, 0.5, False, 0.0),
+                                                   (3.0, 3.0, 7.0, True, 0.0), (1.0, 10.0, 0.5, True, 10.0),
+                                                   (10.0, 1.0, 0.5, False, 1.0)):
+            walk = keras_memory.rank_peak_parts(sched, r, set_b, grad_b, bwd, summed, formed)[0]
+            closed = keras_memory.step_peak_estimate(peaks[r], m, set_b, grad_b, bwd, summed, formed)[0]
             assert closed == pytest.approx(walk)
 
 

@@ -47,8 +47,10 @@ compiled metrics. The engine only decides *where* things run:
   ``global_clipnorm`` clips by the norm over every worker's slices and a ``LossScaleOptimizer``
   skips a step when any worker's slices are not finite.
 * **The step** (one ``tf.function``): every replica cuts its rows of the global batch into
-  ``grad_accum x microbatches`` micro-batches and runs the pipeline schedule
-  (:func:`phalanx.parallel.pipeline.run_schedule`); each stage runs *statelessly* on the
+  ``grad_accum x microbatches`` micro-batches and runs the pipeline schedule once per
+  accumulation step (:func:`phalanx.parallel.pipeline.run_schedule`), the replica's gradient
+  sums carried from one step into the next and each step started on a rank once the previous
+  one ended there (one step's activations and one gradient set at a time); each stage runs *statelessly* on the
   replica's weight values; without expert shards or recomputation the stage's forward is traced
   once per replica and called for every micro-batch, tensor shards on their ranks inside the call
   (:mod:`phalanx.parallel.stage_calls`): its ops are traced and optimised once, not once per
@@ -1031,6 +1033,7 @@ class KerasModelEngine:
             state = [list(values) for values in start]  # every replica from the step's starting state
             ends.append(state)
             params = [self._params(d, s) for s in range(self.chunks)]
+            running = None  # the replica's gradient sums, carried through its accumulation steps
             for a in range(self.accum):
                 if not plan[d][a]:
                     continue
@@ -1044,12 +1047,17 @@ class KerasModelEngine:
                     self._schedule_of(len(group)),
                     lambda s, i, h, _d=d, _g=group, _w=share[d][a], _st=state, _r=rows_at: self._weighted(
                         self._forward(_d, s, h, _g[i], _st, "train", _r[i]), s, _w[i]),
-                    params, scale / float(total * self.world), prefix=f"dp{d}_acc{a}", keep_sparse=True)
+                    params, scale / float(total * self.world), prefix=f"dp{d}_acc{a}", keep_sparse=True,
+                    initial=running)
+                # One running sum per weight through the accumulation steps, and each step starts on a
+                # rank once the previous one ended there (run_schedule's ``initial``): a replica holds
+                # one step's activations and one gradient set, however many steps it accumulates.
+                running = grads
                 losses.append(loss_sum)
-                for s, stage_grads in enumerate(grads):
-                    for j, g in enumerate(stage_grads):
-                        if g is not None:
-                            acc[s][j].append((d, g))
+            for s, stage_grads in enumerate(running or []):
+                for j, g in enumerate(stage_grads):
+                    if g is not None:
+                        acc[s][j].append((d, g))
         # Sum every variable's gradients over replicas and the stages that read it, on the
         # variable's own device (under ZeRO on each slice's: _sliced_gradients).
         grads, variables = [], []

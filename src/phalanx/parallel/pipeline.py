@@ -94,7 +94,10 @@ def run_schedule(schedule: Schedule, forward: StageForward, params: Sequence[Seq
     by stage; :func:`~phalanx.parallel.gradients.finish` makes it the optimizer's); a weight
     that received no gradient is then ``None`` instead of zeros. ``initial`` (shaped like
     ``grads``, e.g. the previous accumulation step's): sums the micro-batches' gradients
-    start from, so gradient accumulation keeps one running sum per weight.
+    start from, so gradient accumulation keeps one running sum per weight; each rank's first
+    action then waits for the sums of the stages it runs, so a rank starts this step once it
+    has ended the previous one (otherwise nothing orders two steps: the executor ran the next
+    step's forwards beside the last one's, every step's activations in flight at once).
 
     Each backward adds its weight gradients into the running sums at once (the rank's next
     action waits for the additions), so a rank holds one gradient set, not one per
@@ -109,6 +112,11 @@ def run_schedule(schedule: Schedule, forward: StageForward, params: Sequence[Seq
                                          else [[None] * len(p) for p in params])
     losses = []
     previous: dict[int, list[tf.Tensor]] = {}
+    if initial is not None:
+        for rank in range(schedule.pp):
+            stages = {schedule.model_stage(rank, a) for a in schedule.per_stage[rank]}
+            previous[rank] = [t for st in sorted(stages) for g in acc[st] if g is not None
+                              for t in (g.tensors() if isinstance(g, SparseGradient) else [g])]
     if trace is not None:
         trace.order = [[] for _ in range(schedule.pp)]
         trace.scopes = [[] for _ in range(schedule.pp)]

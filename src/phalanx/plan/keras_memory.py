@@ -23,8 +23,13 @@ plans with its fullest device. The terms, as found in the allocator's record of 
   kernel per call and the backward reads the cast); the last stage's logits;
 * **gradients**: every backward adds its float32 gradients into one running sum per weight
   (:func:`phalanx.parallel.pipeline.run_schedule`), so a rank holds one gradient set once its
-  first backward has run; with ``train.grad_accum > 1`` the earlier accumulation steps'
-  gradients are one more set, and the last step ends forming the sum of the two (three sets);
+  first backward has run; with ``train.grad_accum > 1`` the engine carries the sums from one
+  accumulation step into the next and starts a step on a rank once the previous one ended there,
+  so a later step holds them from its start (``summed`` in :func:`rank_peak_parts`);
+* **traced stage calls** (:mod:`phalanx.parallel.stage_calls`, which the engine runs when
+  ``microbatches x grad_accum > 1``): with ``train.grad_accum > 1`` a call's backward forms its
+  micro-batch's whole gradient set beside the carried sums and the call's saved activations
+  (``formed``), one more float32 set at each backward of a later accumulation step;
 * **no flat buffers**: Keras's optimizer updates each variable in place; its ``m`` and
   ``v`` slots (float32, 8 bytes per parameter) live next to each weight (a tensor shard's
   on its rank), none for the last stage's mirror of a tied embedding;
@@ -152,11 +157,19 @@ tp2 +3.3/+2.9%, pp2 mixed_bfloat16 +1.1/+5.8%, dp2 x tp2 x pp2 mixed_bfloat16 +0
 tp2 x pp2 with 4 micro-batches at ZeRO-1 -2.8..+0.8%, dp2 ZeRO-2 +1.2/+1.6%, pp2 with
 ``recompute=full`` +1.7/-3.7%.
 
-``train.grad_accum=2`` (measured once each, by hand, load 7): dp2 +7.2/-2.0% (device 0 moved by
-8% between two runs); pp2 with 2 micro-batches -21.4/-6.1%: with a pipeline the executor starts
-the next accumulation step's forwards before the last one's backwards end (nothing orders them),
-which this does not model, so :func:`check_calibrated` refuses it and the planner's figure for
-a pipeline with accumulation is low. Planned but not measured (:func:`keras_devices` models
+``train.grad_accum=2`` (2026-11-28, ``--keras --calibrate``, tests/test_calibrate_keras.py, 4
+layers, d_model 256, seq 128, batch 8, float32; stage calls as the engine runs them, load 8):
+dp2 -2.4/-0.9%, pp2 with 2 micro-batches 1f1b -2.8/-1.2%, gpipe -2.8/-0.5%, dp2 zero=2
+-1.2/-0.7%, dp2 zero=3 +1.9/+3.0% (no stage calls at ZeRO-3), tp2 +2.1/+2.7% (inline: calibrate
+runs no calls under tp); mixed_bfloat16 pp2 1f1b -0.0/+1.8%, dp2 zero=3 +1.0/+1.9%;
+``grad_accum=4`` (batch 16) pp2 1f1b -4.6/-1.2%; ``phalanx plan --calibrate`` (phalanx's AdamW)
+dp2 -1.2/-0.9%, pp2 1f1b -2.9/+1.2%. No constant was read off these. Before the engine carried the sums and ordered the
+steps (each step its own sums, joined at the end; nothing ordered two steps, and with a
+pipeline the executor ran the next step's forwards beside the last one's backwards): pp2 1f1b
+device 0 held 68.1 MiB, 54.5 MiB after. The calls' ``formed`` set is counted with accumulation
+only: at ``grad_accum=1`` with several micro-batches (pp2, 2 micro-batches, float32) the calls'
+backward measured 16% above this model's figure on both devices, which it does not count yet.
+Planned but not measured (:func:`keras_devices` models
 them, :func:`check_calibrated` refuses to calibrate them): the interleaved schedule (the walk per
 chunk), sequence parallelism (every tensor rank keeps ``1/tp`` of a block's activations), dropout (its
 masks, :func:`~phalanx.plan.activations.layer_activation_bytes`), ``mixed_float16`` (as
@@ -339,12 +352,10 @@ def check_calibrated(cfg: Config, dp: int, optimizer: str = "keras") -> None:
     """Refuse what this memory model was not checked against, naming the key. ``optimizer``:
     as :func:`keras_memory_per_device`'s (``"phalanx"``: ``phalanx train``'s expert-parallel
     engine, measured with data replicas and experts; ``"keras"``: ``phalanx.fit``'s, without)."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
+    m, p = cfg.model, cfg.parallel
     why = "the Keras-engine memory model (phalanx.plan.keras_memory) was measured"
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r}: one of {OPTIMIZERS}")
-    if t.grad_accum != 1:
-        raise ConfigError("train.grad_accum", f"{t.grad_accum}: {why} with train.grad_accum=1 only")
     if cfg.precision.policy not in POLICIES:
         raise ConfigError("precision.policy", f"{cfg.precision.policy!r}: {why} under {' and '.join(POLICIES)} "
                                               f"only (mixed_float16 adds Keras's loss-scaling optimizer)")
@@ -364,7 +375,7 @@ def check_calibrated(cfg: Config, dp: int, optimizer: str = "keras") -> None:
 
 
 def keras_memory_per_device(cfg: Config, blocks_per_stage: list[int] | None = None,
-                            optimizer: str | None = None) -> dict[int, DeviceMemory]:
+                            optimizer: str | None = None, stage_calls: bool | None = None) -> dict[int, DeviceMemory]:
     """Device index (mesh order: data, pipe, tensor; as ``parallel.devices`` numbers them) ->
     predicted peak bytes of one training step of :func:`phalanx.models.transformer.gpt`
     ``(cfg.model)`` on the Keras-model engine.
@@ -381,6 +392,8 @@ def keras_memory_per_device(cfg: Config, blocks_per_stage: list[int] | None = No
     FLOP-balanced cut, :func:`~phalanx.plan.engine_rules.stage_bounds`. The two agree for the
     models measured here (4 and 6 blocks on 2 stages) but not always for a small model whose
     head and loss weigh much (3 blocks of d_model 32: 1 + 2 here, 2 + 1 there).
+    ``stage_calls``: whether the engine runs traced stage calls (:func:`keras_devices`; by
+    default as the engine decides).
     """
     m, p, t = cfg.model, cfg.parallel, cfg.train
     kind, n = parse_devices(p.devices)
@@ -388,10 +401,11 @@ def keras_memory_per_device(cfg: Config, blocks_per_stage: list[int] | None = No
     optimizer = optimizer or ("phalanx" if p.ep > 1 else "keras")
     check_calibrated(cfg, dp, optimizer)
     return keras_devices(ModelSpec.from_config(m), dp=dp, pp=pp, tp=tp, ep=p.ep, microbatches=p.microbatches,
-                         micro_batch=t.global_batch // (dp * p.microbatches), schedule=p.schedule,
+                         micro_batch=t.global_batch // (dp * t.grad_accum * p.microbatches), schedule=p.schedule,
                          policy=cfg.precision.policy, weight_decay=t.weight_decay, optimizer=optimizer,
                          capacity_factor=m.capacity_factor, blocks_per_stage=blocks_per_stage, zero=p.zero,
-                         recompute=p.recompute, host_on_device0=kind == "cpu")
+                         recompute=p.recompute, host_on_device0=kind == "cpu", accum=t.grad_accum,
+                         stage_calls=stage_calls)
 
 
 @dataclass(frozen=True)
@@ -423,7 +437,8 @@ def _block_params(d: int, f: int, tp: int, t: int) -> float:
     return split + (4 * d + 2 * d if t == 0 else 0)
 
 
-def rank_peak(schedule, rank: int, set_bytes, grad_bytes: float, backward_bytes: float, carried: float = 0) -> float:
+def rank_peak(schedule, rank: int, set_bytes, grad_bytes: float, backward_bytes: float, summed: bool = False,
+              formed: float = 0) -> float:
     """Most bytes rank ``rank`` holds while it runs its actions of ``schedule`` (a
     :class:`~phalanx.parallel.schedules.Schedule`): :func:`rank_peak_parts`' first figure.
 
@@ -432,11 +447,11 @@ def rank_peak(schedule, rank: int, set_bytes, grad_bytes: float, backward_bytes:
     >>> rank_peak(sched, 0, set_bytes=10, grad_bytes=1, backward_bytes=0)   # F2 and F3 beside the sum
     21
     """
-    return rank_peak_parts(schedule, rank, set_bytes, grad_bytes, backward_bytes, carried)[0]
+    return rank_peak_parts(schedule, rank, set_bytes, grad_bytes, backward_bytes, summed, formed)[0]
 
 
 def rank_peak_parts(schedule, rank: int, set_bytes, grad_bytes: float, backward_bytes: float,
-                    carried: float = 0) -> tuple[float, int, int, bool]:
+                    summed: bool = False, formed: float = 0) -> tuple[float, int, int, bool]:
     """The peak of rank ``rank`` walking its actions, and what is alive there: ``(peak,
     activation sets held, gradient sets held (0 or 1), whether a backward's working set is)``.
 
@@ -444,57 +459,69 @@ def rank_peak_parts(schedule, rank: int, set_bytes, grad_bytes: float, backward_
     the rank), plus once a backward has run the one float32 running sum of the weight gradients
     (``grad_bytes``: each backward adds its gradients into it before the rank's next action,
     :func:`phalanx.parallel.pipeline.run_schedule`), plus the backward's working set while a
-    backward starts, plus ``carried`` throughout (earlier accumulation steps' gradients). With a
-    split backward (``zb``) a micro-batch's activations and weight gradient go at its ``W``.
+    backward starts. ``summed``: the sum is there from the start (an accumulation step after the
+    first: the engine carries the replica's sums from one step into the next). ``formed``: bytes
+    a backward forms beside what it holds before they are added or freed (a traced stage call's
+    backward returns its micro-batch's whole gradient set while the call's saved activations are
+    alive). With a split backward (``zb``) a micro-batch's activations and weight gradient go at
+    its ``W``.
 
     >>> from phalanx.parallel.schedules import build_schedule
     >>> rank_peak_parts(build_schedule("1f1b", 2, 4, 1), 0, 10, 1, 0)
     (21, 2, 1, False)
+    >>> rank_peak_parts(build_schedule("1f1b", 2, 4, 1), 0, 10, 1, 0, summed=True, formed=1)   # B0: F0, F1, sum, new
+    (22, 2, 1, True)
     >>> rank_peak_parts(build_schedule("interleaved", 2, 2, 2), 0, [10, 1], 1, 0)[:2]   # F0 F1 F0c1 F1c1
     (22, 4)
     """
     per_chunk = set_bytes if isinstance(set_bytes, (list, tuple)) else None
     release = "W" if schedule.split_backward else "B"
     held_bytes = 0
-    held = done = 0
-    best = (carried, 0, 0, False)
+    held = 0
+    done = 1 if summed else 0
+    best = (done * grad_bytes, 0, done, False)
     for a in schedule.per_stage[rank]:
         size = per_chunk[a.chunk] if per_chunk is not None else set_bytes
         grads = min(done, 1)
         if a.kind == "F":
             held += 1
             held_bytes += size
-            if carried + held_bytes + grads * grad_bytes > best[0]:
-                best = (carried + held_bytes + grads * grad_bytes, held, grads, False)
+            if held_bytes + grads * grad_bytes > best[0]:
+                best = (held_bytes + grads * grad_bytes, held, grads, False)
         elif a.kind == release:
-            if carried + held_bytes + grads * grad_bytes + backward_bytes > best[0]:
-                best = (carried + held_bytes + grads * grad_bytes + backward_bytes, held, grads, True)
+            if held_bytes + grads * grad_bytes + formed + backward_bytes > best[0]:
+                best = (held_bytes + grads * grad_bytes + formed + backward_bytes, held, grads, True)
             held -= 1
             held_bytes -= size
             done += 1
     end = min(done, 1)  # the sum, handed to the optimizer
-    return best if carried + end * grad_bytes <= best[0] else (carried + end * grad_bytes, 0, end, False)
+    return best if end * grad_bytes <= best[0] else (end * grad_bytes, 0, end, False)
 
 
 def step_peak_estimate(held: int, backwards: int, set_bytes: float, grad_bytes: float,
-                       backward_bytes: float, carried: float = 0) -> tuple[float, int, int, bool]:
+                       backward_bytes: float, summed: bool = False, formed: float = 0) -> tuple[float, int, int, bool]:
     """:func:`rank_peak_parts` in closed form (the search's pre-filter), for a rank that holds
     at most ``held`` activation sets and runs ``backwards`` backward actions: the peak is at the
     first backward after the last forward (``held`` sets, the gradient sum if a backward ran
     before), at the next backward (``held - 1`` sets and the sum), at the last backward (one set
-    and the sum) or at the end (the sum). Exact for gpipe and 1f1b (tested against the walk).
+    and the sum) or at the end (the sum); ``summed``, ``formed`` as there. Exact for gpipe and
+    1f1b (tested against the walk).
 
     >>> step_peak_estimate(2, 4, 10, 1, 5)     # 1f1b, pp=2, m=4, rank 0: B2 with F2, F3 held
     (26, 2, 1, True)
     """
     n, w = backwards, min(held, backwards)
-    cands = [(w * set_bytes + min(n - w, 1) * grad_bytes + backward_bytes, w, min(n - w, 1), True)]
+
+    def sums(before: int) -> int:  # gradient sets held once ``before`` backwards have run
+        return 1 if summed else min(before, 1)
+
+    bwd = formed + backward_bytes
+    cands = [(w * set_bytes + sums(n - w) * grad_bytes + bwd, w, sums(n - w), True)]
     if w >= 2:
-        cands.append(((w - 1) * set_bytes + grad_bytes + backward_bytes, w - 1, 1, True))
-    cands.append((set_bytes + min(n - 1, 1) * grad_bytes + backward_bytes, 1, min(n - 1, 1), True))
-    cands.append((min(n, 1) * grad_bytes, 0, min(n, 1), False))
-    peak, sets, grads, bwd = max(cands, key=lambda c: c[0])
-    return peak + carried, sets, grads, bwd
+        cands.append(((w - 1) * set_bytes + grad_bytes + bwd, w - 1, 1, True))
+    cands.append((set_bytes + sums(n - 1) * grad_bytes + bwd, 1, sums(n - 1), True))
+    cands.append((sums(n) * grad_bytes, 0, sums(n), False))
+    return max(cands, key=lambda c: c[0])
 
 
 def _ranks_to_model(chunk_blocks: list[tuple[int, int]], pp: int, v: int, peaks) -> list[int]:
@@ -516,7 +543,7 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
                   blocks_per_stage: list[int] | None = None, exact: bool = True,
                   distinct: bool = False, group_calls: int | None = None, zero: int = 0, recompute: str = "none",
                   host_on_device0: bool = False, virtual_stages: int = 1, sequence_parallel: bool = False,
-                  accum: int = 1, fused: bool = True) -> dict[int, DeviceMemory]:
+                  accum: int = 1, fused: bool = True, stage_calls: bool | None = None) -> dict[int, DeviceMemory]:
     """:func:`keras_memory_per_device` from the model's shape and the layout's degrees (what
     the planner's :func:`phalanx.plan.memory.memory_per_device` has), unchecked: device index
     -> predicted peak bytes. ``micro_batch``: sequences per micro-batch of one replica.
@@ -533,6 +560,9 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
     ``sequence_parallel``: the blocks' LayerNorm, dropout and residual on sequence chunks (every
     tensor rank holds ``1/tp`` of a block's activations). ``accum``: ``train.grad_accum``.
     ``fused``: activations as fused kernels keep them (:func:`layer_activation_bytes`).
+    ``stage_calls``: whether the engine runs the stages as traced calls
+    (:mod:`phalanx.parallel.stage_calls`); by default as it decides: when ``microbatches x accum
+    > 1``, without recomputation, below ZeRO-3 and without experts.
 
     >>> m = ModelSpec(layers=2, d_model=64, heads=4, ffn=128, vocab=256, seq_len=32, experts=4, top_k=2)
     >>> mem = keras_devices(m, dp=4, ep=2, optimizer="phalanx")
@@ -547,6 +577,10 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
     m = spec
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r}: one of {OPTIMIZERS}")
+    if accum < 1:
+        raise ValueError(f"accum={accum}: train.grad_accum is at least 1")
+    calls = (microbatches * accum > 1 and recompute == "none" and zero < 3 and not m.experts) \
+        if stage_calls is None else stage_calls
     group_calls = ep if group_calls is None else group_calls
     if not 1 <= group_calls <= max(ep, 1):
         raise ValueError(f"group_calls={group_calls}: between 1 and ep={ep} replicas' calls")
@@ -573,20 +607,16 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
         peaks, last_peak = in_flight_estimate(name, pp, microbatches, v)
 
     def step_peak(r: int, set_bytes: list[float], grad: float, backward: float,
-                  carried: float) -> tuple[float, float, bool]:
-        """(peak, gradient bytes held there, whether a backward's working set is)"""
+                  formed: float) -> tuple[float, float, bool]:
+        """(peak, gradient bytes held there, whether a backward's working set is) of the rank's
+        fullest accumulation step: with ``accum > 1`` a later one, which starts with the sums"""
         if exact:
             peak, _, n_grads, in_bwd = rank_peak_parts(sched, r, set_bytes if v > 1 else set_bytes[0], grad,
-                                                       backward, carried)
+                                                       backward, accum > 1, formed)
         else:
             peak, _, n_grads, in_bwd = step_peak_estimate(peaks[r], microbatches * v, max(set_bytes), grad,
-                                                          backward, carried)
-        held = n_grads * grad + carried
-        if carried and carried + 2 * grad > peak:
-            # the last accumulation step's end: the earlier steps' gradients, this step's sum and
-            # the sum of the two being formed
-            return carried + 2 * grad, carried + 2 * grad, False
-        return peak, held, in_bwd
+                                                          backward, accum > 1, formed)
+        return peak, n_grads * grad + (formed if in_bwd else 0.0), in_bwd
 
     e = ACTIVATION_BYTES[policy]
     cast = e if e < 4 else 0  # a compute-dtype copy of each weight per activation set held
@@ -709,21 +739,22 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
                     if tr == 0:
                         head += e * tokens * d + (e + 4) * tokens * V
                     head *= last_peak
-                # train.grad_accum > 1: the gradients of the replica's earlier accumulation steps (one
-                # set: the step sums a weight's parts in order, each as soon as the next exists)
-                carried = grad if accum > 1 else 0.0
-                step, grads_held, in_bwd = step_peak(r, set_bytes, grad, backward, carried)
+                # train.grad_accum > 1: each backward of a later accumulation step adds into the sums
+                # carried from the earlier steps; a traced stage call's backward first forms its
+                # micro-batch's whole gradient set beside them and the call's saved activations
+                formed = grad if accum > 1 and calls else 0.0
+                step, grads_held, in_bwd = step_peak(r, set_bytes, grad, backward, formed)
                 step += head + cast * MOE_EXPERT_CASTS * experts
                 if gathered and cast:
                     # under a mixed policy the gathered float32 weights are read by the stage's forwards
                     # only (each casts them; the backward reads the casts): whole until the rank's last
                     # forward starts, beside the sets then in flight (one fewer than its peak) and the
                     # gradient sums if a backward ran before it; that forward frees them layer by layer
-                    before = grad if microbatches > peaks[r] else 0.0
-                    forward_end = gathered + max(peaks[r] - 1, 0) * max(set_bytes) + before + carried + \
+                    before = grad if microbatches > peaks[r] or accum > 1 else 0.0
+                    forward_end = gathered + max(peaks[r] - 1, 0) * max(set_bytes) + before + \
                         cast * MOE_EXPERT_CASTS * experts
                     if forward_end > step:
-                        step, working, grads_held = forward_end, 0.0, before + carried
+                        step, working, grads_held = forward_end, 0.0, before
                     else:
                         gathered, working = 0.0, backward if in_bwd else 0.0
                 else:

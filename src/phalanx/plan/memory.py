@@ -14,9 +14,9 @@ plus the overhead line. What that model says, in short:
 * **the step**: the activation sets the schedule keeps in flight on each rank (walked on the
   very table the executor runs; with ``interleaved`` chunk by chunk), the compute-dtype weight
   casts each set keeps under a mixed policy, one float32 running sum of the gradients once a
-  backward has run (``train.grad_accum > 1``: one more, the earlier accumulation steps', and
-  their sum formed at the end; with a pipeline the executor also overlaps accumulation steps,
-  not modelled: low there), the backward's working set; then the update: every gradient summed beside the weights and
+  backward has run (``train.grad_accum > 1``: the sum carried from one accumulation step into
+  the next, held from a later step's start, and a stage call's backward forming its micro-batch's
+  gradient set beside it), the backward's working set; then the update: every gradient summed beside the weights and
   phalanx's AdamW temporaries;
 * **ZeRO** over the ``dp`` replicas (:mod:`phalanx.parallel.keras_zero`), every variable cut
   into ``dp`` slices of ``ceil(rows / dp)`` rows: stage 1 keeps ``m`` and ``v`` of the slices

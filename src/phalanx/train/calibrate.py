@@ -124,7 +124,8 @@ def calibrate(cfg, plan=None, steps: int = 3, predicted_per_device: dict | None 
             variables.append(tv)
     if predicted_per_device is None and plan is not None:
         predicted_per_device = {d: m.total for d, m in keras_memory_per_device(
-            cfg, engine_blocks_per_stage(engine.engine), optimizer="phalanx").items()}
+            cfg, engine_blocks_per_stage(engine.engine), optimizer="phalanx",
+            stage_calls=engine.engine.stage_calls is not None).items()}
     return _calibrate_engine(engine, batch, steps, predicted_per_device, plan, variables)
 
 
@@ -245,8 +246,8 @@ def calibrate_keras(cfg, model=None, x=None, y=None, steps: int = 3, predicted_p
     batch = (tf.nest.map_structure(tf.constant, x), tf.nest.map_structure(tf.constant, y), None)
     engine = KerasModelEngine(model, cfg, mesh, batch, stage_calls=mesh.tp == 1)  # (see calibrate)
     if builtin and predicted_per_device is None:
-        predicted_per_device = {d: m.total for d, m in
-                                keras_memory_per_device(cfg, engine_blocks_per_stage(engine), "keras").items()}
+        predicted_per_device = {d: m.total for d, m in keras_memory_per_device(
+            cfg, engine_blocks_per_stage(engine), "keras", stage_calls=engine.stage_calls is not None).items()}
     return _calibrate_engine(engine, batch, steps, predicted_per_device, plan, keras_engine_variables(engine))
 
 
