@@ -45,7 +45,7 @@ os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 # as the phalanx command does (oneDNN is off by default on AVX2-only CPUs; ARCHITECTURE.md)
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
-LAYOUTS = [  # name, dp, tp, pp, extra
+LAYOUTS = [  # name, dp, tp, pp, extra (parallel.* keys; "stage_calls": False runs every stage inline)
     ("dp2", 2, 1, 1, {}),
     ("tp2", 1, 2, 1, {}),
     ("tp4", 1, 4, 1, {}),
@@ -54,7 +54,10 @@ LAYOUTS = [  # name, dp, tp, pp, extra
     ("pp4 gpipe m8", 1, 1, 4, {"schedule": "gpipe", "microbatches": 8}),
     ("pp4 1f1b m8", 1, 1, 4, {"schedule": "1f1b", "microbatches": 8}),
     ("pp4 interleaved v2 m8", 1, 1, 4, {"schedule": "interleaved", "virtual_stages": 2, "microbatches": 8}),
+    ("dp2-tp2", 2, 2, 1, {}),
     ("dp2-tp2-pp2 1f1b m4", 2, 2, 2, {"schedule": "1f1b", "microbatches": 4}),
+    # the same with every stage inline per micro-batch (KerasModelEngine's stage_calls=False)
+    ("dp2-tp2-pp2 1f1b m4 inline", 2, 2, 2, {"schedule": "1f1b", "microbatches": 4, "stage_calls": False}),
     ("recompute full", 1, 1, 1, {"recompute": "full"}),
     ("recompute selective", 1, 1, 1, {"recompute": "selective"}),
     ("dp2 zero1", 2, 1, 1, {"zero": 1}),
@@ -90,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     from machine_report import load, machine
 
     from phalanx.config import Config
-    from phalanx.engines.factory import make_engine
+    from phalanx.engines.factory import gpt_engine, make_engine
     from phalanx.engines.task import GPTTask
     from phalanx.mesh import Mesh
     from phalanx.parallel.schedules import bubble_formula
@@ -114,10 +117,11 @@ def main(argv: list[str] | None = None) -> int:
         return Config().replace(model=model, train={"global_batch": gb, "warmup": 1},
                                 precision={"policy": args.policy}, parallel={"dp": dp, "tp": tp, "pp": pp, **extra})
 
-    def build(cfg, dp=1, tp=1, pp=1):
-        """The engine phalanx train builds for the layout (engines/factory.py)."""
-        return make_engine(GPTTask(cfg.model, args.policy, cfg.train.seed),
-                           Mesh.from_devices(devices[: dp * tp * pp], dp, pp, tp), cfg)
+    def build(cfg, dp=1, tp=1, pp=1, stage_calls=True):
+        """The engine phalanx train builds for the layout (engines/factory.py); with
+        ``stage_calls=False`` its stages run inline for every micro-batch."""
+        task, mesh = GPTTask(cfg.model, args.policy, cfg.train.seed), Mesh.from_devices(devices[: dp * tp * pp], dp, pp, tp)
+        return make_engine(task, mesh, cfg) if stage_calls else gpt_engine(cfg, mesh, task, stage_calls=False)
 
     def step_time(engine) -> tuple[float, float]:
         """Wall and process CPU seconds of one step."""
@@ -156,9 +160,11 @@ def main(argv: list[str] | None = None) -> int:
 
     rows, all_one = [], []
     for name, dp, tp, pp, extra in layouts:
+        extra = dict(extra)
+        stage_calls = extra.pop("stage_calls", True)
         cfg = cfg_for(dp, tp, pp, **extra)
         before = in_use()
-        engine = build(cfg, dp, tp, pp)
+        engine = build(cfg, dp, tp, pp, stage_calls)
         for _ in range(2):
             step_time(engine)
         peak = peak_of_step(engine, before)
