@@ -79,6 +79,9 @@ class StageCalls:
         # ops' names, and its backward's, hold the scope: a profile's op names find their device
         # by it (phalanx.train.calibrate), since the run's partition graphs list no call's body.
         self.devices: dict[str, str] = {}
+        # the name of each op inside a traced function or its backward that names a device of
+        # its own (a tensor shard's, on its rank) -> that device; the others run on their scope's
+        self.op_devices: dict[str, str] = {}
 
     @staticmethod
     def scope(key) -> str:
@@ -125,9 +128,27 @@ class StageCalls:
         self.traced += 1
         if _constant_lookup(concrete.graph):
             return None
+        graphs = [concrete.graph]
         if backward:
             _place_backward(concrete)
+            graphs.append(concrete._delayed_rewrite_functions.forward_backward()[1].graph)
+        self.op_devices.update(_named_devices(graphs))
         return fn
+
+
+def _named_devices(graphs) -> dict[str, str]:
+    """Op name -> device, for the ops of ``graphs`` that name a device; a gradient op that names
+    none but is colocated with an op that does (``colocate_gradients_with_ops``) gets that one."""
+    named = {op.name: op.device for g in graphs for op in g.get_operations() if op.device}
+    for g in graphs:
+        for op in g.get_operations():
+            if not op.device:
+                for group in op.colocation_groups():
+                    device = named.get(group.decode()[len("loc:@"):])
+                    if device:
+                        named[op.name] = device
+                        break
+    return named
 
 
 def _devices(values) -> tuple:

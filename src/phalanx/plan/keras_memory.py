@@ -183,7 +183,7 @@ from dataclasses import dataclass
 
 from phalanx.config import Config, ConfigError, parse_devices, resolve_degrees
 from phalanx.core.costs import RECOMPUTE_MODES, ModelSpec
-from phalanx.parallel.schedules import build_schedule
+from phalanx.parallel.schedules import build_schedule, calls_used
 from phalanx.plan.engine_rules import stage_bounds
 from phalanx.plan.activations import (ACTIVATION_BYTES, in_flight_estimate, layer_activation_bytes,
                                       schedule_in_flight)
@@ -192,7 +192,13 @@ from phalanx.plan.activations import (ACTIVATION_BYTES, in_flight_estimate, laye
 # activation on a tensor rank (seq x micro-batch x ffn / tp): the GELU's gradient and the
 # gradient of the MLP-down matmul's input. Measured at tp2 and tp2 x pp2 (4 layers,
 # d_model 256, micro-batches of 8 and 4), float32 and mixed_bfloat16: 2.0-2.1 copies.
-BACKWARD_MLP_SETS = 2.0
+BACKWARD_MLP_SETS = 2.0# A stage call's backward (parallel/stage_calls.py) holds, beyond BACKWARD_MLP_SETS, this many
+# float32 copies of the stage's weights on the device: the backward is one function call,
+# whose caller holds every tensor the forward saved for it until the call returns, and the
+# call returns every gradient of the stage at once (inline, each activation is freed once its
+# gradient op has read it, and each gradient is added to the running sum as it is made).
+CALL_BACKWARD_GRADIENTS = 1.0
+
 # Keras's per-variable AdamW temporaries in the optimizer phase, in float32 copies of the
 # largest weight on the device. A rough allowance: the optimizer phase was the peak of no
 # measured layout (its temporaries measured 2.5 such copies at tp2, up to 8 at tp2 x pp2).
@@ -364,7 +370,7 @@ def check_calibrated(cfg: Config, dp: int, optimizer: str = "keras") -> None:
 
 
 def keras_memory_per_device(cfg: Config, blocks_per_stage: list[int] | None = None,
-                            optimizer: str | None = None) -> dict[int, DeviceMemory]:
+                            optimizer: str | None = None, calls: bool | None = None) -> dict[int, DeviceMemory]:
     """Device index (mesh order: data, pipe, tensor; as ``parallel.devices`` numbers them) ->
     predicted peak bytes of one training step of :func:`phalanx.models.transformer.gpt`
     ``(cfg.model)`` on the Keras-model engine.
@@ -381,6 +387,9 @@ def keras_memory_per_device(cfg: Config, blocks_per_stage: list[int] | None = No
     FLOP-balanced cut, :func:`~phalanx.plan.engine_rules.stage_bounds`. The two agree for the
     models measured here (4 and 6 blocks on 2 stages) but not always for a small model whose
     head and loss weigh much (3 blocks of d_model 32: 1 + 2 here, 2 + 1 there).
+
+    ``calls``: whether the stages run as stage calls (:func:`stage_calls_used`, the engine's
+    rule, by default).
     """
     m, p, t = cfg.model, cfg.parallel, cfg.train
     kind, n = parse_devices(p.devices)
@@ -391,7 +400,21 @@ def keras_memory_per_device(cfg: Config, blocks_per_stage: list[int] | None = No
                          micro_batch=t.global_batch // (dp * p.microbatches), schedule=p.schedule,
                          policy=cfg.precision.policy, weight_decay=t.weight_decay, optimizer=optimizer,
                          capacity_factor=m.capacity_factor, blocks_per_stage=blocks_per_stage, zero=p.zero,
-                         recompute=p.recompute, host_on_device0=kind == "cpu")
+                         recompute=p.recompute, host_on_device0=kind == "cpu",
+                         calls=stage_calls_used(p.microbatches, t.grad_accum, p.recompute, m.experts)
+                         if calls is None else calls)
+
+
+def stage_calls_used(microbatches: int, grad_accum: int, recompute: str, experts: int) -> bool:
+    """Whether the engine runs the GPT's pipeline stages as stage calls
+    (:class:`~phalanx.parallel.stage_calls.StageCalls`): a replica runs a stage more than once
+    (:func:`~phalanx.parallel.schedules.calls_used`), no recomputation, no experts (their
+    layers place ops by their inputs' devices).
+
+    >>> stage_calls_used(2, 1, "none", 0), stage_calls_used(2, 1, "full", 0), stage_calls_used(1, 1, "none", 0)
+    (True, False, False)
+    """
+    return calls_used(microbatches, grad_accum) and recompute == "none" and not experts
 
 
 @dataclass(frozen=True)
@@ -427,7 +450,7 @@ def rank_peak(schedule, rank: int, set_bytes, grad_bytes: float, backward_bytes:
     """Most bytes rank ``rank`` holds while it runs its actions of ``schedule`` (a
     :class:`~phalanx.parallel.schedules.Schedule`): :func:`rank_peak_parts`' first figure.
 
-    >>> from phalanx.parallel.schedules import build_schedule
+    >>> from phalanx.parallel.schedules import build_schedule, calls_used
     >>> sched = build_schedule("1f1b", 2, 4, 1)     # rank 0: F0 F1 B0 F2 B1 F3 B2 B3
     >>> rank_peak(sched, 0, set_bytes=10, grad_bytes=1, backward_bytes=0)   # F2 and F3 beside the sum
     21
@@ -447,7 +470,7 @@ def rank_peak_parts(schedule, rank: int, set_bytes, grad_bytes: float, backward_
     backward starts, plus ``carried`` throughout (earlier accumulation steps' gradients). With a
     split backward (``zb``) a micro-batch's activations and weight gradient go at its ``W``.
 
-    >>> from phalanx.parallel.schedules import build_schedule
+    >>> from phalanx.parallel.schedules import build_schedule, calls_used
     >>> rank_peak_parts(build_schedule("1f1b", 2, 4, 1), 0, 10, 1, 0)
     (21, 2, 1, False)
     >>> rank_peak_parts(build_schedule("interleaved", 2, 2, 2), 0, [10, 1], 1, 0)[:2]   # F0 F1 F0c1 F1c1
@@ -516,7 +539,7 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
                   blocks_per_stage: list[int] | None = None, exact: bool = True,
                   distinct: bool = False, group_calls: int | None = None, zero: int = 0, recompute: str = "none",
                   host_on_device0: bool = False, virtual_stages: int = 1, sequence_parallel: bool = False,
-                  accum: int = 1, fused: bool = True) -> dict[int, DeviceMemory]:
+                  accum: int = 1, fused: bool = True, calls: bool = False) -> dict[int, DeviceMemory]:
     """:func:`keras_memory_per_device` from the model's shape and the layout's degrees (what
     the planner's :func:`phalanx.plan.memory.memory_per_device` has), unchecked: device index
     -> predicted peak bytes. ``micro_batch``: sequences per micro-batch of one replica.
@@ -533,6 +556,7 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
     ``sequence_parallel``: the blocks' LayerNorm, dropout and residual on sequence chunks (every
     tensor rank holds ``1/tp`` of a block's activations). ``accum``: ``train.grad_accum``.
     ``fused``: activations as fused kernels keep them (:func:`layer_activation_bytes`).
+    ``calls``: the stages run as stage calls (:data:`CALL_BACKWARD_GRADIENTS`).
 
     >>> m = ModelSpec(layers=2, d_model=64, heads=4, ffn=128, vocab=256, seq_len=32, experts=4, top_k=2)
     >>> mem = keras_devices(m, dp=4, ep=2, optimizer="phalanx")
@@ -690,6 +714,12 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
                     if n_moe[c] and tr == 0:
                         bwd = max(bwd, MOE_BACKWARD_SHARDS * 4.0 * expert_block
                                   - MOE_HIDDEN_FREED * e * kept * tokens * f)
+                    if calls and not (tp > 1 and c == chunks - 1):
+                        # a stage call's backward is one call: it holds the micro-batch's saved tensors
+                        # until it ends, when the float32 gradients of the stage's weights it returns
+                        # are all made and its first block's working set is still alive (under tp the
+                        # last stage runs inline: the loss reads the head's shard logits)
+                        bwd += CALL_BACKWARD_GRADIENTS * 4.0 * (own_c + mirror_c)
                     if recompute == "full" and blocks_per_stage[c]:
                         # the stage runs as ceil(sqrt(ops)) recomputed blocks: a set keeps their inputs (the
                         # residual stream, on tensor rank 0), the backward re-runs one block at a time
