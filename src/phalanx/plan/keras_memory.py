@@ -145,6 +145,9 @@ zero=1 and 2 float32 +1.2/+1.6% (the step phase the peak); with activations so s
 the update is the peak (seq 16, batch 2) dp2 zero=1 +2.5/+2.4%, zero=2 +7.1/+1.2% (the first
 formula, every weight's whole reduced sum beside the replicas' sums, gave +26.6% on device 1;
 the weight decay's products counted on replica 0's first device only); dp2 zero=3 with ``full`` -0.3/+5.5%, ``selective`` +3.4/+5.3%.
+With the stages as stage calls (:data:`CALL_BACKWARD_GRADIENTS`, 2026-11-28): dp2 x pp2 zero=3
+float32 +3.1/+4.6/+5.9/+2.6%, mixed_bfloat16 +2.7/+5.0/+5.9/+5.0% (without the term -5.2 to
+-16.4%); tp2 x pp2 float32 -3.7/+1.3/+4.6/+4.7% (``--calibrate`` runs it inline).
 
 ``phalanx train``'s own layouts, measured with phalanx's AdamW (``phalanx plan --calibrate``,
 tests/test_plan_engine.py, 4 layers, d_model 256, seq 128, batch 8, 2026-11-27): dp2 +1.5/+2.2%,
