@@ -174,3 +174,44 @@ def test_tensor_shard_ops_run_on_their_rank_inside_forward_and_backward_calls(tr
             assert any(n.op == "MatMul" and tf.DeviceSpec.from_string(n.device).to_string() == rank
                        for n in library[name].node_def), (kind, stage, rank)
     assert seen == {(s, k): MICRO for s in range(PP) for k in ("forward", "backward")}
+
+
+# -- what a call keeps for its backward ----------------------------------------------------
+
+
+def test_a_call_keeps_no_tensor_only_a_pruned_gradient_reads():
+    """``softmax(x @ w * 0.125)``: its backward reads the softmax output, ``x`` and ``w``;
+    only the (unused) gradient with respect to the constant 0.125 reads the product ``x @ w``.
+    TensorFlow's function backward would make that product an extra output of every forward
+    call, held until the backward call (inline the graph optimiser prunes its reader). The
+    forward function returns no MatMul output (the softmax output, ``x`` and ``w`` only), and
+    the gradients equal a GradientTape's over the same ops inline (same kernels: to round-off)."""
+    rng = np.random.default_rng(0)
+    w = tf.constant(rng.normal(size=(16, 32)).astype("float32"))
+    xs = tf.constant(rng.normal(size=(3, 8, 16)).astype("float32"))
+    upstream = tf.constant(rng.normal(size=(8, 32)).astype("float32"))
+    calls = StageCalls()
+
+    def run(values, state, inputs):
+        return {"y": tf.nn.softmax(tf.matmul(inputs["x"], values[0]) * 0.125)}, [], []
+
+    @tf.function(autograph=False)
+    def step(xs):
+        ys = [calls.call("attention", run, [w], [], {"x": xs[i]})[0]["y"] for i in range(3)]
+        return tf.gradients(ys, [w, xs], grad_ys=[upstream] * 3)
+
+    graph = step.get_concrete_function(xs).graph
+    forwards = [op for op in graph.get_operations() if op.type in CALL_OPS and not op.name.startswith("gradients")]
+    assert len(forwards) == 3 and calls.traced == 1
+    library = {f.signature.name: f for f in graph.as_graph_def().library.function}
+    forward = library[forwards[0].get_attr("f").name]
+    node_types = {n.name: n.op for n in forward.node_def}
+    returned = [node_types.get(ref.split(":")[0], "argument") for ref in forward.ret.values()]
+    assert "Softmax" in returned and "MatMul" not in returned, returned
+    got = step(xs)
+    with tf.GradientTape() as tape:
+        tape.watch([w, xs])
+        ys = [tf.nn.softmax(tf.matmul(xs[i], w) * 0.125) for i in range(3)]
+    expected = tape.gradient(ys, [w, xs], output_gradients=[upstream] * 3)
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-6, atol=1e-6)

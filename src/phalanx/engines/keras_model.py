@@ -139,6 +139,7 @@ from phalanx.parallel.keras_graph import split_keras_model
 from phalanx.parallel.keras_zero import ZeroSlices, check_sliceable
 from phalanx.parallel.pipeline import run_schedule, schedule_for
 from phalanx.parallel.replica_state import combine_replicas, rule_of
+from phalanx.parallel.schedules import calls_used
 from phalanx.parallel.stage_calls import StageCalls
 from phalanx.precision import resolve_policy
 
@@ -600,14 +601,11 @@ class KerasModelEngine:
         # Each stage's forward traced once and called per micro-batch (tensor shards run on their
         # ranks inside the call), when no expert shards are read: their layers place their ops by
         # their inputs' devices (parallel/stage_calls.py). Not under recomputation: inside a
-        # call, selective recompute's measured peak fell 17% instead of over 30%. Nor at ZeRO-3:
-        # with calls, dp2 x pp2's measured step peak rose 10-18% per device above the planner's
-        # byte count of the inline step (test_calibrate_keras), which the memory model does not count.
+        # call, selective recompute's measured peak fell 17% instead of over 30%.
         no_experts = not any(placement_of(v) is not None and placement_of(v).axis == "expert"
                              for v in model.weights)
-        reused = p.microbatches * cfg.train.grad_accum > 1  # (a call is per replica: replicas reuse nothing)
-        self.stage_calls = StageCalls() if stage_calls and no_experts and reused and p.recompute == "none" \
-            and self.zero < 3 else None
+        self.stage_calls = StageCalls() if stage_calls and no_experts and p.recompute == "none" \
+            and calls_used(p.microbatches, cfg.train.grad_accum) else None
         self._build(sample_batch)
         # ZeRO: the slices, and the user's optimizer applied on them (parallel/keras_zero.py).
         self.slices = self._make_slices() if self.zero else None

@@ -366,3 +366,15 @@ def render_text(schedule: Schedule) -> str:
 def iter_actions(schedule: Schedule) -> Iterable[tuple[int, Action]]:
     """A global dependency-respecting order of ``(rank, action)``: handy for a serial executor."""
     return iter(_execution_order(schedule))
+
+
+def calls_used(microbatches: int, grad_accum: int) -> bool:
+    """Whether the Keras-model engine runs its stages as stage calls
+    (:mod:`phalanx.parallel.stage_calls`): when a replica runs a stage more than once (a call
+    is per replica: replicas reuse nothing), except under recomputation and where a stage reads
+    expert shards.
+
+    >>> calls_used(1, 1), calls_used(2, 1), calls_used(1, 2)
+    (False, True, True)
+    """
+    return microbatches * grad_accum > 1

@@ -27,9 +27,10 @@ plans with its fullest device. The terms, as found in the allocator's record of 
   accumulation step into the next and starts a step on a rank once the previous one ended there,
   so a later step holds them from its start (``summed`` in :func:`rank_peak_parts`);
 * **traced stage calls** (:mod:`phalanx.parallel.stage_calls`, which the engine runs when
-  ``microbatches x grad_accum > 1``): with ``train.grad_accum > 1`` a call's backward forms its
-  micro-batch's whole gradient set beside the carried sums and the call's saved activations
-  (``formed``), one more float32 set at each backward of a later accumulation step;
+  ``microbatches x grad_accum > 1``, :func:`stage_calls_used`): a call's backward returns its
+  micro-batch's whole gradient set beside the sums and the call's saved activations, one more
+  float32 copy of the stage's weights in the backward's working set
+  (:data:`CALL_BACKWARD_GRADIENTS`);
 * **no flat buffers**: Keras's optimizer updates each variable in place; its ``m`` and
   ``v`` slots (float32, 8 bytes per parameter) live next to each weight (a tensor shard's
   on its rank), none for the last stage's mirror of a tied embedding;
@@ -150,6 +151,9 @@ zero=1 and 2 float32 +1.2/+1.6% (the step phase the peak); with activations so s
 the update is the peak (seq 16, batch 2) dp2 zero=1 +2.5/+2.4%, zero=2 +7.1/+1.2% (the first
 formula, every weight's whole reduced sum beside the replicas' sums, gave +26.6% on device 1;
 the weight decay's products counted on replica 0's first device only); dp2 zero=3 with ``full`` -0.3/+5.5%, ``selective`` +3.4/+5.3%.
+With the stages as stage calls (:data:`CALL_BACKWARD_GRADIENTS`, 2026-11-28): dp2 x pp2 zero=3
+float32 +3.1/+4.6/+5.9/+2.6%, mixed_bfloat16 +2.7/+5.0/+5.9/+5.0% (without the term -5.2 to
+-16.4%); tp2 x pp2 float32 -3.7/+1.3/+4.6/+4.7% (``--calibrate`` runs it inline).
 
 ``phalanx train``'s own layouts, measured with phalanx's AdamW (``phalanx plan --calibrate``,
 tests/test_plan_engine.py, 4 layers, d_model 256, seq 128, batch 8, 2026-11-27): dp2 +1.5/+2.2%,
@@ -166,9 +170,7 @@ runs no calls under tp); mixed_bfloat16 pp2 1f1b -0.0/+1.8%, dp2 zero=3 +1.0/+1.
 dp2 -1.2/-0.9%, pp2 1f1b -2.9/+1.2%. No constant was read off these. Before the engine carried the sums and ordered the
 steps (each step its own sums, joined at the end; nothing ordered two steps, and with a
 pipeline the executor ran the next step's forwards beside the last one's backwards): pp2 1f1b
-device 0 held 68.1 MiB, 54.5 MiB after. The calls' ``formed`` set is counted with accumulation
-only: at ``grad_accum=1`` with several micro-batches (pp2, 2 micro-batches, float32) the calls'
-backward measured 16% above this model's figure on both devices, which it does not count yet.
+device 0 held 68.1 MiB, 54.5 MiB after.
 Planned but not measured (:func:`keras_devices` models
 them, :func:`check_calibrated` refuses to calibrate them): the interleaved schedule (the walk per
 chunk), sequence parallelism (every tensor rank keeps ``1/tp`` of a block's activations), dropout (its
@@ -196,7 +198,7 @@ from dataclasses import dataclass
 
 from phalanx.config import Config, ConfigError, parse_devices, resolve_degrees
 from phalanx.core.costs import RECOMPUTE_MODES, ModelSpec
-from phalanx.parallel.schedules import build_schedule
+from phalanx.parallel.schedules import build_schedule, calls_used
 from phalanx.plan.engine_rules import stage_bounds
 from phalanx.plan.activations import (ACTIVATION_BYTES, in_flight_estimate, layer_activation_bytes,
                                       schedule_in_flight)
@@ -206,6 +208,14 @@ from phalanx.plan.activations import (ACTIVATION_BYTES, in_flight_estimate, laye
 # gradient of the MLP-down matmul's input. Measured at tp2 and tp2 x pp2 (4 layers,
 # d_model 256, micro-batches of 8 and 4), float32 and mixed_bfloat16: 2.0-2.1 copies.
 BACKWARD_MLP_SETS = 2.0
+
+# A stage call's backward (parallel/stage_calls.py) holds, beyond BACKWARD_MLP_SETS, this many
+# float32 copies of the stage's weights on the device: the backward is one function call,
+# whose caller holds every tensor the forward saved for it until the call returns, and the
+# call returns every gradient of the stage at once (inline, each activation is freed once its
+# gradient op has read it, and each gradient is added to the running sum as it is made).
+CALL_BACKWARD_GRADIENTS = 1.0
+
 # Keras's per-variable AdamW temporaries in the optimizer phase, in float32 copies of the
 # largest weight on the device. A rough allowance: the optimizer phase was the peak of no
 # measured layout (its temporaries measured 2.5 such copies at tp2, up to 8 at tp2 x pp2).
@@ -375,7 +385,7 @@ def check_calibrated(cfg: Config, dp: int, optimizer: str = "keras") -> None:
 
 
 def keras_memory_per_device(cfg: Config, blocks_per_stage: list[int] | None = None,
-                            optimizer: str | None = None, stage_calls: bool | None = None) -> dict[int, DeviceMemory]:
+                            optimizer: str | None = None, calls: bool | None = None) -> dict[int, DeviceMemory]:
     """Device index (mesh order: data, pipe, tensor; as ``parallel.devices`` numbers them) ->
     predicted peak bytes of one training step of :func:`phalanx.models.transformer.gpt`
     ``(cfg.model)`` on the Keras-model engine.
@@ -392,8 +402,9 @@ def keras_memory_per_device(cfg: Config, blocks_per_stage: list[int] | None = No
     FLOP-balanced cut, :func:`~phalanx.plan.engine_rules.stage_bounds`. The two agree for the
     models measured here (4 and 6 blocks on 2 stages) but not always for a small model whose
     head and loss weigh much (3 blocks of d_model 32: 1 + 2 here, 2 + 1 there).
-    ``stage_calls``: whether the engine runs traced stage calls (:func:`keras_devices`; by
-    default as the engine decides).
+
+    ``calls``: whether the stages run as stage calls (:func:`stage_calls_used`, the engine's
+    rule, by default).
     """
     m, p, t = cfg.model, cfg.parallel, cfg.train
     kind, n = parse_devices(p.devices)
@@ -404,8 +415,21 @@ def keras_memory_per_device(cfg: Config, blocks_per_stage: list[int] | None = No
                          micro_batch=t.global_batch // (dp * t.grad_accum * p.microbatches), schedule=p.schedule,
                          policy=cfg.precision.policy, weight_decay=t.weight_decay, optimizer=optimizer,
                          capacity_factor=m.capacity_factor, blocks_per_stage=blocks_per_stage, zero=p.zero,
-                         recompute=p.recompute, host_on_device0=kind == "cpu", accum=t.grad_accum,
-                         stage_calls=stage_calls)
+                         recompute=p.recompute, host_on_device0=kind == "cpu",
+                         calls=stage_calls_used(p.microbatches, t.grad_accum, p.recompute, m.experts)
+                         if calls is None else calls)
+
+
+def stage_calls_used(microbatches: int, grad_accum: int, recompute: str, experts: int) -> bool:
+    """Whether the engine runs the GPT's pipeline stages as stage calls
+    (:class:`~phalanx.parallel.stage_calls.StageCalls`): a replica runs a stage more than once
+    (:func:`~phalanx.parallel.schedules.calls_used`), no recomputation, no experts (their
+    layers place ops by their inputs' devices).
+
+    >>> stage_calls_used(2, 1, "none", 0), stage_calls_used(2, 1, "full", 0), stage_calls_used(1, 1, "none", 0)
+    (True, False, False)
+    """
+    return calls_used(microbatches, grad_accum) and recompute == "none" and not experts
 
 
 @dataclass(frozen=True)
@@ -437,21 +461,21 @@ def _block_params(d: int, f: int, tp: int, t: int) -> float:
     return split + (4 * d + 2 * d if t == 0 else 0)
 
 
-def rank_peak(schedule, rank: int, set_bytes, grad_bytes: float, backward_bytes: float, summed: bool = False,
-              formed: float = 0) -> float:
+def rank_peak(schedule, rank: int, set_bytes, grad_bytes: float, backward_bytes: float,
+              summed: bool = False) -> float:
     """Most bytes rank ``rank`` holds while it runs its actions of ``schedule`` (a
     :class:`~phalanx.parallel.schedules.Schedule`): :func:`rank_peak_parts`' first figure.
 
-    >>> from phalanx.parallel.schedules import build_schedule
+    >>> from phalanx.parallel.schedules import build_schedule, calls_used
     >>> sched = build_schedule("1f1b", 2, 4, 1)     # rank 0: F0 F1 B0 F2 B1 F3 B2 B3
     >>> rank_peak(sched, 0, set_bytes=10, grad_bytes=1, backward_bytes=0)   # F2 and F3 beside the sum
     21
     """
-    return rank_peak_parts(schedule, rank, set_bytes, grad_bytes, backward_bytes, summed, formed)[0]
+    return rank_peak_parts(schedule, rank, set_bytes, grad_bytes, backward_bytes, summed)[0]
 
 
 def rank_peak_parts(schedule, rank: int, set_bytes, grad_bytes: float, backward_bytes: float,
-                    summed: bool = False, formed: float = 0) -> tuple[float, int, int, bool]:
+                    summed: bool = False) -> tuple[float, int, int, bool]:
     """The peak of rank ``rank`` walking its actions, and what is alive there: ``(peak,
     activation sets held, gradient sets held (0 or 1), whether a backward's working set is)``.
 
@@ -460,17 +484,14 @@ def rank_peak_parts(schedule, rank: int, set_bytes, grad_bytes: float, backward_
     (``grad_bytes``: each backward adds its gradients into it before the rank's next action,
     :func:`phalanx.parallel.pipeline.run_schedule`), plus the backward's working set while a
     backward starts. ``summed``: the sum is there from the start (an accumulation step after the
-    first: the engine carries the replica's sums from one step into the next). ``formed``: bytes
-    a backward forms beside what it holds before they are added or freed (a traced stage call's
-    backward returns its micro-batch's whole gradient set while the call's saved activations are
-    alive). With a split backward (``zb``) a micro-batch's activations and weight gradient go at
+    first: the engine carries the replica's sums from one step into the next). With a split backward (``zb``) a micro-batch's activations and weight gradient go at
     its ``W``.
 
-    >>> from phalanx.parallel.schedules import build_schedule
+    >>> from phalanx.parallel.schedules import build_schedule, calls_used
     >>> rank_peak_parts(build_schedule("1f1b", 2, 4, 1), 0, 10, 1, 0)
     (21, 2, 1, False)
-    >>> rank_peak_parts(build_schedule("1f1b", 2, 4, 1), 0, 10, 1, 0, summed=True, formed=1)   # B0: F0, F1, sum, new
-    (22, 2, 1, True)
+    >>> rank_peak_parts(build_schedule("1f1b", 2, 4, 1), 0, 10, 1, 0, summed=True)   # F2, F3 beside the sum
+    (21, 2, 1, False)
     >>> rank_peak_parts(build_schedule("interleaved", 2, 2, 2), 0, [10, 1], 1, 0)[:2]   # F0 F1 F0c1 F1c1
     (22, 4)
     """
@@ -489,8 +510,8 @@ def rank_peak_parts(schedule, rank: int, set_bytes, grad_bytes: float, backward_
             if held_bytes + grads * grad_bytes > best[0]:
                 best = (held_bytes + grads * grad_bytes, held, grads, False)
         elif a.kind == release:
-            if held_bytes + grads * grad_bytes + formed + backward_bytes > best[0]:
-                best = (held_bytes + grads * grad_bytes + formed + backward_bytes, held, grads, True)
+            if held_bytes + grads * grad_bytes + backward_bytes > best[0]:
+                best = (held_bytes + grads * grad_bytes + backward_bytes, held, grads, True)
             held -= 1
             held_bytes -= size
             done += 1
@@ -499,12 +520,12 @@ def rank_peak_parts(schedule, rank: int, set_bytes, grad_bytes: float, backward_
 
 
 def step_peak_estimate(held: int, backwards: int, set_bytes: float, grad_bytes: float,
-                       backward_bytes: float, summed: bool = False, formed: float = 0) -> tuple[float, int, int, bool]:
+                       backward_bytes: float, summed: bool = False) -> tuple[float, int, int, bool]:
     """:func:`rank_peak_parts` in closed form (the search's pre-filter), for a rank that holds
     at most ``held`` activation sets and runs ``backwards`` backward actions: the peak is at the
     first backward after the last forward (``held`` sets, the gradient sum if a backward ran
     before), at the next backward (``held - 1`` sets and the sum), at the last backward (one set
-    and the sum) or at the end (the sum); ``summed``, ``formed`` as there. Exact for gpipe and
+    and the sum) or at the end (the sum); ``summed`` as there. Exact for gpipe and
     1f1b (tested against the walk).
 
     >>> step_peak_estimate(2, 4, 10, 1, 5)     # 1f1b, pp=2, m=4, rank 0: B2 with F2, F3 held
@@ -515,7 +536,7 @@ def step_peak_estimate(held: int, backwards: int, set_bytes: float, grad_bytes: 
     def sums(before: int) -> int:  # gradient sets held once ``before`` backwards have run
         return 1 if summed else min(before, 1)
 
-    bwd = formed + backward_bytes
+    bwd = backward_bytes
     cands = [(w * set_bytes + sums(n - w) * grad_bytes + bwd, w, sums(n - w), True)]
     if w >= 2:
         cands.append(((w - 1) * set_bytes + grad_bytes + bwd, w - 1, 1, True))
@@ -543,7 +564,7 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
                   blocks_per_stage: list[int] | None = None, exact: bool = True,
                   distinct: bool = False, group_calls: int | None = None, zero: int = 0, recompute: str = "none",
                   host_on_device0: bool = False, virtual_stages: int = 1, sequence_parallel: bool = False,
-                  accum: int = 1, fused: bool = True, stage_calls: bool | None = None) -> dict[int, DeviceMemory]:
+                  accum: int = 1, fused: bool = True, calls: bool = False) -> dict[int, DeviceMemory]:
     """:func:`keras_memory_per_device` from the model's shape and the layout's degrees (what
     the planner's :func:`phalanx.plan.memory.memory_per_device` has), unchecked: device index
     -> predicted peak bytes. ``micro_batch``: sequences per micro-batch of one replica.
@@ -560,9 +581,7 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
     ``sequence_parallel``: the blocks' LayerNorm, dropout and residual on sequence chunks (every
     tensor rank holds ``1/tp`` of a block's activations). ``accum``: ``train.grad_accum``.
     ``fused``: activations as fused kernels keep them (:func:`layer_activation_bytes`).
-    ``stage_calls``: whether the engine runs the stages as traced calls
-    (:mod:`phalanx.parallel.stage_calls`); by default as it decides: when ``microbatches x accum
-    > 1``, without recomputation, below ZeRO-3 and without experts.
+    ``calls``: the stages run as stage calls (:data:`CALL_BACKWARD_GRADIENTS`).
 
     >>> m = ModelSpec(layers=2, d_model=64, heads=4, ffn=128, vocab=256, seq_len=32, experts=4, top_k=2)
     >>> mem = keras_devices(m, dp=4, ep=2, optimizer="phalanx")
@@ -579,8 +598,6 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
         raise ValueError(f"optimizer={optimizer!r}: one of {OPTIMIZERS}")
     if accum < 1:
         raise ValueError(f"accum={accum}: train.grad_accum is at least 1")
-    calls = (microbatches * accum > 1 and recompute == "none" and zero < 3 and not m.experts) \
-        if stage_calls is None else stage_calls
     group_calls = ep if group_calls is None else group_calls
     if not 1 <= group_calls <= max(ep, 1):
         raise ValueError(f"group_calls={group_calls}: between 1 and ep={ep} replicas' calls")
@@ -606,17 +623,16 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
     else:
         peaks, last_peak = in_flight_estimate(name, pp, microbatches, v)
 
-    def step_peak(r: int, set_bytes: list[float], grad: float, backward: float,
-                  formed: float) -> tuple[float, float, bool]:
+    def step_peak(r: int, set_bytes: list[float], grad: float, backward: float) -> tuple[float, float, bool]:
         """(peak, gradient bytes held there, whether a backward's working set is) of the rank's
         fullest accumulation step: with ``accum > 1`` a later one, which starts with the sums"""
         if exact:
             peak, _, n_grads, in_bwd = rank_peak_parts(sched, r, set_bytes if v > 1 else set_bytes[0], grad,
-                                                       backward, accum > 1, formed)
+                                                       backward, accum > 1)
         else:
             peak, _, n_grads, in_bwd = step_peak_estimate(peaks[r], microbatches * v, max(set_bytes), grad,
-                                                          backward, accum > 1, formed)
-        return peak, n_grads * grad + (formed if in_bwd else 0.0), in_bwd
+                                                          backward, accum > 1)
+        return peak, n_grads * grad, in_bwd
 
     e = ACTIVATION_BYTES[policy]
     cast = e if e < 4 else 0  # a compute-dtype copy of each weight per activation set held
@@ -720,6 +736,12 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
                     if n_moe[c] and tr == 0:
                         bwd = max(bwd, MOE_BACKWARD_SHARDS * 4.0 * expert_block
                                   - MOE_HIDDEN_FREED * e * kept * tokens * f)
+                    if calls and not (tp > 1 and c == chunks - 1):
+                        # a stage call's backward is one call: it holds the micro-batch's saved tensors
+                        # until it ends, when the float32 gradients of the stage's weights it returns
+                        # are all made and its first block's working set is still alive (under tp the
+                        # last stage runs inline: the loss reads the head's shard logits)
+                        bwd += CALL_BACKWARD_GRADIENTS * 4.0 * (own_c + mirror_c)
                     if recompute == "full" and blocks_per_stage[c]:
                         # the stage runs as ceil(sqrt(ops)) recomputed blocks: a set keeps their inputs (the
                         # residual stream, on tensor rank 0), the backward re-runs one block at a time
@@ -740,10 +762,8 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
                         head += e * tokens * d + (e + 4) * tokens * V
                     head *= last_peak
                 # train.grad_accum > 1: each backward of a later accumulation step adds into the sums
-                # carried from the earlier steps; a traced stage call's backward first forms its
-                # micro-batch's whole gradient set beside them and the call's saved activations
-                formed = grad if accum > 1 and calls else 0.0
-                step, grads_held, in_bwd = step_peak(r, set_bytes, grad, backward, formed)
+                # carried from the earlier steps (a stage call's whole gradient set: in ``backward``)
+                step, grads_held, in_bwd = step_peak(r, set_bytes, grad, backward)
                 step += head + cast * MOE_EXPERT_CASTS * experts
                 if gathered and cast:
                     # under a mixed policy the gathered float32 weights are read by the stage's forwards

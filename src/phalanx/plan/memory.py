@@ -46,7 +46,7 @@ from functools import lru_cache
 from phalanx.core.costs import ModelSpec, param_count
 from phalanx.plan.activations import ACTIVATION_BYTES, layer_activation_bytes
 from phalanx.plan.engine_rules import stage_bounds
-from phalanx.plan.keras_memory import keras_devices
+from phalanx.plan.keras_memory import keras_devices, stage_calls_used
 from phalanx.plan.layout import Layout, check_expert_parallel
 
 # bytes per parameter the engine keeps, for every policy: (weights, gradients, optimizer states)
@@ -122,7 +122,8 @@ def _fullest(m: ModelSpec, lay: Layout, exact: bool, fused: bool):
                             micro_batch=lay.micro_batch, schedule=lay.schedule, policy=lay.policy,
                             optimizer="phalanx", exact=exact, distinct=True, zero=lay.zero, recompute=lay.recompute,
                             virtual_stages=lay.virtual_stages, sequence_parallel=lay.sequence_parallel,
-                            accum=lay.accum, fused=fused)
+                            accum=lay.accum, fused=fused,
+                            calls=stage_calls_used(lay.microbatches, lay.accum, lay.recompute, m.experts))
     return max(devices.items(), key=lambda kv: kv[1].total)
 
 
