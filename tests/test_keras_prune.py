@@ -342,3 +342,21 @@ def test_pruning_under_zero3_joins_no_slices_between_mask_updates(monkeypatch, t
     assert {step for what, step, *_ in calls if what == "cut"} <= {0}, calls  # cut once, when the fit starts
     assert {step for what, step, *_ in calls if what == "join"} <= {0, 2, 4, 6, 12}, calls
     assert {step for what, step, state in (c for c in calls if c[0] == "store") if state} == {6, 12}, calls
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_masks_resume_under_zero_equal_keras_fit(zero, tmp_path):
+    """dp2 under ZeRO, one epoch, then a second fit resuming from its checkpoint: the masks of
+    step 4 (the schedule's last update) come back from the checkpoint and are cut into the
+    slices (and the replicas' copies) again: Keras's fit of two epochs with the NumPy masks."""
+    x, y = xy()
+    ref, _, _ = reference(mlp, x, y, every=4)
+    prune = ["train.prune.target=0.5", "train.prune.start=0", "train.prune.end=4", "train.prune.every=4"]
+    layout = ["parallel.devices=cpu:2", "parallel.dp=2", f"parallel.zero={zero}", f"run.dir={tmp_path}"]
+    phalanx.fit(mlp(), x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, overrides=prune + layout)
+    resumed = mlp()  # a fresh model object: its weights and masks come from the checkpoint
+    phalanx.fit(resumed, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, overrides=prune + layout)
+    for mine, want in zip(resumed.weights, ref.weights):  # SGD: rtol as in assert_same
+        np.testing.assert_allclose(mine.numpy(), want.numpy(), rtol=1e-5, atol=1e-6, err_msg=mine.path)
+    for v in kernels_of(resumed):
+        assert int(np.count_nonzero(v.numpy() == 0)) == round(0.5 * v.numpy().size), v.path
