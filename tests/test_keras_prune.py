@@ -360,3 +360,24 @@ def test_masks_resume_under_zero_equal_keras_fit(zero, tmp_path):
         np.testing.assert_allclose(mine.numpy(), want.numpy(), rtol=1e-5, atol=1e-6, err_msg=mine.path)
     for v in kernels_of(resumed):
         assert int(np.count_nonzero(v.numpy() == 0)) == round(0.5 * v.numpy().size), v.path
+
+
+def test_pruning_tensor_shards_under_zero3_equals_one_device(tmp_path):
+    """dp2 x tp2 at ZeRO-3: each tensor shard's mask (its part of the whole kernel's) is cut
+    like that shard's slices. The weights and zeros of the one-device pruned fit, which
+    test_unstructured_pruning_equals_keras_fit_with_numpy_masks holds to Keras's fit; Adam, and
+    float32 sums in another order at tp2: the layout tests' rtol 1e-4."""
+    from test_keras_zero import copy_weights, logical, tp_model
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 6)).astype("float32"), rng.normal(size=(32, 3)).astype("float32")
+    fit = dict(batch_size=8, epochs=1, shuffle=False, verbose=0)
+    one = tp_model(1)
+    phalanx.fit(one, x, y, overrides=PRUNE + [f"run.dir={tmp_path / 'one'}"], **fit)
+    sharded = tp_model(2)
+    copy_weights(tp_model(1), sharded)
+    phalanx.fit(sharded, x, y, overrides=["parallel.devices=cpu:4", "parallel.dp=2", "parallel.tp=2",
+                                          "parallel.zero=3"] + PRUNE + [f"run.dir={tmp_path / 'sharded'}"], **fit)
+    for mine, want in zip(logical(sharded), logical(one)):
+        np.testing.assert_allclose(mine, want, rtol=1e-4, atol=1e-6)
+        assert np.array_equal(mine == 0, want == 0) or mine.ndim < 2
