@@ -14,6 +14,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import phalanx
 from phalanx import checkpoint
@@ -280,9 +281,9 @@ def test_bad_prune_settings_are_refused_before_anything_is_written(tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
-@pytest.mark.parametrize("zero", [1, 3])
+@pytest.mark.parametrize("zero", [1, 2, 3])
 def test_pruning_under_zero_equals_keras_fit(zero, tmp_path):
-    """dp2 with the weights (3) or the optimizer state (1) sliced over the replicas: the masks
+    """dp2 with the weights (3), or the optimizer state (1) and the gradients (2) sliced over the replicas: the masks
     are applied to the weights the optimizer updates, and its state and step count carry on
     across the mask updates: Keras's fit with the NumPy masks."""
     x, y = xy()
@@ -297,3 +298,86 @@ def test_pruning_under_zero_equals_keras_fit(zero, tmp_path):
     masks = saved_masks(tmp_path)
     for want, got in zip(callback.masks, [masks[k] for k in sorted(masks)]):
         np.testing.assert_array_equal(got, want)
+
+
+def test_pruning_under_zero3_joins_no_slices_between_mask_updates(monkeypatch, tmp_path):
+    """Under ZeRO-3 the masks are applied to the weights' slices where they live: outside the
+    step, nothing is joined from the slices (ZeroSlices._whole, the all-gather) or cut into them
+    again (ZeroSlices.load) after a step that updates no mask; only the mask updates (before the
+    steps that follow 0, 2, 4 completed steps) join the weights, never the optimizer state, which
+    is joined only at the epochs' ends (after 6 and 12 steps). The values: Keras's fit with the
+    NumPy masks (rtol as in test_pruning_under_zero_equals_keras_fit)."""
+    from phalanx.parallel.keras_zero import ZeroSlices
+
+    calls = []  # (what, optimizer steps completed, whether model.optimizer's state was joined)
+    whole, load, store = ZeroSlices._whole, ZeroSlices.load, ZeroSlices.store
+
+    def step_of(slices):
+        return int(slices.user.iterations.numpy())
+
+    def spy_whole(self, items, devices):
+        if tf.executing_eagerly():  # (the step's own gathers of ZeRO-3 are traced into it)
+            calls.append(("join", step_of(self)))
+        return whole(self, items, devices)
+
+    def spy_load(self):
+        calls.append(("cut", step_of(self)))
+        return load(self)
+
+    def spy_store(self, weights=True, state=True):
+        calls.append(("store", step_of(self), state))
+        return store(self, weights, state)
+
+    monkeypatch.setattr(ZeroSlices, "_whole", spy_whole)
+    monkeypatch.setattr(ZeroSlices, "load", spy_load)
+    monkeypatch.setattr(ZeroSlices, "store", spy_store)
+    x, y = xy()
+    ref, ref_steps, _ = reference(mlp, x, y)
+    model, steps = mlp(), StepLosses()
+    phalanx.fit(model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[steps],
+                overrides=["parallel.devices=cpu:2", "parallel.dp=2", "parallel.zero=3"] + PRUNE +
+                [f"run.dir={tmp_path}"])
+    assert_same(model, ref, steps, ref_steps, what="zero=3")
+    assert len(steps.losses) == 12
+    assert {step for what, step, *_ in calls if what == "cut"} <= {0}, calls  # cut once, when the fit starts
+    assert {step for what, step, *_ in calls if what == "join"} <= {0, 2, 4, 6, 12}, calls
+    assert {step for what, step, state in (c for c in calls if c[0] == "store") if state} == {6, 12}, calls
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_masks_resume_under_zero_equal_keras_fit(zero, tmp_path):
+    """dp2 under ZeRO, one epoch, then a second fit resuming from its checkpoint: the masks of
+    step 4 (the schedule's last update) come back from the checkpoint and are cut into the
+    slices (and the replicas' copies) again: Keras's fit of two epochs with the NumPy masks."""
+    x, y = xy()
+    ref, _, _ = reference(mlp, x, y, every=4)
+    prune = ["train.prune.target=0.5", "train.prune.start=0", "train.prune.end=4", "train.prune.every=4"]
+    layout = ["parallel.devices=cpu:2", "parallel.dp=2", f"parallel.zero={zero}", f"run.dir={tmp_path}"]
+    phalanx.fit(mlp(), x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, overrides=prune + layout)
+    resumed = mlp()  # a fresh model object: its weights and masks come from the checkpoint
+    phalanx.fit(resumed, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, overrides=prune + layout)
+    for mine, want in zip(resumed.weights, ref.weights):  # SGD: rtol as in assert_same
+        np.testing.assert_allclose(mine.numpy(), want.numpy(), rtol=1e-5, atol=1e-6, err_msg=mine.path)
+    for v in kernels_of(resumed):
+        assert int(np.count_nonzero(v.numpy() == 0)) == round(0.5 * v.numpy().size), v.path
+
+
+def test_pruning_tensor_shards_under_zero3_equals_one_device(tmp_path):
+    """dp2 x tp2 at ZeRO-3: each tensor shard's mask (its part of the whole kernel's) is cut
+    like that shard's slices. The weights and zeros of the one-device pruned fit, which
+    test_unstructured_pruning_equals_keras_fit_with_numpy_masks holds to Keras's fit; Adam, and
+    float32 sums in another order at tp2: the layout tests' rtol 1e-4."""
+    from test_keras_zero import copy_weights, logical, tp_model
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 6)).astype("float32"), rng.normal(size=(32, 3)).astype("float32")
+    fit = dict(batch_size=8, epochs=1, shuffle=False, verbose=0)
+    one = tp_model(1)
+    phalanx.fit(one, x, y, overrides=PRUNE + [f"run.dir={tmp_path / 'one'}"], **fit)
+    sharded = tp_model(2)
+    copy_weights(tp_model(1), sharded)
+    phalanx.fit(sharded, x, y, overrides=["parallel.devices=cpu:4", "parallel.dp=2", "parallel.tp=2",
+                                          "parallel.zero=3"] + PRUNE + [f"run.dir={tmp_path / 'sharded'}"], **fit)
+    for mine, want in zip(logical(sharded), logical(one)):
+        np.testing.assert_allclose(mine, want, rtol=1e-4, atol=1e-6)
+        assert np.array_equal(mine == 0, want == 0) or mine.ndim < 2

@@ -320,15 +320,16 @@ class ZeroSlices:
         for user, mine in self.scalars:
             mine.assign(user.value)
 
-    def store(self, weights: bool = True) -> None:
+    def store(self, weights: bool = True, state: bool = True) -> None:
         """Join the slices into the model's weights (``weights``) and ``model.optimizer``'s state
-        (across workers every worker must call it: the slices are all-gathered)."""
+        (``state``; across workers every worker must call it: the slices are all-gathered)."""
         pairs = ([(v.value, layout, row) for v, layout, row in zip(self.variables, self.layouts, self.slices)]
-                 if weights else []) + [(user.value, layout, row) for user, layout, row in self.slots]
+                 if weights else []) + ([(user.value, layout, row) for user, layout, row in self.slots]
+                                        if state else [])
         for (target, _, _), whole in zip(pairs, self._whole([(layout, row) for _, layout, row in pairs],
                                                           [t.device for t, _, _ in pairs])):
             target.assign(whole)
-        for user, mine in self.scalars:
+        for user, mine in (self.scalars if state else []):
             user.assign(mine.value)
 
     def _whole(self, items: Sequence[tuple[SliceLayout, list]], devices: Sequence[str]) -> list[tf.Tensor]:
@@ -377,6 +378,16 @@ class ZeroSlices:
 
     def slices_of(self, variable) -> list:
         return self.slices[self.index[id(variable)]]
+
+    def pieces_of(self, variable, value) -> list[tf.Tensor]:
+        """This process's slices of a whole ``value`` shaped like ``variable`` (a mask of it), cut
+        as ``variable`` is (zero padding included), each on its slice's device."""
+        i = self.index[id(variable)]
+        out = []
+        for k, s in enumerate(self.slices[i]):
+            with tf.device(s.value.device):
+                out.append(self.layouts[i].piece(value, self.first[i] + k))
+        return out
 
     def reduce(self, parts: dict[int, list[tuple[str, object]]]) -> list:
         """Slice gradients, aligned with :attr:`flat`, from each variable's whole-gradient

@@ -20,7 +20,8 @@ joined), so each shard's mask is its part of the one-device mask. After every op
 the masked weights are multiplied by their masks again (the optimizer's update of a pruned
 weight does not resurrect it; its moments are left as they are, as a Keras callback that
 masks the weights after each batch would leave them), and the data replicas' copies are
-refreshed. The masks are saved in ``phalanx.fit``'s per-epoch checkpoints
+refreshed. Under ZeRO the masks are applied where the weights live, each cut like its weight's
+slices, with no optimizer state gathered (:meth:`KerasPruning.train_step`). The masks are saved in ``phalanx.fit``'s per-epoch checkpoints
 (``prune/mask/<weight>``, :meth:`KerasPruning.mask_slots`) and installed again on resume.
 
 Example:
@@ -166,6 +167,9 @@ class KerasPruning:
         self.weights = prunable_weights(model) if self.on else []
         self.nm = parse_prune_pattern(self.pc.pattern) if self.on else None
         self._apply_fn = None
+        # under ZeRO: id(slice or replica copy) -> (it, its piece of the mask); whether they follow the
+        # masks (None after a mask changed); the function multiplying them
+        self._pieces, self._placed, self._sliced_fn = {}, None, None
         if self.on and not self.weights:
             raise ConfigError("train.prune.target", f"{self.pc.target}: model {model.name!r} has no kernel phalanx "
                                                     f"prunes (Dense, EinsumDense, Conv1D/2D/3D or their "
@@ -184,22 +188,35 @@ class KerasPruning:
 
     def train_step(self, engine, batch):
         """``engine.train_step(batch)`` with the masks recomputed first when the schedule says
-        so and applied to the updated weights after (``engine``: its ``train_step``,
-        ``gather_state``, which under ZeRO writes the sliced weights and optimizer state into the
-        model and ``model.optimizer``, and ``sync_copies``, which refreshes the data replicas'
-        copies of the weights and under ZeRO cuts that state into the slices again)."""
+        so and applied to the updated weights after.
+
+        Without ZeRO (``engine.slices`` None) the model's weights are masked and ``engine.sync_copies()``
+        refreshes the data replicas' copies. Under ZeRO the masks are applied where the weights
+        live, with no optimizer state gathered: each mask is cut like its weight's slices and
+        multiplied into them (the slices are what the sliced optimizer updates), and at ZeRO-1/2
+        every replica's whole copy is multiplied by the whole mask on its own device (the step
+        refreshed them from the unmasked slices). A mask update reads the magnitudes from the
+        whole weights: at ZeRO-3 the weight slices (only) are joined into the model's weights
+        first, at ZeRO-1/2 they are current already."""
         if not self.on:
             return engine.train_step(batch)
+        slices = getattr(engine, "slices", None)
         step = int(self.model.optimizer.iterations.numpy())
         if is_update_step(step, self.pc):
-            engine.gather_state()  # the masks follow the weights the slices hold, not a stale whole copy
-            self.update(step)
-            engine.sync_copies()
+            if slices is None:
+                self.update(step)
+                engine.sync_copies()
+            else:
+                slices.store(weights=engine.zero == 3, state=False)  # the masks follow the slices' weights
+                self.update(step)
+                self._apply_sliced(engine)
         result = engine.train_step(batch)
         if self.installed:
-            engine.gather_state()  # (the slices are cut again from the model and model.optimizer next)
-            self._apply()
-            engine.sync_copies()
+            if slices is None:
+                self._apply()
+                engine.sync_copies()
+            else:
+                self._apply_sliced(engine)
         return result
 
     @property
@@ -227,6 +244,7 @@ class KerasPruning:
                                                         name=var.path.replace("/", "_") + "_prune_mask"))
             self._apply_fn = None  # a new mask to multiply by: trace again
         weight.masks[r].assign(tf.cast(mask, v.dtype))
+        self._placed = None  # the masks' slices and replica copies are cut again from the new masks
 
     def _apply(self) -> None:
         """Multiply every masked weight by its mask on its device (the caller refreshes the
@@ -241,6 +259,43 @@ class KerasPruning:
 
             self._apply_fn = tf.function(apply, autograph=False)
         self._apply_fn()
+
+    def _apply_sliced(self, engine) -> None:
+        """Under ZeRO: multiply every slice of a masked weight by its mask's slice, and at
+        ZeRO-1/2 every whole copy a replica reads (``engine._whole_copies``) by the whole mask
+        on the copy's device. Each piece of a mask is held on its target's device (made at the
+        first call, assigned again after the masks changed)."""
+        slices = engine.slices
+        if self._placed is None:
+            for w in self.weights:
+                for v, m in zip(w.variables, w.masks):
+                    targets = [s.value for s in slices.slices_of(v)]
+                    values = slices.pieces_of(v, m.value())
+                    if engine.zero < 3:
+                        for copy in engine._whole_copies(v):
+                            targets.append(copy)
+                            with tf.device(copy.device):
+                                values.append(tf.identity(m.value()))
+                    for target, value in zip(targets, values):
+                        held = self._pieces.get(id(target))
+                        if held is None:
+                            with tf.init_scope(), tf.device(target.device):
+                                self._pieces[id(target)] = (target, tf.Variable(value, trainable=False,
+                                                                                name="prune_mask_piece"))
+                            self._sliced_fn = None  # a new pair to multiply: trace again
+                        else:
+                            held[1].assign(value)
+            self._placed = True
+        if self._sliced_fn is None:
+            pairs = list(self._pieces.values())
+
+            def apply():
+                for target, mask in pairs:
+                    with tf.device(target.device):
+                        target.assign(target * mask)
+
+            self._sliced_fn = tf.function(apply, autograph=False)
+        self._sliced_fn()
 
     # -- checkpoints ------------------------------------------------------------------------------
 
