@@ -145,7 +145,7 @@ def main(argv=None) -> int:
         print(json.dumps(run_one(json.loads(args.one))))
         return 0
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from machine_report import load, machine
+    from machine_report import cpu_line, load, machine
 
     lines = []
 
@@ -160,8 +160,7 @@ def main(argv=None) -> int:
         f"seq_len {MODEL['seq_len']}, vocab {MODEL['vocab']}, global batch {GLOBAL_BATCH}, float32, on "
         f"{DEVICES} logical CPUs. Proposals: `phalanx plan {' '.join(plan_args(args.hardware, args.top))}` "
         f"({doc['considered']} layouts searched, {len(doc['candidates'])} proposed).\n")
-    say(f"CPU: {info['model']} ({info['cores']} cores; {info['flags']}); TF {info['tf']}, Keras {info['keras']}; "
-        f"oneDNN {info['onednn']}; load at start {load()}\n")
+    say(cpu_line(info) + "\n")
     say(f"| # | layout (planner) | config keys | stages | construct s | trace s | first run s | first step s | "
         f"second step s | total s | under {args.limit:.0f} s | load after |")
     say("|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -94,14 +94,13 @@ def main(argv=None) -> int:
     if bad:
         parser.error(f"--layouts: unknown {bad}; choose from {sorted(LAYOUTS)}")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from machine_report import load, machine
+    from machine_report import cpu_line, load, machine
 
     info = machine()
     print(f"# phalanx.fit twice on one model ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)\n")
     print(f"keras-hub GPT-2, {args.layers} layers, hidden 64, 4 heads, intermediate 256, vocab {VOCAB}, seq {SEQ}; "
           f"{ROWS} rows, batch {BATCH}, one epoch ({ROWS // BATCH} steps) per call, 8 logical CPUs.\n")
-    print(f"CPU: {info['model']} ({info['cores']} cores; {info['flags']}); TF {info['tf']}, Keras "
-          f"{info['keras']}; oneDNN {info['onednn']}; load at start {load()}\n")
+    print(cpu_line(info) + "\n")
     print("| layout | first fit s | second fit s | engines built (after 1st, 2nd) | step traces | losses | load after |")
     print("|---|---|---|---|---|---|---|")
     for name in names:

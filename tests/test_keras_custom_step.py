@@ -19,6 +19,8 @@ import tensorflow as tf
 import phalanx
 from phalanx.config import ConfigError
 
+from test_keras_fit import StepLosses
+
 LAYOUTS = {"one": ["parallel.devices=cpu:1"], "dp2": ["parallel.devices=cpu:2", "parallel.dp=2"]}
 N, BATCH, EPOCHS = 32, 8, 2
 
@@ -119,14 +121,6 @@ def test_own_steps_equal_keras(layout, oracle, tmp_path):
     assert sorted(pred) == ["pred", "shifted"]
     for key in pred:
         np.testing.assert_allclose(pred[key], predicted[key], rtol=1e-4, atol=1e-6, err_msg=key)
-
-
-class StepLosses(keras.callbacks.Callback):
-    def on_train_begin(self, logs=None):
-        self.losses = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.losses.append(float(logs["loss"]))
 
 
 @pytest.mark.parametrize("layout", ["one", "dp2"])
