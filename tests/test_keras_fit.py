@@ -226,9 +226,12 @@ def fit_engine(model):
     return model.__dict__["_phalanx_fit_engine"][1]
 
 
-@pytest.mark.parametrize("layout", ["dp2", "pp2"])
+REFIT_LAYOUTS = {**LAYOUTS, "dp2zero2": LAYOUTS["dp2"] + ["parallel.zero=2"]}  # + the optimizer state in slices
+
+
+@pytest.mark.parametrize("layout", ["dp2", "pp2", "dp2zero2"])
 def test_a_second_fit_reuses_the_built_step_and_equals_keras(layout, tmp_path, monkeypatch):
-    """Two one-epoch ``phalanx.fit`` calls of the same model on the same layout: the second
+    """Two one-epoch ``phalanx.fit`` calls of the same model on the same layout (ZeRO-2 too): the second
     builds no engine and traces nothing (the first's engine and traced step), and the two together
     equal two one-epoch calls of Keras's own ``fit`` (losses, weights, optimizer state: the
     second continues from the first). A recompile, another layout and another batch shape build
@@ -242,7 +245,7 @@ def test_a_second_fit_reuses_the_built_step_and_equals_keras(layout, tmp_path, m
     logs, traces, engines = [], [], []
     for call in range(2):
         logs.append(phalanx.fit(model, x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[losses],
-                                overrides=LAYOUTS[layout] + [f"run.dir={tmp_path / str(call)}"]).history)
+                                overrides=REFIT_LAYOUTS[layout] + [f"run.dir={tmp_path / str(call)}"]).history)
         engines.append(fit_engine(model))
         traces.append(engines[-1]._train_fn.experimental_get_tracing_count())
     assert builds.count == 1 and engines[0] is engines[1] and traces == [1, 1]
@@ -257,7 +260,7 @@ def test_a_second_fit_reuses_the_built_step_and_equals_keras(layout, tmp_path, m
         np.testing.assert_allclose(mine.numpy(), want.numpy(), rtol=1e-4, atol=1e-5, err_msg=mine.path)
     again = dict(batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     model.compile(optimizer=optimizer("adam"), **compile_args("mlp"))  # recompiled: new optimizer, loss, metrics
-    phalanx.fit(model, x, y, **again, overrides=LAYOUTS[layout] + [f"run.dir={tmp_path / 'recompiled'}"])
+    phalanx.fit(model, x, y, **again, overrides=REFIT_LAYOUTS[layout] + [f"run.dir={tmp_path / 'recompiled'}"])
     assert builds.count == 2 and fit_engine(model) is not engines[0]
     other = "pp2" if layout == "dp2" else "dp2"
     phalanx.fit(model, x, y, **again, overrides=LAYOUTS[other] + [f"run.dir={tmp_path / 'other'}"])
