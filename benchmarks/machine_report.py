@@ -58,3 +58,10 @@ def machine(**extra: str) -> dict[str, str]:
 def load() -> str:
     """The 1/5/15-minute load averages, ``a/b/c``."""
     return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def cpu_line(info: dict[str, str] | None = None) -> str:
+    """The line a results table starts with: CPU model, flags, cores, TF/Keras, oneDNN, the load now."""
+    info = info or machine()
+    return (f"CPU: {info['model']} ({info['cores']} cores; {info['flags']}); TF {info['tf']}, Keras "
+            f"{info['keras']}; oneDNN {info['onednn']}; load at start {load()}")

@@ -19,6 +19,8 @@ import tensorflow as tf
 import phalanx
 from phalanx.config import ConfigError
 
+from test_keras_fit import StepLosses
+
 LAYOUTS = {"one": ["parallel.devices=cpu:1"], "dp2": ["parallel.devices=cpu:2", "parallel.dp=2"]}
 N, BATCH, EPOCHS = 32, 8, 2
 
@@ -119,6 +121,30 @@ def test_own_steps_equal_keras(layout, oracle, tmp_path):
     assert sorted(pred) == ["pred", "shifted"]
     for key in pred:
         np.testing.assert_allclose(pred[key], predicted[key], rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize("layout", ["one", "dp2"])
+def test_a_second_fit_reuses_the_own_step(layout, tmp_path):
+    """Two one-epoch fits of the same model: its own train_step is traced once (the second fit
+    reuses the first's engine, as Keras's ``fit`` keeps its ``train_function`` until the next
+    compile), and the two equal two one-epoch calls of Keras's own ``fit``."""
+    x, y = _data()
+    ref, model = _model(), _model()
+    model.set_weights(ref.get_weights())
+    ref_losses, losses, engines = StepLosses(), StepLosses(), []
+    for call in range(2):
+        ref.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[ref_losses])
+        phalanx.fit(model, x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[losses],
+                    overrides=LAYOUTS[layout] + [f"run.dir={tmp_path / str(call)}"])
+        engines.append(model.__dict__["_phalanx_fit_engine"][1])
+    assert engines[0] is engines[1] and engines[0]._train_fn.experimental_get_tracing_count() == 1
+    np.testing.assert_allclose(losses.losses, ref_losses.losses, rtol=1e-4)
+    for mine, want in zip(model.get_weights(), ref.get_weights()):
+        np.testing.assert_allclose(mine, want, rtol=1e-4, atol=1e-6)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")  # a recompile: traced again
+    phalanx.fit(model, x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                overrides=LAYOUTS[layout] + [f"run.dir={tmp_path / 'recompiled'}"])
+    assert model.__dict__["_phalanx_fit_engine"][1] is not engines[0]
 
 
 @pytest.mark.parametrize("overrides, key", [

@@ -220,31 +220,92 @@ def _fit_equals_keras_fit(name, opt, layout, tmp_path, references):
                                    rtol=1e-4, atol=1e-5, err_msg=mine.path)
 
 
-def test_a_second_fit_reuses_the_built_step_and_equals_keras(tmp_path):
-    """Two one-epoch ``phalanx.fit`` calls of the same model on the same layout: the second
-    reuses the first's engine and traced step (no new trace), and the two together equal two
-    one-epoch calls of Keras's own ``fit``. A recompile (a new optimizer) builds a new engine."""
+class Builds:
+    """Counts the engines phalanx.fit / evaluate build (each a new step to trace)."""
+
+    def __init__(self, monkeypatch):
+        from phalanx.train import keras_api
+        self.count = 0
+        real = keras_api.KerasModelEngine
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(keras_api, "KerasModelEngine", counted)
+
+
+def fit_engine(model):
+    """The engine the model's last phalanx.fit built and keeps for its next fit."""
+    return model.__dict__["_phalanx_fit_engine"][1]
+
+
+REFIT_LAYOUTS = {**LAYOUTS, "dp2zero2": LAYOUTS["dp2"] + ["parallel.zero=2"]}  # + the optimizer state in slices
+
+
+@pytest.mark.parametrize("layout", ["dp2", "pp2", "dp2zero2"])
+def test_a_second_fit_reuses_the_built_step_and_equals_keras(layout, tmp_path, monkeypatch):
+    """Two one-epoch ``phalanx.fit`` calls of the same model on the same layout (ZeRO-2 too): the second
+    builds no engine and traces nothing (the first's engine and traced step), and the two together
+    equal two one-epoch calls of Keras's own ``fit`` (losses, weights, optimizer state: the
+    second continues from the first). A recompile, another layout and another batch shape build
+    a new engine."""
     ref, model = build("mlp", "adam"), build("mlp", "adam")
     x, y = data("mlp")
     ref_losses, losses = StepLosses(), StepLosses()
     ref_logs = [ref.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[ref_losses]).history
                 for _ in range(2)]
+    builds = Builds(monkeypatch)
     logs, traces, engines = [], [], []
     for call in range(2):
         logs.append(phalanx.fit(model, x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[losses],
-                                overrides=LAYOUTS["dp2pp2"] + [f"run.dir={tmp_path / str(call)}"]).history)
-        engine = model.__dict__["_phalanx_fit_engine"][1]
-        engines.append(engine)
-        traces.append(engine._train_fn.experimental_get_tracing_count())
-    assert engines[0] is engines[1] and traces[0] == traces[1] == 1
+                                overrides=REFIT_LAYOUTS[layout] + [f"run.dir={tmp_path / str(call)}"]).history)
+        engines.append(fit_engine(model))
+        traces.append(engines[-1]._train_fn.experimental_get_tracing_count())
+    assert builds.count == 1 and engines[0] is engines[1] and traces == [1, 1]
+    # each fit wrote its own run directory and checkpoint, the second's at the step it reached
+    assert [p.name for p in (tmp_path / "1" / "checkpoints").iterdir() if p.name.startswith("step")] == \
+        [f"step-{2 * N // BATCH:08d}"]
     np.testing.assert_allclose(losses.losses, ref_losses.losses, rtol=1e-4, atol=1e-6)
     for mine, want in zip(logs, ref_logs):
         np.testing.assert_allclose(mine["loss"], want["loss"], rtol=1e-4, atol=1e-6)
     assert_same_weights(model, ref)
-    model.compile(optimizer=optimizer("adam"), **compile_args("mlp"))
-    phalanx.fit(model, x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
-                overrides=LAYOUTS["dp2pp2"] + [f"run.dir={tmp_path / 'recompiled'}"])
-    assert model.__dict__["_phalanx_fit_engine"][1] is not engines[0]
+    for mine, want in zip(model.optimizer.variables, ref.optimizer.variables):
+        np.testing.assert_allclose(mine.numpy(), want.numpy(), rtol=1e-4, atol=1e-5, err_msg=mine.path)
+    again = dict(batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    model.compile(optimizer=optimizer("adam"), **compile_args("mlp"))  # recompiled: new optimizer, loss, metrics
+    phalanx.fit(model, x, y, **again, overrides=REFIT_LAYOUTS[layout] + [f"run.dir={tmp_path / 'recompiled'}"])
+    assert builds.count == 2 and fit_engine(model) is not engines[0]
+    other = "pp2" if layout == "dp2" else "dp2"
+    phalanx.fit(model, x, y, **again, overrides=LAYOUTS[other] + [f"run.dir={tmp_path / 'other'}"])
+    assert builds.count == 3
+    phalanx.fit(model, x, y, **{**again, "batch_size": BATCH // 2},
+                overrides=LAYOUTS[other] + [f"run.dir={tmp_path / 'shape'}"])
+    assert builds.count == 4
+
+
+def test_a_fit_after_another_layout_moved_the_weights_rebuilds(tmp_path, monkeypatch):
+    """``phalanx.evaluate`` on another layout places the weights on its own devices (new
+    TensorFlow variables behind the same Keras variables): the next fit on the first layout
+    builds its step again, and trains the model's weights as Keras's two fits (with an evaluate
+    between them) do, not the storage the first fit's traced step held."""
+    ref, model = build("mlp", "sgd"), build("mlp", "sgd")
+    x, y = data("mlp")
+    ref_losses, losses = StepLosses(), StepLosses()
+    ref.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[ref_losses])
+    ref_eval = ref.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    ref.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[ref_losses])
+    builds = Builds(monkeypatch)
+    args = dict(batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[losses])
+    phalanx.fit(model, x, y, **args, overrides=LAYOUTS["pp2"] + [f"run.dir={tmp_path / 'a'}"])
+    first = fit_engine(model)
+    ours = phalanx.evaluate(model, x, y, batch_size=BATCH, verbose=0, return_dict=True, overrides=LAYOUTS["dp2"])
+    for key in ref_eval:
+        np.testing.assert_allclose(ours[key], ref_eval[key], rtol=1e-5, err_msg=key)
+    phalanx.fit(model, x, y, **args, overrides=LAYOUTS["pp2"] + [f"run.dir={tmp_path / 'b'}"])
+    assert builds.count == 3 and fit_engine(model) is not first  # fit, evaluate, fit
+    np.testing.assert_allclose(losses.losses, ref_losses.losses, rtol=1e-5, atol=1e-6)
+    assert_same_weights(model, ref, rtol=1e-5, atol=1e-6)
 
 
 # -- the same object afterwards ------------------------------------------------------------------

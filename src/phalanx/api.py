@@ -132,7 +132,11 @@ def fit(model, x=None, y=None, *, batch_size=None, epochs=1, steps_per_epoch=Non
 
     Each call writes to its own run directory (``runs/fit-<time>``) unless ``run.dir`` is
     set; fitting the same model into a ``run.dir`` that holds its checkpoints resumes after
-    the last finished epoch (another model there is an error).
+    the last finished epoch (another model there is an error). Calling ``fit`` again on the
+    same model continues from its weights and optimizer state, as Keras's ``fit`` does, and
+    reuses the step the last call built (no new trace) while the model's variables, its
+    compiled optimizer/loss/metrics, the layout, the precision and the batch's shapes are the
+    same; anything else builds a new one (docs/keras.md, "Fitting again").
     """
 
     cfg = _config(config, overrides)

@@ -372,12 +372,18 @@ def _engine(model, cfg: Config, mesh: Mesh, sample_batch, method: str, workers=N
     """The engine that runs ``method`` of ``model``: the model's own (overridden) step
     (:class:`~phalanx.engines.custom_step.CustomStepEngine`), or phalanx's. A validating fit
     whose model overrides ``test_step`` only validates with that (``engine.evaluator``)."""
+    fitting = method == "train_step" and not inference_only
     if custom_step.overridden(model, method):
         methods = ["train_step", "test_step"] if method == "train_step" else [method]
-        return custom_step.CustomStepEngine(model, cfg, mesh, sample_batch, inference_only=inference_only,
-                                            workers=workers, methods=methods)
-    if method == "train_step" and not inference_only:
-        engine = _fit_engine(model, cfg, mesh, sample_batch, workers)  # the model's last fit's, when still valid
+
+        def own():
+            return custom_step.CustomStepEngine(model, cfg, mesh, sample_batch, inference_only=inference_only,
+                                                workers=workers, methods=methods)
+        # a fit: the model's last fit's, when still valid
+        return _fit_engine(model, cfg, mesh, sample_batch, workers, own, "own") if fitting else own()
+    if fitting:  # the model's last fit's, when still valid
+        engine = _fit_engine(model, cfg, mesh, sample_batch, workers,
+                             lambda: KerasModelEngine(model, cfg, mesh, sample_batch, workers=workers))
     else:
         engine = KerasModelEngine(model, cfg, mesh, sample_batch, inference_only=inference_only, workers=workers)
     if method == "train_step" and validating and custom_step.overridden(model, "test_step"):
@@ -523,32 +529,50 @@ def _check_labels(model, first, *batches) -> None:
 _FIT_ENGINE = "_phalanx_fit_engine"
 
 
-def _engine_key(model, cfg: Config, mesh: Mesh, sample_batch) -> tuple:
-    """What a built engine depends on: the model's variables and compiled optimizer, loss and
-    metrics (by identity), the keys the engine reads (``parallel``, ``precision``,
-    ``train.grad_accum``), the mesh and the batch's structure, shapes and dtypes."""
+def _storage(variables) -> tuple:
+    """Which TensorFlow variable holds each Keras variable now: placing a variable on another
+    device (an engine of another layout, :func:`~phalanx.engines.keras_model.place_variable`)
+    replaces it, and a traced step reads the one it captured."""
+    return tuple(id(getattr(v, "_value", v)) for v in variables)
+
+
+def _engine_key(model, cfg: Config, mesh: Mesh, sample_batch, kind: str = "phalanx") -> tuple:
+    """What a built engine depends on: the model's variables (by identity, where each is stored,
+    whether it trains) and compiled optimizer, loss and metrics (by identity; a new
+    ``model.compile`` makes new ones), the optimizer's variables (where each is stored), the keys
+    the engine reads (``parallel``, ``precision``, ``train.grad_accum``), the mesh, the batch's
+    structure, shapes and dtypes, and ``kind``: phalanx's step or the model's own
+    (``model.run_eagerly`` with it)."""
     compiled = tuple(id(getattr(model, name, None)) for name in ("optimizer", "loss", "_compile_loss",
                                                                   "_compile_metrics"))
+    optimizer = getattr(model, "optimizer", None)
+    slots = [v for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)) if opt is not None
+             for v in opt.variables]
     leaves = keras.tree.flatten(sample_batch)
     signature = (keras.tree.map_structure(lambda _: 0, sample_batch) if leaves else None,
                  tuple((tuple(getattr(t, "shape", ())), str(getattr(t, "dtype", type(t).__name__))) for t in leaves))
-    return (tuple(id(v) for v in model.variables), compiled, cfg.parallel, cfg.precision, cfg.train.grad_accum,
+    return (kind, bool(model.run_eagerly) if kind == "own" else None, tuple(id(v) for v in model.variables),
+            _storage(model.variables), tuple(bool(v.trainable) for v in model.variables), compiled,
+            tuple(id(v) for v in slots), _storage(slots), cfg.parallel, cfg.precision, cfg.train.grad_accum,
             tuple(mesh.devices), mesh.dp, mesh.pp, mesh.tp, repr(signature))
 
 
-def _fit_engine(model, cfg: Config, mesh: Mesh, sample_batch, workers) -> KerasModelEngine:
+def _fit_engine(model, cfg: Config, mesh: Mesh, sample_batch, workers, build, kind: str = "phalanx"):
     """The engine for this fit: the one the model's last fit built when nothing it depends on
-    changed (:func:`_engine_key`), its traced steps reused, else a new one. Across workers
+    changed (:func:`_engine_key`), its traced steps reused, else ``build()``'s. Keras's own
+    ``fit`` keeps its traced step the same way, until the next ``model.compile``. Across workers
     every fit builds its own (the workers' group is joined per fit)."""
     if workers is not None:
-        return KerasModelEngine(model, cfg, mesh, sample_batch, workers=workers)
-    key = _engine_key(model, cfg, mesh, sample_batch)
+        return build()
+    key = _engine_key(model, cfg, mesh, sample_batch, kind)
     cached = model.__dict__.get(_FIT_ENGINE)
     if cached is not None and cached[0] == key:
         cached[1].sync_copies()  # the weights may have been set since (model.set_weights, a restore)
         return cached[1]
-    engine = KerasModelEngine(model, cfg, mesh, sample_batch)
-    object.__setattr__(model, _FIT_ENGINE, (_engine_key(model, cfg, mesh, sample_batch), engine))
+    object.__setattr__(model, _FIT_ENGINE, None)  # the old engine (its weight copies) can go before the new is built
+    engine = build()
+    # (the key after the build: building places the variables and builds the optimizer)
+    object.__setattr__(model, _FIT_ENGINE, (_engine_key(model, cfg, mesh, sample_batch, kind), engine))
     return engine
 
 
