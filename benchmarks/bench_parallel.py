@@ -58,6 +58,7 @@ LAYOUTS = [  # name, dp, tp, pp, extra (parallel.* keys; "stage_calls": False ru
     ("dp2-tp2-pp2 1f1b m4", 2, 2, 2, {"schedule": "1f1b", "microbatches": 4}),
     # the same with every stage inline per micro-batch (KerasModelEngine's stage_calls=False)
     ("dp2-tp2-pp2 1f1b m4 inline", 2, 2, 2, {"schedule": "1f1b", "microbatches": 4, "stage_calls": False}),
+    ("pp4 1f1b m8 inline", 1, 1, 4, {"schedule": "1f1b", "microbatches": 8, "stage_calls": False}),
     ("recompute full", 1, 1, 1, {"recompute": "full"}),
     ("recompute selective", 1, 1, 1, {"recompute": "selective"}),
     ("dp2 zero1", 2, 1, 1, {"zero": 1}),
@@ -93,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     from machine_report import load, machine
 
     from phalanx.config import Config
-    from phalanx.engines.factory import gpt_engine, make_engine
+    from phalanx.engines.factory import make_engine
+    from phalanx.engines.keras_gpt import KerasGPTEngine
     from phalanx.engines.task import GPTTask
     from phalanx.mesh import Mesh
     from phalanx.parallel.schedules import bubble_formula
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         """The engine phalanx train builds for the layout (engines/factory.py); with
         ``stage_calls=False`` its stages run inline for every micro-batch."""
         task, mesh = GPTTask(cfg.model, args.policy, cfg.train.seed), Mesh.from_devices(devices[: dp * tp * pp], dp, pp, tp)
-        return make_engine(task, mesh, cfg) if stage_calls else gpt_engine(cfg, mesh, task, stage_calls=False)
+        return make_engine(task, mesh, cfg) if stage_calls else KerasGPTEngine(cfg, task, mesh, stage_calls=False)
 
     def step_time(engine) -> tuple[float, float]:
         """Wall and process CPU seconds of one step."""
