@@ -415,7 +415,7 @@ def keras_memory_per_device(cfg: Config, blocks_per_stage: list[int] | None = No
                          micro_batch=t.global_batch // (dp * t.grad_accum * p.microbatches), schedule=p.schedule,
                          policy=cfg.precision.policy, weight_decay=t.weight_decay, optimizer=optimizer,
                          capacity_factor=m.capacity_factor, blocks_per_stage=blocks_per_stage, zero=p.zero,
-                         recompute=p.recompute, host_on_device0=kind == "cpu",
+                         recompute=p.recompute, host_on_device0=kind == "cpu", accum=t.grad_accum,
                          calls=stage_calls_used(p.microbatches, t.grad_accum, p.recompute, m.experts)
                          if calls is None else calls)
 
