@@ -88,12 +88,10 @@ def main(argv=None) -> int:
     if bad:
         parser.error(f"unknown case {bad}: cases are 0..{len(CASES) - 1}")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from machine_report import load, machine
+    from machine_report import cpu_line, load
 
-    info = machine()
     print(f"# Build time of the built-in GPT ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)\n")
-    print(f"CPU: {info['model']} ({info['cores']} cores; {info['flags']}); TF {info['tf']}, Keras "
-          f"{info['keras']}; oneDNN {info['onednn']}; load at start {load()}\n")
+    print(cpu_line() + "\n")
     print("| case | construct s | first step s | later step s | load |")
     print("|---|---|---|---|---|")
     for case in cases:

@@ -21,8 +21,9 @@ the masked weights are multiplied by their masks again (the optimizer's update o
 weight does not resurrect it; its moments are left as they are, as a Keras callback that
 masks the weights after each batch would leave them), and the data replicas' copies are
 refreshed. Under ZeRO the masks are applied where the weights live, each cut like its weight's
-slices, with no optimizer state gathered (:meth:`KerasPruning.train_step`). The masks are saved in ``phalanx.fit``'s per-epoch checkpoints
-(``prune/mask/<weight>``, :meth:`KerasPruning.mask_slots`) and installed again on resume.
+slices, with no optimizer state gathered (:meth:`KerasPruning.train_step`). The masks are saved
+in ``phalanx.fit``'s per-epoch checkpoints (``prune/mask/<weight>``,
+:meth:`KerasPruning.mask_slots`) and installed again on resume.
 
 Example:
     >>> import keras
