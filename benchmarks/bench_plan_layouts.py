@@ -90,12 +90,15 @@ def describe(layout: dict) -> str:
     return " ".join(p for p in parts if p)
 
 
-def run_one(keys: list[str]) -> dict:
-    """In this process: build the engine ``phalanx train`` builds for ``keys``, time two steps."""
+def run_one(keys: list[str], stage_calls: bool = True, later: int = 0) -> dict:
+    """In this process: build the engine ``phalanx train`` builds for ``keys``, time two steps
+    (and the median of ``later`` more, ``later_s``). ``stage_calls=False``: the same engine with
+    every stage traced inline (``KerasModelEngine``'s ``stage_calls``), as a "before" figure."""
     import numpy as np
 
     from phalanx.config import load_config
-    from phalanx.engines.factory import build_engine
+    from phalanx.engines.factory import build_engine, build_mesh, refuse_before_build
+    from phalanx.engines.keras_gpt import KerasGPTEngine
     from phalanx.engines.keras_model import _as_tensors
     from phalanx.engines.task import GPTTask
 
@@ -104,9 +107,14 @@ def run_one(keys: list[str]) -> dict:
                                           "precision.policy=float32"] + keys)
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, MODEL["vocab"], (GLOBAL_BATCH, MODEL["seq_len"] + 1)).astype(np.int32)
-               for _ in range(2)]
+               for _ in range(2 + later)]
     start = time.perf_counter()
-    engine = build_engine(cfg, GPTTask(cfg.model, cfg.precision.policy, cfg.train.seed))
+    task = GPTTask(cfg.model, cfg.precision.policy, cfg.train.seed)
+    if stage_calls:
+        engine = build_engine(cfg, task)
+    else:
+        refuse_before_build(cfg, task)
+        engine = KerasGPTEngine(cfg, task, build_mesh(cfg), stage_calls=False)
     construct = time.perf_counter() - start
     t = time.perf_counter()
     # the step's trace alone (the call below then runs this concrete function)
@@ -118,6 +126,11 @@ def run_one(keys: list[str]) -> dict:
     t = time.perf_counter()
     second_loss = float(engine.train_step(batches[1])["loss"])
     second = time.perf_counter() - t
+    times = []
+    for batch in batches[2:]:
+        t = time.perf_counter()
+        float(engine.train_step(batch)["loss"])
+        times.append(time.perf_counter() - t)
     inner = engine.engine  # the Keras-model engine under the built-in GPT's
     calls = inner.stage_calls
     # micro-batches (times replicas) each stage is traced for inline rather than called
@@ -128,7 +141,7 @@ def run_one(keys: list[str]) -> dict:
             "inline_stages": len(inline), "stages": len(inner.stages),
             "copies": inner.dp * inner.accum * inner.microbatches, "construct_s": construct, "trace_s": trace, "first_run_s": first_run,
             "first_s": construct + trace + first_run, "second_s": second,
-            "losses": [first_loss, second_loss]}
+            "later_s": sorted(times)[len(times) // 2] if times else None, "losses": [first_loss, second_loss]}
 
 
 def main(argv=None) -> int:

@@ -190,6 +190,9 @@ ACCUM_LAYOUTS = {
     "pp2-gpipe": ["parallel.devices=cpu:2", "parallel.pp=2", "parallel.microbatches=2", "parallel.schedule=gpipe"],
     "dp2-zero2": ["parallel.devices=cpu:2", "parallel.dp=2", "parallel.zero=2"],
     "dp2-zero3": ["parallel.devices=cpu:2", "parallel.dp=2", "parallel.zero=3"],
+    # the attention cores recomputed inside the stage calls' backwards
+    "pp2-1f1b-selective": ["parallel.devices=cpu:2", "parallel.pp=2", "parallel.microbatches=2",
+                           "parallel.recompute=selective"],
 }
 
 
@@ -206,7 +209,8 @@ def test_grad_accum_calibrate_on_every_device(tmp_path, layout):
     micro-batch's whole gradient set beside the carried sums and its saved activations.
 
     Measured on 2026-11-28 (load 8 on 2 cores), error per device: dp2 -2.4/-0.9%, pp2 1f1b
-    -2.8/-1.2%, pp2 gpipe -2.8/-0.5%, dp2 zero2 -1.2/-0.7%, dp2 zero3 +1.9/+3.0%. Before the engine
+    -2.8/-1.2%, pp2 gpipe -2.8/-0.5%, dp2 zero2 -1.2/-0.7%, dp2 zero3 +1.9/+3.0%; with
+    recompute=selective inside the calls, pp2 1f1b +2.7/+6.9% (load 10). Before the engine
     ordered the steps and carried the sums (each step its own sums, joined at the end; the next
     step's forwards ran beside the last one's backwards): dp2 -10.2/-13.8%, pp2 1f1b
     -33.1/-20.1% against the planner's figure of then. Not fitted: no constant was read off these.

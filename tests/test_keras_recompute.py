@@ -79,6 +79,43 @@ def test_full_recompute_equals_keras_fit(kind, layout, tmp_path):
     assert_same(model, reference, steps, ref_steps, f"{kind} full {layout}")
 
 
+# Layouts where a replica runs each stage more than once: the stages run as stage calls (traced
+# once, called per micro-batch), the recomputed pieces inside each call. The number of chunks
+# a batch is cut into, for the ghost-batch oracle of the BatchNormalization models.
+CALL_LAYOUTS = {
+    "pp2m4": (["parallel.devices=cpu:2", "parallel.pp=2", "parallel.microbatches=4"], 4),
+    "accum2": (["train.grad_accum=2"], 2),
+}
+
+
+def assert_called(model, what):
+    """The last phalanx.fit of ``model`` ran every stage as a stage call (none refused, none inline)."""
+    calls = model.__dict__["_phalanx_fit_engine"][1].stage_calls
+    assert calls is not None and calls.traced >= 1 and not calls.inline, what
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+@pytest.mark.parametrize("layout", sorted(CALL_LAYOUTS))
+def test_full_recompute_inside_stage_calls_equals_keras_fit(kind, layout, tmp_path):
+    """Several micro-batches per stage: each stage is a traced call whose backward re-runs its
+    blocks. The oracle is Keras's fit of the batch cut into the same chunks in order (each
+    normalised by its own BatchNormalization statistics, which move once per chunk, and drawing
+    its own dropout mask: helpers.ghost_batches); the losses and weights to round-off as above."""
+    from helpers import ghost_batches
+
+    build, (x, y) = {"mlp": (mlp, xy()), "cnn": (cnn, cnn_xy())}[kind]
+    overrides, chunks = CALL_LAYOUTS[layout]
+    reference, ref_steps = build(), StepLosses()
+    ghost = ghost_batches(reference, chunks)
+    ghost.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+    ghost.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[ref_steps])
+    model, steps = build(), StepLosses()
+    phalanx.fit(model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[steps],
+                overrides=overrides + ["parallel.recompute=full", f"run.dir={tmp_path}"])
+    assert_called(model, f"{kind} {layout}")
+    assert_same(model, reference, steps, ref_steps, f"{kind} full {layout}")
+
+
 def test_selective_recompute_of_a_model_without_attention_is_refused(tmp_path):
     """``selective`` recomputes attention cores only: on a model with none it would run as
     ``none``, so it is refused, naming the key, before anything is written."""
@@ -222,16 +259,39 @@ def test_recompute_of_tensor_parallel_gpt2_equals_keras_fit(mode, tmp_path):
         np.testing.assert_allclose(mine.numpy(), want.numpy(), rtol=1e-4, atol=1e-5, err_msg=f"{mode} {mine.path}")
 
 
+@pytest.mark.parametrize("kind,layout", [("gpt2", "pp2m4"), ("llama", "accum2")])
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recompute_of_keras_hub_inside_stage_calls_equals_keras_fit(kind, layout, mode, tmp_path):
+    """GPT-2 cut into 2 stages with 4 micro-batches, Llama with 2 accumulation steps: each stage
+    a traced call, whose backward re-runs the blocks (full) or the attention cores (selective)
+    inside it. No BatchNormalization or dropout: Keras's fit of the whole batch is the oracle
+    (Adam, epsilon 1e-4, at the bounds of test_keras_hub)."""
+    x, y = data()
+    reference, ref_steps = build(kind), StepLosses()
+    reference.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[ref_steps])
+    model, steps = build(kind), StepLosses()
+    phalanx.fit(model, x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[steps],
+                overrides=CALL_LAYOUTS[layout][0] + [f"parallel.recompute={mode}", f"run.dir={tmp_path}"])
+    assert_called(model, f"{kind} {layout} {mode}")
+    np.testing.assert_allclose(steps.losses, ref_steps.losses, rtol=1e-4, err_msg=mode)
+    for mine, want in zip(model.weights, reference.weights):
+        np.testing.assert_allclose(mine.numpy(), want.numpy(), rtol=1e-4, atol=1e-5, err_msg=f"{mode} {mine.path}")
+
+
 # -- measured memory ----------------------------------------------------------------------------------
 
 
-def step_peak(model, mode: str, batch) -> float:
+def step_peak(model, mode: str, batch, accum: int = 1) -> float:
     """Bytes the allocator's peak rose above what was allocated before one training step (the
-    least of three steps, after the step was built), on one logical device."""
-    engine = KerasModelEngine(model, load_config(None, [f"parallel.recompute={mode}"]),
+    least of three steps, after the step was built), on one logical device. ``accum > 1``: the
+    batch in that many accumulation steps, the stage then a traced call (checked)."""
+    engine = KerasModelEngine(model, load_config(None, [f"parallel.recompute={mode}", f"train.grad_accum={accum}"]),
                               Mesh.from_devices(["/device:CPU:0"], 1, 1, 1), batch)
+    assert (engine.stage_calls is not None) == (accum > 1)
     batch = tuple(None if t is None else tf.nest.map_structure(tf.constant, t) for t in batch)
     engine.train_step(batch)
+    if accum > 1:
+        assert engine.stage_calls.traced == 1 and not engine.stage_calls.inline
     peaks = []
     for _ in range(3):
         before = tf.config.experimental.get_memory_info("CPU:0")["current"]
@@ -242,12 +302,17 @@ def step_peak(model, mode: str, batch) -> float:
 
 
 @pytest.mark.memory_peak
-def test_full_recompute_lowers_the_activation_peak_of_a_deep_mlp():
-    """32 Dense layers on 2048 rows: each keeps a 2 MiB activation for the backward without
-    recomputation (~64 MiB); with it the forward keeps ~6 block inputs and the backward one
-    block's activations (measured ~26 MiB against ~68 MiB)."""
+@pytest.mark.parametrize("accum", [1, 2], ids=["inline", "called"])
+def test_full_recompute_lowers_the_activation_peak_of_a_deep_mlp(accum):
+    """32 Dense layers on 2048 rows (a micro-batch): each keeps a 2 MiB activation for the
+    backward without recomputation (~64 MiB); with it the forward keeps ~6 block inputs and the
+    backward one block's activations (measured ~26 MiB against ~68 MiB). With two accumulation
+    steps the stage is a traced call whose backward re-runs its blocks, one at a time: measured
+    41 MiB against 84 MiB (the call's backward holds the stage's gradients at once, beside the
+    carried sums)."""
     rng = np.random.default_rng(0)
-    batch = (rng.normal(size=(2048, 256)).astype("float32"), rng.normal(size=(2048, 1)).astype("float32"), None)
+    rows = 2048 * accum
+    batch = (rng.normal(size=(rows, 256)).astype("float32"), rng.normal(size=(rows, 1)).astype("float32"), None)
 
     def model():
         keras.utils.set_random_seed(0)
@@ -256,18 +321,25 @@ def test_full_recompute_lowers_the_activation_peak_of_a_deep_mlp():
         m.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
         return m
 
-    none, full = step_peak(model(), "none", batch), step_peak(model(), "full", batch)
+    none, full = step_peak(model(), "none", batch, accum), step_peak(model(), "full", batch, accum)
     assert full < 0.7 * none, f"recompute=full step peak {full / 2**20:.1f} MiB vs none {none / 2**20:.1f} MiB " \
                               f"(ratio {full / none:.2f}, bound 0.7)"
 
 
 @pytest.mark.memory_peak
-def test_selective_recompute_lowers_the_attention_peak():
-    """Four MultiHeadAttention blocks (4 heads, 256 tokens, attention dropout): each keeps its
-    [8, 4, 256, 256] probabilities, dropout mask and dropped probabilities (8 MiB each) without
-    recomputation; selective keeps the cores' inputs only."""
+@pytest.mark.parametrize("accum", [1, 2], ids=["inline", "called"])
+def test_selective_recompute_lowers_the_attention_peak(accum):
+    """Four MultiHeadAttention blocks (4 heads, 256 tokens, attention dropout, 8 rows a
+    micro-batch): each keeps its [8, 4, 256, 256] probabilities, dropout mask and dropped
+    probabilities (8 MiB each) without recomputation; selective keeps the cores' inputs only.
+    With two accumulation steps the stage is a traced call, the cores recomputed in its
+    backward: measured 53 MiB against 100 MiB. (The call must not keep the attention scores
+    that the recomputed core returns beside its output: their gradient is a zeros_like, which
+    reads only their shape; kept, they gave 89 MiB.)"""
     rng = np.random.default_rng(0)
-    batch = (rng.normal(size=(8, 256, 32)).astype("float32"), rng.normal(size=(8, 256, 32)).astype("float32"), None)
+    rows = 8 * accum
+    batch = (rng.normal(size=(rows, 256, 32)).astype("float32"), rng.normal(size=(rows, 256, 32)).astype("float32"),
+             None)
 
     def model():
         keras.utils.set_random_seed(0)
@@ -278,7 +350,7 @@ def test_selective_recompute_lowers_the_attention_peak():
         m.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
         return m
 
-    none, selective = step_peak(model(), "none", batch), step_peak(model(), "selective", batch)
+    none, selective = step_peak(model(), "none", batch, accum), step_peak(model(), "selective", batch, accum)
     assert selective < 0.7 * none, f"recompute=selective step peak {selective / 2**20:.1f} MiB vs none " \
                                    f"{none / 2**20:.1f} MiB (ratio {selective / none:.2f}, bound 0.7)"
 

@@ -51,9 +51,9 @@ compiled metrics. The engine only decides *where* things run:
   accumulation step (:func:`phalanx.parallel.pipeline.run_schedule`), the replica's gradient
   sums carried from one step into the next and each step started on a rank once the previous
   one ended there (one step's activations and one gradient set at a time); each stage runs *statelessly* on the
-  replica's weight values; without expert shards or recomputation the stage's forward is traced
-  once per replica and called for every micro-batch, tensor shards on their ranks inside the call
-  (:mod:`phalanx.parallel.stage_calls`): its ops are traced and optimised once, not once per
+  replica's weight values; without expert shards the stage's forward is traced once per replica
+  and called for every micro-batch, tensor shards on their ranks and recomputed pieces inside the
+  call (:mod:`phalanx.parallel.stage_calls`): its ops are traced and optimised once, not once per
   micro-batch.
   The last stage computes the compiled loss plus the model's own
   losses, updates the loss tracker and the compiled metrics, and weights the loss by
@@ -600,11 +600,11 @@ class KerasModelEngine:
         self._shard_dtypes: dict[int, str] | None = None
         # Each stage's forward traced once and called per micro-batch (tensor shards run on their
         # ranks inside the call), when no expert shards are read: their layers place their ops by
-        # their inputs' devices (parallel/stage_calls.py). Not under recomputation: inside a
-        # call, selective recompute's measured peak fell 17% instead of over 30%.
+        # their inputs' devices (parallel/stage_calls.py). Under recomputation too: the
+        # recomputed pieces run inside the call (its backward re-runs them).
         no_experts = not any(placement_of(v) is not None and placement_of(v).axis == "expert"
                              for v in model.weights)
-        self.stage_calls = StageCalls() if stage_calls and no_experts and p.recompute == "none" \
+        self.stage_calls = StageCalls() if stage_calls and no_experts \
             and calls_used(p.microbatches, cfg.train.grad_accum) else None
         self._build(sample_batch)
         # ZeRO: the slices, and the user's optimizer applied on them (parallel/keras_zero.py).

@@ -24,6 +24,13 @@ again and differentiates that copy) by way of :func:`stage_runner`:
   at tp=1) are recomputed, nothing else. A model without any such layer is refused
   (:func:`check_attention`): ``selective`` would recompute nothing.
 
+Inside a stage call (:mod:`phalanx.parallel.stage_calls`: a stage run more than once per step,
+traced once and called per micro-batch) the pieces are the same: the call's forward keeps each
+piece's inputs (``full``: the blocks' inputs, not one per stage; the stage's inputs alone would
+leave its backward with the whole stage's activations of a micro-batch at once, no less than
+without recomputation when one micro-batch is in flight), and the call's backward re-runs the
+pieces one at a time.
+
 Same numbers: the backward recomputes the same ops on the same inputs, so the activations
 it differentiates are those of the forward. Non-trainable state (BatchNormalization moving
 statistics, Dropout's seed state) is an *input* of a recomputed block: its dropout masks are

@@ -371,8 +371,7 @@ def iter_actions(schedule: Schedule) -> Iterable[tuple[int, Action]]:
 def calls_used(microbatches: int, grad_accum: int) -> bool:
     """Whether the Keras-model engine runs its stages as stage calls
     (:mod:`phalanx.parallel.stage_calls`): when a replica runs a stage more than once (a call
-    is per replica: replicas reuse nothing), except under recomputation and where a stage reads
-    expert shards.
+    is per replica: replicas reuse nothing), except where a stage reads expert shards.
 
     >>> calls_used(1, 1), calls_used(2, 1), calls_used(1, 2)
     (False, True, True)

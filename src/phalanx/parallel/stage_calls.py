@@ -27,13 +27,19 @@ is traced with every gradient op of every input, a ``Mul``'s with respect to a c
 too, whose reads inline are pruned before anything runs; :func:`dead_captures` finds those
 and the backward reads zeros there instead (a 4-layer d_model 256 GPT stage kept 43.0 MiB per
 micro-batch beyond its inputs, 37.0 MiB without them: each block's attention scores before
-the softmax and a projection's bias sum). What a call still holds beyond the inline step: its
+the softmax and a projection's bias sum), and so do tensors a ``ZerosLike`` reads, the zero
+gradient of an output nothing differentiates (TensorFlow makes it with ``zeros_like``, which
+reads only the shape; inline the graph optimiser folds it): a recomputed attention core returns
+its probabilities beside its output, and the call kept them, 8 MiB a block in
+tests/test_keras_recompute.py. Recomputation (:mod:`phalanx.parallel.recompute`) runs inside a
+call as inline: a recomputed piece's forward is in the call's forward, which keeps only the
+piece's inputs; its re-run and gradients are in the call's backward. What a call still holds beyond the inline step: its
 backward returns every gradient of the stage at once while the saved tensors are held (inline,
 each is freed once read, each gradient summed as made): one float32 copy of the stage's
 weights, which the planner counts (:mod:`phalanx.plan.keras_memory`).
 
 Which stages may be called: the caller decides (the engine: no expert shards, whose layers
-place ops by their inputs' devices, and no recomputation). The first trace of a key then
+place ops by their inputs' devices). The first trace of a key then
 refuses the function (the stage runs inline, as before) when the stage reads a table with
 indices that are the same for every micro-batch
 (:func:`phalanx.parallel.gradients.indices_vary`): the micro-batches' gradients of such a
@@ -187,9 +193,12 @@ def _place_backward(concrete) -> None:
     (:func:`dead_captures`)."""
     helper = gradients_util._GradientsHelper
     dead = dead_captures(concrete)
+    hooked: list = []  # the backward graph while its capture is hooked
 
     def build(*args, **kwargs):
         graph = tf.compat.v1.get_default_graph()  # the backward's graph, being traced
+        if graph in hooked:  # a recomputed piece's own gradients, inside the backward
+            return helper(*args, **kwargs)
         zeros: dict = {}
 
         def capture(tensor, name=None, shape=None):
@@ -200,9 +209,11 @@ def _place_backward(concrete) -> None:
             return zeros[tensor.ref()]
 
         graph.capture = capture
+        hooked.append(graph)
         try:
             return helper(*args, **dict(kwargs, colocate_gradients_with_ops=True))
         finally:
+            hooked.remove(graph)
             del graph.capture
 
     try:
@@ -250,6 +261,11 @@ def dead_captures(concrete) -> set:
             live.add(op.name)
             stack.extend(t.op for t in op.inputs)
             stack.extend(op.control_inputs)
+
+    def unread(internal) -> bool:  # no live op reads the value (a ZerosLike reads its shape only)
+        return internal.op.name not in live or all(op.type == "ZerosLike" for op in internal.consumers()
+                                                   if op.name in live)
+
     return {external.ref() for external, internal in scratch.captures
-            if internal.op.name not in live and external.shape.is_fully_defined()
+            if unread(internal) and external.shape.is_fully_defined()
             and external.dtype not in (tf.resource, tf.variant)}

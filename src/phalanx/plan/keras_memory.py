@@ -141,7 +141,13 @@ engine's placement, no fitted constant): every trainable variable is cut into ``
 stage as ``ceil(sqrt(ops))`` recomputed pieces (:func:`full_recompute_ops`): a micro-batch
 keeps the pieces' inputs (the residual stream on tensor rank 0) and no weight casts, and the
 backward re-runs one piece (its blocks' activations and casts); ``selective`` keeps no
-attention core and the backward re-runs one block's core.
+attention core and the backward re-runs one block's core. As stage calls (several micro-batches
+or accumulation steps) the same: a call's forward keeps what the pieces keep inline (the saved
+set), and its backward adds the call's returned gradients (:data:`CALL_BACKWARD_GRADIENTS`) to the
+re-run piece: measured (``--calibrate``, 2026-11-28, load 10) pp2 with 2 micro-batches, full
++8.4/+4.3% (phalanx's AdamW) and +8.4/+3.7% (Keras's), selective -0.1/+0.1%; selective with
+``grad_accum=2`` dp2 +3.1/+5.5%, pp2 +2.7/+6.9%. pp2 gpipe with 4 micro-batches, full: +11.8/+15.7%
+(inline it was -0.8/+15.2%: the last stage's head is over-counted under ``full``, not the call).
 
 Checked (2026-11-27, ``--keras --calibrate``, tests/test_calibrate_keras.py, 4 layers, d_model
 256, seq 128, batch 8): zero=3 dp2 float32 +2.4/+3.6%, mixed_bfloat16 +2.5/+4.3%; dp2 x pp2
@@ -416,20 +422,21 @@ def keras_memory_per_device(cfg: Config, blocks_per_stage: list[int] | None = No
                          policy=cfg.precision.policy, weight_decay=t.weight_decay, optimizer=optimizer,
                          capacity_factor=m.capacity_factor, blocks_per_stage=blocks_per_stage, zero=p.zero,
                          recompute=p.recompute, host_on_device0=kind == "cpu", accum=t.grad_accum,
-                         calls=stage_calls_used(p.microbatches, t.grad_accum, p.recompute, m.experts)
+                         calls=stage_calls_used(p.microbatches, t.grad_accum, m.experts)
                          if calls is None else calls)
 
 
-def stage_calls_used(microbatches: int, grad_accum: int, recompute: str, experts: int) -> bool:
+def stage_calls_used(microbatches: int, grad_accum: int, experts: int) -> bool:
     """Whether the engine runs the GPT's pipeline stages as stage calls
     (:class:`~phalanx.parallel.stage_calls.StageCalls`): a replica runs a stage more than once
-    (:func:`~phalanx.parallel.schedules.calls_used`), no recomputation, no experts (their
-    layers place ops by their inputs' devices).
+    (:func:`~phalanx.parallel.schedules.calls_used`), no experts (their layers place ops by
+    their inputs' devices); under ``parallel.recompute`` too (the recomputed pieces run inside
+    the call).
 
-    >>> stage_calls_used(2, 1, "none", 0), stage_calls_used(2, 1, "full", 0), stage_calls_used(1, 1, "none", 0)
-    (True, False, False)
+    >>> stage_calls_used(2, 1, 0), stage_calls_used(1, 2, 0), stage_calls_used(1, 1, 0), stage_calls_used(2, 1, 4)
+    (True, True, False, False)
     """
-    return calls_used(microbatches, grad_accum) and recompute == "none" and not experts
+    return calls_used(microbatches, grad_accum) and not experts
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,7 @@ def _fullest(m: ModelSpec, lay: Layout, exact: bool, fused: bool):
                             optimizer="phalanx", exact=exact, distinct=True, zero=lay.zero, recompute=lay.recompute,
                             virtual_stages=lay.virtual_stages, sequence_parallel=lay.sequence_parallel,
                             accum=lay.accum, fused=fused,
-                            calls=stage_calls_used(lay.microbatches, lay.accum, lay.recompute, m.experts))
+                            calls=stage_calls_used(lay.microbatches, lay.accum, m.experts))
     return max(devices.items(), key=lambda kv: kv[1].total)
 
 
