@@ -259,8 +259,10 @@ def test_recompute_of_tensor_parallel_gpt2_equals_keras_fit(mode, tmp_path):
         np.testing.assert_allclose(mine.numpy(), want.numpy(), rtol=1e-4, atol=1e-5, err_msg=f"{mode} {mine.path}")
 
 
-@pytest.mark.parametrize("kind,layout", [("gpt2", "pp2m4"), ("llama", "accum2")])
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("kind,layout,mode", [
+    ("gpt2", "pp2m4", "selective"), ("llama", "accum2", "full"),
+    pytest.param("gpt2", "pp2m4", "full", marks=pytest.mark.slow),
+    pytest.param("llama", "accum2", "selective", marks=pytest.mark.slow)])
 def test_recompute_of_keras_hub_inside_stage_calls_equals_keras_fit(kind, layout, mode, tmp_path):
     """GPT-2 cut into 2 stages with 4 micro-batches, Llama with 2 accumulation steps: each stage
     a traced call, whose backward re-runs the blocks (full) or the attention cores (selective)
