@@ -179,6 +179,14 @@ def _worker(src: str) -> int:
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    parent = os.getppid()
+
+    def orphaned():  # the parent killed mid-step: stop now rather than at the step's end (memory)
+        while os.getppid() == parent:
+            time.sleep(1)
+        os._exit(1)
+
+    threading.Thread(target=orphaned, daemon=True).start()
     bench_dir = Path(src).parent / "benchmarks"
     # that tree's benchmarks/ (its bench_gpt may import its neighbours), not this one's
     sys.path[0] = str(bench_dir)
