@@ -39,6 +39,8 @@ Usage::
     python benchmarks/bench_gpt.py                       # full run, writes benchmarks/results/gpt.md
     python benchmarks/bench_gpt.py --rounds 2 --steps 2  # quicker
     python benchmarks/bench_gpt.py --layers 2 --no-peer --output -   # a smoke run
+    git worktree add --detach /tmp/old <commit>          # an older phalanx beside this one, same rounds
+    python benchmarks/bench_gpt.py --baseline-src /tmp/old/src --no-ceiling   # (benchmarks/baseline_gpt.py)
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ from phalanx.engines.factory import build_engine  # noqa: E402
 from phalanx.core.costs import gpt_training_flops_per_token
 from phalanx.engines.task import GPTTask  # noqa: E402
 
+import baseline_gpt  # noqa: E402  (benchmarks/: this script's directory is on sys.path)
+
 POLICIES = ("float32", "mixed_bfloat16")
 COMPUTE_DTYPE = {"float32": "float32", "mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}
 RESULTS = Path(__file__).resolve().parent / "results" / "gpt.md"
@@ -96,6 +100,8 @@ class Timings:
     rounds: list[list[float]] = field(default_factory=list)
     cpu_rounds: list[list[float]] = field(default_factory=list)  # process CPU seconds per step
     detail: list = field(default_factory=list)  # the ceiling's (StepMatmul, median seconds per call)
+    first_step: float = float("nan")  # seconds to build the contender and run its first (tracing) step
+    peak_rss_gb: float = float("nan")  # a contender in its own process: that process's peak resident memory
 
     def all(self) -> list[float]:
         return [t for r in self.rounds for t in r]
@@ -433,6 +439,9 @@ def measure_policy(policy: str, args, model_cfg: dict, batch_data: np.ndarray, l
     contenders = {"phalanx": PhalanxRunner}
     for core in args.attention[1:]:  # the other attention cores, alternating with the first
         contenders[f"phalanx attention={core}"] = functools.partial(PhalanxRunner, attention=core)
+    if args.baseline_src:  # another checkout's step, in its own process (benchmarks/baseline_gpt.py)
+        contenders["baseline"] = functools.partial(baseline_gpt.BaselineRunner, src=args.baseline_src,
+                                                   max_rss_gb=args.baseline_max_rss_gb)
     if not args.no_peer:
         contenders["keras-hub"] = PeerRunner
     if not args.no_ceiling:
@@ -443,10 +452,11 @@ def measure_policy(policy: str, args, model_cfg: dict, batch_data: np.ndarray, l
         start = time.perf_counter()
         runners[name] = (functools.partial(cls, attention=args.attention[0]) if name == "phalanx" else cls)(
             model_cfg, args.batch, policy, args.lr, batch_data)
+        built = time.perf_counter() - start - getattr(runners[name], "startup_seconds", 0.0)
         warm, _ = runners[name].run(args.warmup)  # the first step traces the graph
         log(f"  {policy:15s} {name:10s} built + {args.warmup} warm-up steps in "
             f"{time.perf_counter() - start:.0f}s (last {warm[-1]:.2f}s/step)")
-        timings[name] = Timings(name)
+        timings[name] = Timings(name, first_step=built + warm[0])
     names = list(runners)
     for r in range(args.rounds):
         order = names if r % 2 == 0 else names[::-1]
@@ -459,6 +469,9 @@ def measure_policy(policy: str, args, model_cfg: dict, batch_data: np.ndarray, l
                 f"load {load_average()}")
     if "ceiling" in runners:
         timings["ceiling"].detail = runners["ceiling"].breakdown()
+    for name, runner in runners.items():
+        getattr(runner, "close", lambda: None)()  # a worker process frees its memory before the next policy
+        timings[name].peak_rss_gb = getattr(runner, "peak_rss_gb", float("nan"))
     del runners
     return timings
 
@@ -571,7 +584,7 @@ def build_table(results: dict, args, model_cfg: dict, peaks: dict, loads: list[s
                          f"{statistics.median(round_ratios(t, ours)):.3f}x | "
                          f"{statistics.median(round_ratios(t, ours, cpu=True)):.3f}x |")
     lines += ["", "phalanx / keras-hub and phalanx / ceiling are medians over rounds of same-round speed ratios; "
-              "targets (issue 14): phalanx >= 1.10x keras-hub in float32 and >= 1.30x in mixed_bfloat16, "
+              "targets: phalanx >= 1.10x keras-hub in float32 and >= 1.30x in mixed_bfloat16, "
               "mixed_bfloat16 >= 0.85 of the matmul-only ceiling. Matmul peak: one 2048^3 matmul, best call; "
               "ceiling: every matmul of the step timed alone (below), summed."]
     for policy, timings in results.items():
@@ -589,6 +602,9 @@ def build_table(results: dict, args, model_cfg: dict, peaks: dict, loads: list[s
         for mm, sec in ceiling.detail:
             lines.append(f"| {mm.name} | {mm.describe()} | {mm.count} | {sec * 1e3:.1f} | "
                          f"{mm.flops() / sec / 1e9:.0f} | {sec * mm.count / total_time:.1%} |")
+    if args.baseline_src:
+        lines += baseline_gpt.table(results, tokens, round_ratios,
+                                    f"phalanx {baseline_gpt.describe(args.baseline_src)}")
     rows = [(policy, timings["one-graph"], timings["phalanx"]) for policy, timings in results.items()
             if "one-graph" in timings]
     if rows:
@@ -626,6 +642,11 @@ def parse_args(argv):
     p.add_argument("--attention", default="plain",
                    help="comma-separated model.attention cores: the first is 'phalanx', the others extra "
                         "contenders timed in the same alternating rounds (default: %(default)s)")
+    p.add_argument(baseline_gpt.OPTION, default=None, metavar="SRC",
+                   help="also time the step of the phalanx checkout whose src/ directory is SRC (e.g. an older "
+                        "commit's `git worktree add --detach`), in its own process, in the same rounds")
+    p.add_argument("--baseline-max-rss-gb", type=float, default=10.0,
+                   help="stop the baseline's process if its resident memory passes this (default: %(default)s)")
     p.add_argument("--no-peer", action="store_true", help="time phalanx only (keras-hub not needed)")
     p.add_argument("--no-ceiling", action="store_true", help="skip the matmul-only ceiling")
     p.add_argument("--onednn", choices=("default", "on", "off"), default="default",
@@ -639,6 +660,13 @@ def parse_args(argv):
     for core in args.attention:
         if core not in ATTENTION:
             p.error(f"--attention: unknown core {core!r}; valid: {', '.join(ATTENTION)}")
+    if args.baseline_max_rss_gb <= 0:
+        p.error(f"--baseline-max-rss-gb: must be > 0, got {args.baseline_max_rss_gb}")
+    if args.baseline_src is not None:
+        try:
+            args.baseline_src = baseline_gpt.check_src(args.baseline_src)
+        except ValueError as exc:
+            p.error(str(exc))
     for pol in args.policies:
         if pol not in COMPUTE_DTYPE:
             p.error(f"--policies: unknown policy {pol!r}; valid: {', '.join(COMPUTE_DTYPE)}")
