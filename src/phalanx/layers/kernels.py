@@ -20,21 +20,8 @@ Example:
 
 from __future__ import annotations
 
-import os
-
 import keras
 import tensorflow as tf
-
-# PHALANX_XLA_KERNELS=0 runs the fused kernels as ordinary TensorFlow ops (same math and
-# gradients, unfused): for a platform without XLA, or to measure what the fusion buys.
-XLA_KERNELS = os.environ.get("PHALANX_XLA_KERNELS", "1").strip().lower() not in ("0", "false", "no")
-
-
-def fused(fn):
-    """``fn`` as one XLA kernel (compiled once per input shape, dtype and Python argument):
-    the element-wise work between matmuls in one pass over memory. The matmuls stay out of
-    XLA: oneDNN's are faster on CPU."""
-    return tf.function(fn, jit_compile=XLA_KERNELS, autograph=False)
 
 
 @keras.saving.register_keras_serializable(package="phalanx")

@@ -33,7 +33,8 @@ import math
 
 import tensorflow as tf
 
-from phalanx.layers.kernels import fused as _fused
+from phalanx.core.xla import fused as _fused
+from phalanx.layers import losses as _losses
 
 LAYER_NORM_EPS = 1e-5
 _F32 = tf.float32
@@ -225,41 +226,5 @@ def attention_core(qkv: tf.Tensor, heads: int) -> tf.Tensor:
 
 # -- loss head -------------------------------------------------------------------------
 
-
-@_fused
-def _cross_entropy_fwd(logits, targets):
-    z = tf.cast(logits, _F32)
-    top = tf.reduce_max(z, axis=-1)
-    lse = tf.math.log(tf.reduce_sum(tf.exp(z - top[:, None]), axis=-1)) + top
-    target = tf.reduce_sum(tf.where(tf.range(tf.shape(z)[-1])[None, :] == targets[:, None], z, 0.0), axis=-1)
-    return lse - target, lse
-
-
-@_fused
-def _cross_entropy_bwd(dloss, logits, targets, lse):
-    z = tf.cast(logits, _F32)
-    hit = tf.cast(tf.range(tf.shape(z)[-1])[None, :] == targets[:, None], _F32)
-    return tf.cast((tf.exp(z - lse[:, None]) - hit) * dloss[:, None], logits.dtype)
-
-
-@tf.custom_gradient
-def _cross_entropy(logits, targets):
-    loss, lse = _cross_entropy_fwd(logits, targets)
-
-    def grad(dloss):
-        return _cross_entropy_bwd(dloss, logits, targets, lse), None
-
-    return loss, grad
-
-
-def token_cross_entropy(logits: tf.Tensor, targets: tf.Tensor) -> tf.Tensor:
-    """Per-token cross-entropy in float32, shape of ``targets``.
-
-    The logits stay in their dtype (bfloat16 under ``mixed_bfloat16``: no float32 copy
-    of ``[tokens, vocab]``); the softmax-cross-entropy and its gradient are computed in
-    float32 inside the fused kernel. Targets must lie in ``[0, vocab)``.
-    """
-    with tf.name_scope("cross_entropy"):
-        targets = tf.cast(targets, tf.int32)
-        loss = _cross_entropy(_rows(logits), tf.reshape(targets, [-1]))
-        return tf.reshape(loss, tf.shape(targets))
+#: per-token cross-entropy from logits in their own dtype (fused kernels; :mod:`phalanx.layers.losses`)
+token_cross_entropy = _losses.token_cross_entropy
