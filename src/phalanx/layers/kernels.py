@@ -47,6 +47,14 @@ class Kernels:
         y = (x32 - mean) * tf.math.rsqrt(var + epsilon)
         return tf.cast(y * tf.cast(gamma, tf.float32) + tf.cast(beta, tf.float32), x.dtype)
 
+    def add_layer_norm(self, x, y, bias, gamma, beta, epsilon: float):
+        """``(s, layer_norm(s))`` for the residual sum ``s = x + (y + bias)`` (``bias`` may be
+        None), both in ``x``'s dtype: a pre-LN block's residual add and the next LayerNorm."""
+        x = tf.convert_to_tensor(x)
+        y = tf.cast(y, x.dtype)
+        s = x + (y if bias is None else y + tf.cast(bias, x.dtype))
+        return s, self.layer_norm(s, gamma, beta, epsilon)
+
     def bias_activation(self, h, bias, activation):
         """``activation(h + bias)`` (``bias`` may be None), in ``h``'s dtype."""
         return activation(h if bias is None else h + tf.cast(bias, h.dtype))
