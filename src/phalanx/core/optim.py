@@ -96,10 +96,11 @@ def apply_adamw(var, m, v, grad, *, cfg: TrainConfig, decay: bool, mask=None, st
     The one AdamW apply of phalanx: every engine that uses phalanx's AdamW calls it.
     The update is one XLA kernel per variable (:func:`phalanx.core.xla.fused`): it reads
     ``var``, ``m``, ``v`` and the gradient once and writes the three back, the decay, the
-    gradient factor and the mask inside (measured 21 against 29 ms for the 2-layer reference
-    GPT's variables with TensorFlow's ``ResourceApplyAdam`` after a separate decay multiply and
-    gradient scaling; one kernel over all variables at once was slower, 36-54 ms:
-    benchmarks/results/profile_gpt.md). Its arithmetic is ``ResourceApplyAdam``'s::
+    gradient factor and the mask inside (16 against 34 ms in a profiled bfloat16 step of the
+    2-layer reference GPT, where TensorFlow's ``ResourceApplyAdam`` followed a separate decay
+    multiply and gradient scaling: benchmarks/results/fused_step_2026-11-28.md; one grouped
+    update over all variables measured slower than per-variable kernels). Its arithmetic is
+    ``ResourceApplyAdam``'s::
 
         m += (g - m)(1 - beta1);   v += (g^2 - v)(1 - beta2);   var -= lr' m / (sqrt(v) + eps')
 
