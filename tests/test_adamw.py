@@ -123,3 +123,29 @@ def test_every_engine_uses_the_one_apply():
 
     assert not hasattr(optim, "adamw_update")  # the tensor-op version is gone
     assert "optim.apply_adamw(" in inspect.getsource(keras_gpt.PhalanxAdamW.apply)
+
+
+def test_apply_adamw_is_one_xla_kernel_per_variable():
+    """The update reads and writes var, m and v in one compiled kernel (no separate decay
+    multiply, gradient scaling or mask pass); skipped when XLA kernels are switched off."""
+    from phalanx.core.xla import XLA_KERNELS
+
+    if not XLA_KERNELS:
+        pytest.skip("PHALANX_XLA_KERNELS=0")
+    cfg = TrainConfig(weight_decay=0.1)
+    variables = [tf.Variable(tf.zeros(shape)) for shape in ((4, 3), (4, 3), (7,))]
+    slots = [(tf.Variable(tf.zeros(v.shape)), tf.Variable(tf.zeros(v.shape))) for v in variables]
+
+    @tf.function
+    def step():
+        scalars = optim.adamw_scalars(tf.constant(1), 1e-3, 1.0, tf.constant(True), cfg)
+        for var, (m, v) in zip(variables, slots):
+            optim.apply_adamw(var, m, v, tf.ones(var.shape), cfg=cfg, decay=True, scalars=scalars)
+
+    ops = step.get_concrete_function().graph.get_operations()
+    compiled = [op for op in ops if op.type in ("PartitionedCall", "StatefulPartitionedCall")
+                and op.get_attr("_XlaMustCompile")]
+    assert len(compiled) == len(variables)
+    assert not [op.type for op in ops if op.type.startswith(("ResourceApply", "AssignVariable"))]
+    # outside the kernels only the step's scalars are computed
+    assert all(out.shape.rank == 0 for op in ops if op.type in ("Mul", "Sub", "AddV2", "Cast") for out in op.outputs)

@@ -133,3 +133,25 @@ def test_gpt_step_in_a_distributed_graph_on_logical_devices(devices):
     for _ in range(5):
         last = float(engine.train_step(batch)["loss"])
     assert last < first
+
+
+def ref_add_layer_norm(x, y, bias, g, b):
+    s = tf.cast(x, tf.float64) + tf.cast(y, tf.float64) + tf.cast(bias, tf.float64)
+    return tf.stack([s, ref_layer_norm(s, g, b)])
+
+
+@pytest.mark.parametrize("dtype, rtol", [(tf.float32, 2e-6), (tf.bfloat16, 1.5e-2)])
+def test_add_layer_norm_matches_plain_ops(dtype, rtol):
+    """The residual add + bias + LayerNorm kernel (both outputs, all five gradients) against the
+    float64 sum and LayerNorm; bfloat16: the sum is rounded once to bfloat16 (2^-8 relative)
+    before the LayerNorm, and the gradients once."""
+    rng = np.random.default_rng(7)
+    args = [tf.cast(rng.standard_normal([3, 5, 48]) * 2 + 1, dtype), tf.cast(rng.standard_normal([3, 5, 48]), dtype),
+            tf.constant(rng.standard_normal(48), tf.float32), tf.constant(rng.standard_normal(48), tf.float32),
+            tf.constant(rng.standard_normal(48), tf.float32)]
+    upstream = tf.constant(rng.standard_normal([2, 3, 5, 48]))
+    got = value_and_grads(lambda *a: tf.stack(gpt_ops.add_layer_norm(*a)), args, upstream)
+    want = value_and_grads(ref_add_layer_norm, [tf.cast(a, tf.float64) for a in args], upstream)
+    assert_close(got, want, rtol, f"add_layer_norm {dtype.name}")
+    s, out = gpt_ops.add_layer_norm(*args)
+    assert s.dtype == out.dtype == dtype

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import tensorflow as tf
 
 from phalanx.config import TrainConfig
+from phalanx.core.xla import fused
 
 
 def learning_rate(step: tf.Tensor, cfg: TrainConfig) -> tf.Tensor:
@@ -93,35 +94,64 @@ def apply_adamw(var, m, v, grad, *, cfg: TrainConfig, decay: bool, mask=None, st
     set for every variable of a step.
 
     The one AdamW apply of phalanx: every engine that uses phalanx's AdamW calls it.
-    The update is TensorFlow's fused ``ResourceApplyAdam`` kernel (one pass over
-    ``var``, ``m``, ``v`` and the gradient, 8x faster on the reference GPT's 92M
-    parameters than the same math as separate tensor ops: benchmarks/results/profile_gpt.md)
-    after one multiply of ``var`` by ``1 - lr wd``. The bias corrections are computed
-    here and handed to the kernel as its step size ``lr sqrt(c2) / c1`` and epsilon
-    ``eps sqrt(c2)`` (with zero beta powers), which makes its ``lr' m / (sqrt(v) + eps')``
-    the formula above; ``c = 1 - beta^step`` is taken as ``-expm1(step log1p(beta - 1))``,
-    exact to float32 rounding even where ``1 - beta2^step`` is small (beta2 = 0.999,
-    early steps), where float32 ``1 - pow(beta2, step)`` loses half its digits. A step that
-    changes nothing runs the same kernel with scalars that keep every value (no ``tf.cond``:
-    a branch per variable was most of a large model's optimizer graph and its build time).
-    Returns the op that runs the update (graph mode).
+    The update is one XLA kernel per variable (:func:`phalanx.core.xla.fused`): it reads
+    ``var``, ``m``, ``v`` and the gradient once and writes the three back, the decay, the
+    gradient factor and the mask inside (16 against 34 ms in a profiled bfloat16 step of the
+    2-layer reference GPT, where TensorFlow's ``ResourceApplyAdam`` followed a separate decay
+    multiply and gradient scaling: benchmarks/results/fused_step_2026-11-28.md; one grouped
+    update over all variables measured slower than per-variable kernels). Its arithmetic is
+    ``ResourceApplyAdam``'s::
+
+        m += (g - m)(1 - beta1);   v += (g^2 - v)(1 - beta2);   var -= lr' m / (sqrt(v) + eps')
+
+    with ``var`` first multiplied by ``1 - lr wd``, ``lr' = lr sqrt(c2) / c1`` and ``eps' = eps
+    sqrt(c2)``, which is the formula above; ``c = 1 - beta^step`` is taken as
+    ``-expm1(step log1p(beta - 1))``, exact to float32 rounding even where ``1 - beta2^step`` is
+    small (beta2 = 0.999, early steps), where float32 ``1 - pow(beta2, step)`` loses half its
+    digits. A step that changes nothing runs the same kernel with scalars that keep every value
+    (no ``tf.cond``: a branch per variable was most of a large model's optimizer graph and its
+    build time). Runs the update (in a traced step, ordered by the automatic control
+    dependencies on the variables).
     """
     with tf.name_scope("adamw"):
         if scalars is None:
             scalars = adamw_scalars(step, lr, factor, finite, cfg)
         wd = cfg.weight_decay if decay else 0.0
-        decayed = var.assign(var.read_value() * (1.0 - scalars.lr * wd), read_value=False) if wd > 0 else None
-        # the scaled gradient once the decay's temporary is gone: never both beside var
-        with tf.control_dependencies([decayed] if decayed is not None else []):
-            scaled = tf.math.multiply_no_nan(grad, tf.cast(scalars.factor, grad.dtype))
-        update = tf.raw_ops.ResourceApplyAdam(
-            var=var.handle, m=m.handle, v=v.handle, beta1_power=tf.constant(0.0), beta2_power=tf.constant(0.0),
-            lr=scalars.step_size, beta1=scalars.beta1, beta2=scalars.beta2, epsilon=scalars.epsilon, grad=scaled,
-            use_locking=False)
-        if mask is not None:  # pruned: masked weights (and their moments) stay exactly zero
-            with tf.control_dependencies([update] if update is not None else []):
-                update = tf.group(*[slot.assign(slot.read_value() * mask) for slot in (var, m, v)])
-        return update
+        keep = 1.0 - scalars.lr * wd  # the decay's multiplier (1 without decay)
+        grad = tf.cast(grad, tf.float32)
+        # the variables' handles, not the variables: one trace for every variable (XLA compiles
+        # once per shape), and nothing of a variable is kept in the trace
+        handles = [x.handle for x in (var, m, v)]
+        hyper = (keep, scalars.step_size, scalars.epsilon, scalars.beta1, scalars.beta2, scalars.factor)
+        if mask is None:
+            return _adamw_kernel(*handles, grad, *hyper)
+        mask = mask.read_value() if isinstance(mask, tf.Variable) else tf.convert_to_tensor(mask, tf.float32)
+        return _masked_adamw_kernel(*handles, grad, *hyper, mask)
+
+
+def _adamw_values(handles, grad, keep, step_size, epsilon, beta1, beta2, factor):
+    """The new ``(var, m, v)`` of one AdamW step (:func:`apply_adamw`) from the float32 variables
+    behind ``handles``."""
+    var, m, v = (tf.raw_ops.ReadVariableOp(resource=h, dtype=tf.float32) for h in handles)
+    g = tf.math.multiply_no_nan(grad, factor)  # 0 for any gradient when factor is 0 (a skipped step)
+    m = m + (g - m) * (1.0 - beta1)
+    v = v + (g * g - v) * (1.0 - beta2)
+    return var * keep - step_size * m / (tf.sqrt(v) + epsilon), m, v
+
+
+@fused
+def _adamw_kernel(var, m, v, grad, keep, step_size, epsilon, beta1, beta2, factor):
+    handles = (var, m, v)
+    for h, value in zip(handles, _adamw_values(handles, grad, keep, step_size, epsilon, beta1, beta2, factor)):
+        tf.raw_ops.AssignVariableOp(resource=h, value=value)
+
+
+@fused
+def _masked_adamw_kernel(var, m, v, grad, keep, step_size, epsilon, beta1, beta2, factor, mask):
+    # pruned: masked weights (and their moments) stay exactly zero
+    handles = (var, m, v)
+    for h, value in zip(handles, _adamw_values(handles, grad, keep, step_size, epsilon, beta1, beta2, factor)):
+        tf.raw_ops.AssignVariableOp(resource=h, value=value * mask)
 
 
 def global_norm(grads: list[tf.Tensor]) -> tf.Tensor:

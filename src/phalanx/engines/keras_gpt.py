@@ -74,6 +74,7 @@ from phalanx.engines.keras_model import KerasModelEngine, check_zero
 from phalanx.engines.joined import JoinedVariable
 from phalanx.engines.task import GPTTask, for_config
 from phalanx.layers import dropout as dropout_lib
+from phalanx.layers.losses import TokenCrossEntropy
 from phalanx.mesh import Mesh
 from phalanx.models import gpt as builtin
 from phalanx.models import transformer
@@ -294,7 +295,8 @@ def compiled_gpt(cfg: Config, task: GPTTask, device: str, tp: int = 1, ep: int =
     decays = {id(variables[i]): builtin.decays(name) for name, (indices, _) in convert.parts.items()
               for i in indices}
     optimizer = PhalanxAdamW(cfg, decays, device)
-    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    # the mean token cross-entropy read from the logits in the compute dtype (no float32 copy of them)
+    model.compile(optimizer=optimizer, loss=TokenCrossEntropy())
     # Keras wraps any optimizer in its LossScaleOptimizer under mixed_float16; this one scales
     # the loss itself (phalanx's LossScale, the other engines' state and checkpoint names).
     model.optimizer = optimizer

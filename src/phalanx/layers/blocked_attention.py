@@ -16,7 +16,7 @@ Because a query block sees all its visible keys in one matmul, the forward's sof
 ordinary (not the running, rescaled) one: the numbers equal the plain attention's up to the
 order of float32 sums. Matmuls run in the compute dtype (bfloat16 under ``mixed_bfloat16``,
 through oneDNN); the element-wise work between them is one XLA kernel per block
-(:func:`phalanx.layers.kernels.fused`).
+(:func:`phalanx.core.xla.fused`).
 
 Grouped-query attention: ``q`` has ``H`` heads and ``k``, ``v`` ``KV``; query head ``h`` reads
 key/value head ``h // (H / KV)``. A group's query rows are folded into the block's rows, so
@@ -39,7 +39,7 @@ import math
 
 import tensorflow as tf
 
-from phalanx.layers.kernels import fused
+from phalanx.core.xla import fused
 
 #: positions per block (query and key blocks alike): the reference GPT's seq_len 512 is four blocks
 BLOCK_SIZE = 128

@@ -20,21 +20,8 @@ Example:
 
 from __future__ import annotations
 
-import os
-
 import keras
 import tensorflow as tf
-
-# PHALANX_XLA_KERNELS=0 runs the fused kernels as ordinary TensorFlow ops (same math and
-# gradients, unfused): for a platform without XLA, or to measure what the fusion buys.
-XLA_KERNELS = os.environ.get("PHALANX_XLA_KERNELS", "1").strip().lower() not in ("0", "false", "no")
-
-
-def fused(fn):
-    """``fn`` as one XLA kernel (compiled once per input shape, dtype and Python argument):
-    the element-wise work between matmuls in one pass over memory. The matmuls stay out of
-    XLA: oneDNN's are faster on CPU."""
-    return tf.function(fn, jit_compile=XLA_KERNELS, autograph=False)
 
 
 @keras.saving.register_keras_serializable(package="phalanx")
@@ -59,6 +46,14 @@ class Kernels:
         mean, var = tf.nn.moments(x32, axes=[-1], keepdims=True)
         y = (x32 - mean) * tf.math.rsqrt(var + epsilon)
         return tf.cast(y * tf.cast(gamma, tf.float32) + tf.cast(beta, tf.float32), x.dtype)
+
+    def add_layer_norm(self, x, y, bias, gamma, beta, epsilon: float):
+        """``(s, layer_norm(s))`` for the residual sum ``s = x + (y + bias)`` (``bias`` may be
+        None), both in ``x``'s dtype: a pre-LN block's residual add and the next LayerNorm."""
+        x = tf.convert_to_tensor(x)
+        y = tf.cast(y, x.dtype)
+        s = x + (y if bias is None else y + tf.cast(bias, x.dtype))
+        return s, self.layer_norm(s, gamma, beta, epsilon)
 
     def bias_activation(self, h, bias, activation):
         """``activation(h + bias)`` (``bias`` may be None), in ``h``'s dtype."""

@@ -111,6 +111,14 @@ class LayerNorm(ShardedLayer):
         with tf.name_scope("layer_norm"):
             return self.kernels.layer_norm(tf.cast(x, self.compute_dtype), gamma, beta, self.epsilon)
 
+    def add_normalize(self, x, y, bias=None, gamma=None, beta=None):
+        """``(s, normalize(s))`` of the residual sum ``s = x + y + bias`` (``bias`` may be None),
+        in the compute dtype: one fused kernel where the layer's kernels have one."""
+        gamma = _read(self.gamma) if gamma is None else gamma
+        beta = _read(self.beta) if beta is None else beta
+        with tf.name_scope("layer_norm"):
+            return self.kernels.add_layer_norm(tf.cast(x, self.compute_dtype), y, bias, gamma, beta, self.epsilon)
+
     def call(self, inputs):
         return self.normalize(inputs)
 
@@ -391,8 +399,11 @@ class TransformerBlock(ShardedLayer):
             h = self.ln1.normalize(x, *weights["ln1"])
         parts = self.attention.partials([h] * self.tp, weights["attention"], attention_mask, padding_mask, training)
         with scope(0):
-            x = x + self._drop(_sum(parts, weights["attention_bias"]), keys[0], row_offset)
-            h = self.ln2.normalize(x, *weights["ln2"])
+            if keys[0] is None:  # no dropout between: the residual add and ln2 as one kernel
+                x, h = self.ln2.add_normalize(x, _sum(parts, None), weights["attention_bias"], *weights["ln2"])
+            else:
+                x = x + self._drop(_sum(parts, weights["attention_bias"]), keys[0], row_offset)
+                h = self.ln2.normalize(x, *weights["ln2"])
         if self.moe is None:
             parts = self.mlp.partials([h] * self.tp, weights["mlp"])
             with scope(0):

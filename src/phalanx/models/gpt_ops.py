@@ -33,7 +33,8 @@ import math
 
 import tensorflow as tf
 
-from phalanx.layers.kernels import fused as _fused
+from phalanx.core.xla import fused as _fused
+from phalanx.layers import losses as _losses
 
 LAYER_NORM_EPS = 1e-5
 _F32 = tf.float32
@@ -58,14 +59,18 @@ def _layer_norm_fwd(x, gamma, beta):
     return tf.cast(centred * rstd * gamma + beta, x.dtype), mean, rstd
 
 
+def _ln_bwd_f32(dy32, s32, mean, rstd, gamma):
+    """LayerNorm's backward in float32: ``(ds, dgamma, dbeta)`` of ``y = (s - mean) rstd gamma + beta``."""
+    xhat = (s32 - mean) * rstd
+    g = dy32 * gamma
+    ds = rstd * (g - tf.reduce_mean(g, axis=-1, keepdims=True) - xhat * tf.reduce_mean(g * xhat, axis=-1, keepdims=True))
+    return ds, tf.reduce_sum(dy32 * xhat, axis=0), tf.reduce_sum(dy32, axis=0)
+
+
 @_fused
 def _layer_norm_bwd(dy, x, mean, rstd, gamma):
-    xhat = (tf.cast(x, _F32) - mean) * rstd
-    dy32 = tf.cast(dy, _F32)
-    g = dy32 * gamma
-    dx = rstd * (g - tf.reduce_mean(g, axis=-1, keepdims=True)
-                 - xhat * tf.reduce_mean(g * xhat, axis=-1, keepdims=True))
-    return tf.cast(dx, x.dtype), tf.reduce_sum(dy32 * xhat, axis=0), tf.reduce_sum(dy32, axis=0)
+    dx, dgamma, dbeta = _ln_bwd_f32(tf.cast(dy, _F32), tf.cast(x, _F32), mean, rstd, gamma)
+    return tf.cast(dx, x.dtype), dgamma, dbeta
 
 
 @tf.custom_gradient
@@ -84,6 +89,52 @@ def layer_norm(x: tf.Tensor, gamma: tf.Tensor, beta: tf.Tensor) -> tf.Tensor:
     with tf.name_scope("layer_norm"):
         gamma, beta = tf.cast(tf.convert_to_tensor(gamma), _F32), tf.cast(tf.convert_to_tensor(beta), _F32)
         return tf.reshape(_layer_norm(_rows(x), gamma, beta), tf.shape(x))
+
+
+@_fused
+def _add_layer_norm_fwd(x, y, bias, gamma, beta):
+    s = tf.cast(tf.cast(x, _F32) + tf.cast(y, _F32) + bias, x.dtype)  # the residual stream, rounded once
+    s32 = tf.cast(s, _F32)
+    mean = tf.reduce_mean(s32, axis=-1, keepdims=True)
+    centred = s32 - mean
+    rstd = tf.math.rsqrt(tf.reduce_mean(tf.square(centred), axis=-1, keepdims=True) + LAYER_NORM_EPS)
+    return s, tf.cast(centred * rstd * gamma + beta, x.dtype), mean, rstd
+
+
+@_fused
+def _add_layer_norm_bwd(ds, dy, s, mean, rstd, gamma):
+    dnorm, dgamma, dbeta = _ln_bwd_f32(tf.cast(dy, _F32), tf.cast(s, _F32), mean, rstd, gamma)
+    total = tf.cast(ds, _F32) + dnorm  # s feeds the residual stream and the LayerNorm
+    return tf.cast(total, s.dtype), tf.reduce_sum(total, axis=0), dgamma, dbeta
+
+
+@tf.custom_gradient
+def _add_layer_norm(x, y, bias, gamma, beta):
+    s, out, mean, rstd = _add_layer_norm_fwd(x, y, bias, gamma, beta)
+
+    def grad(ds, dy):
+        ds = tf.zeros_like(s) if ds is None else ds
+        dy = tf.zeros_like(out) if dy is None else dy
+        dsum, dbias, dgamma, dbeta = _add_layer_norm_bwd(ds, dy, s, mean, rstd, gamma)
+        return dsum, tf.cast(dsum, y.dtype), dbias, dgamma, dbeta
+
+    return (s, out), grad
+
+
+def add_layer_norm(x: tf.Tensor, y: tf.Tensor, bias: tf.Tensor | None, gamma: tf.Tensor,
+                   beta: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """``(s, layer_norm(s))`` for ``s = x + y + bias`` (a residual add and the next LayerNorm):
+    one kernel forward, one backward. The sum is taken in float32 and rounded once to ``x``'s
+    dtype (the residual stream); the LayerNorm reads that rounded ``s``, statistics in float32;
+    the backward adds the residual's and the LayerNorm's gradients in float32 and rounds once."""
+    with tf.name_scope("add_layer_norm"):
+        x = tf.convert_to_tensor(x)
+        d = x.shape[-1]
+        b = tf.zeros([d], _F32) if bias is None else tf.cast(tf.convert_to_tensor(bias), _F32)
+        gamma, beta = tf.cast(tf.convert_to_tensor(gamma), _F32), tf.cast(tf.convert_to_tensor(beta), _F32)
+        s, out = _add_layer_norm(_rows(x), _rows(tf.convert_to_tensor(y)), b, gamma, beta)
+        shape = tf.shape(x)
+        return tf.reshape(s, shape), tf.reshape(out, shape)
 
 
 # -- bias + GELU -----------------------------------------------------------------------
@@ -225,41 +276,5 @@ def attention_core(qkv: tf.Tensor, heads: int) -> tf.Tensor:
 
 # -- loss head -------------------------------------------------------------------------
 
-
-@_fused
-def _cross_entropy_fwd(logits, targets):
-    z = tf.cast(logits, _F32)
-    top = tf.reduce_max(z, axis=-1)
-    lse = tf.math.log(tf.reduce_sum(tf.exp(z - top[:, None]), axis=-1)) + top
-    target = tf.reduce_sum(tf.where(tf.range(tf.shape(z)[-1])[None, :] == targets[:, None], z, 0.0), axis=-1)
-    return lse - target, lse
-
-
-@_fused
-def _cross_entropy_bwd(dloss, logits, targets, lse):
-    z = tf.cast(logits, _F32)
-    hit = tf.cast(tf.range(tf.shape(z)[-1])[None, :] == targets[:, None], _F32)
-    return tf.cast((tf.exp(z - lse[:, None]) - hit) * dloss[:, None], logits.dtype)
-
-
-@tf.custom_gradient
-def _cross_entropy(logits, targets):
-    loss, lse = _cross_entropy_fwd(logits, targets)
-
-    def grad(dloss):
-        return _cross_entropy_bwd(dloss, logits, targets, lse), None
-
-    return loss, grad
-
-
-def token_cross_entropy(logits: tf.Tensor, targets: tf.Tensor) -> tf.Tensor:
-    """Per-token cross-entropy in float32, shape of ``targets``.
-
-    The logits stay in their dtype (bfloat16 under ``mixed_bfloat16``: no float32 copy
-    of ``[tokens, vocab]``); the softmax-cross-entropy and its gradient are computed in
-    float32 inside the fused kernel. Targets must lie in ``[0, vocab)``.
-    """
-    with tf.name_scope("cross_entropy"):
-        targets = tf.cast(targets, tf.int32)
-        loss = _cross_entropy(_rows(logits), tf.reshape(targets, [-1]))
-        return tf.reshape(loss, tf.shape(targets))
+#: per-token cross-entropy from logits in their own dtype (fused kernels; :mod:`phalanx.layers.losses`)
+token_cross_entropy = _losses.token_cross_entropy

@@ -763,10 +763,12 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
                     set_bytes.append(per_set + cast_set)
                     backward = max(backward, bwd)
                 head = 0.0
-                if r == pp - 1:  # this rank's logits; on rank 0 the final LayerNorm, the gathered logits, Keras's loss
+                if r == pp - 1:  # this rank's logits; on rank 0 the final LayerNorm, the gathered logits, the loss
                     head = e * tokens * V / tp
                     if tr == 0:
-                        head += e * tokens * d + (e + 4) * tokens * V
+                        # Keras's loss makes a float32 copy of the logits; phalanx's TokenCrossEntropy
+                        # reads them in their own dtype (layers/losses.py)
+                        head += e * tokens * d + (e + (0 if optimizer == "phalanx" else 4)) * tokens * V
                     head *= last_peak
                 # train.grad_accum > 1: each backward of a later accumulation step adds into the sums
                 # carried from the earlier steps (a stage call's whole gradient set: in ``backward``)
