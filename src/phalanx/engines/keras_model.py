@@ -80,7 +80,8 @@ compiled metrics. The engine only decides *where* things run:
   logits are never formed. Keras's own reduction then applies (its ``reduction``, sample
   weights, ``ignore_class``, an output mask, ``loss_weights``). Otherwise the shard logits are
   joined on the tensor rank 0 device for Keras's loss, and :attr:`KerasModelEngine.loss_note`
-  says why (``phalanx.fit`` prints it). ``predict`` returns the joined logits.
+  says why (``phalanx.fit`` prints it). ``predict`` returns the joined logits. A last stage run
+  as a stage call returns the shard logits as separate outputs, each read on its rank.
 * **State that is not trained** (BatchNormalization moving statistics, Dropout's seed
   state, MoE statistics) follows one rule on every layout (:mod:`phalanx.parallel.replica_state`):
   within a replica it is threaded through the micro-batches in order, as GPipe does (each

@@ -21,6 +21,15 @@ is built when the stage is traced, each gradient op on the device of the op it d
 (as ``tf.gradients`` does outside a function). A multi-device call runs its ops on their
 devices and exchanges tensors between them inside the call, at the same points as inline.
 
+A tensor-parallel head's shard logits: the loss reads them from the head's join (a tagged
+concat, :func:`~phalanx.layers.tensor_parallel.vocab_logit_shards`), which a call's output does
+not carry; a call returns such an output as its pieces and the caller joins them again, each
+piece through an identity on the rank it was made on (the loss then reads each on its rank).
+
+The step that makes the calls (the glue: weight reads, the calls and their backward calls,
+gradient sums, the update) runs under :func:`glue_options`: only Grappler's pruner on its own
+graph, while each call keeps the options it was made with.
+
 What a call keeps for its backward: TensorFlow makes every forward tensor its backward reads
 an extra output of the forward call, held by the caller until the backward call. Its backward
 is traced with every gradient op of every input, a ``Mul``'s with respect to a constant scale
