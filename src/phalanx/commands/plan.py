@@ -188,7 +188,9 @@ def _run(args: argparse.Namespace) -> int:
             raise ConfigError("--keras", "prints each device of one layout as phalanx.fit trains the GPT (Keras's "
                                          "AdamW); --search proposes layouts for phalanx train: drop one of them")
         # refuses, naming the key, what the Keras-engine memory model was not measured for
-        keras_mem = keras_memory_per_device(cfg.replace(parallel={"dp": dp, "pp": pp, "tp": tp}), optimizer="keras")
+        # (--calibrate runs the stages inline under tp > 1, phalanx.train.calibrate: planned so)
+        keras_mem = keras_memory_per_device(cfg.replace(parallel={"dp": dp, "pp": pp, "tp": tp}), optimizer="keras",
+                                            calls=False if args.calibrate and tp > 1 else None)
     if args.calibrate and not args.search:
 
         prepare_devices(cfg)  # before the hardware probe runs a TensorFlow op
