@@ -80,7 +80,8 @@ compiled metrics. The engine only decides *where* things run:
   logits are never formed. Keras's own reduction then applies (its ``reduction``, sample
   weights, ``ignore_class``, an output mask, ``loss_weights``). Otherwise the shard logits are
   joined on the tensor rank 0 device for Keras's loss, and :attr:`KerasModelEngine.loss_note`
-  says why (``phalanx.fit`` prints it). ``predict`` returns the joined logits.
+  says why (``phalanx.fit`` prints it). ``predict`` returns the joined logits. A last stage run
+  as a stage call returns the shard logits as separate outputs, each read on its rank.
 * **State that is not trained** (BatchNormalization moving statistics, Dropout's seed
   state, MoE statistics) follows one rule on every layout (:mod:`phalanx.parallel.replica_state`):
   within a replica it is threaded through the micro-batches in order, as GPipe does (each
@@ -118,6 +119,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import keras
@@ -140,7 +142,7 @@ from phalanx.parallel.keras_zero import ZeroSlices, check_sliceable
 from phalanx.parallel.pipeline import run_schedule, schedule_for
 from phalanx.parallel.replica_state import combine_replicas, rule_of
 from phalanx.parallel.schedules import calls_used
-from phalanx.parallel.stage_calls import StageCalls
+from phalanx.parallel.stage_calls import StageCalls, glue_options
 from phalanx.precision import resolve_policy
 
 MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")
@@ -597,6 +599,7 @@ class KerasModelEngine:
         # for an expert shard the replica is its ep group's first), and the expert shards' compute
         # dtypes under a mixed policy (_gather; the policy is the model's when the engine is built)
         self._gathered: dict[tuple, tf.Tensor] = {}
+        self._read: dict[tuple, list] = {}  # (replica, stage, row) -> the weight values a forward read
         self._shard_dtypes: dict[int, str] | None = None
         # Each stage's forward traced once and called per micro-batch (tensor shards run on their
         # ranks inside the call), when no expert shards are read: their layers place their ops by
@@ -770,6 +773,7 @@ class KerasModelEngine:
             call_state = self._call_state(s, state[s], row)  # the dropout context: tensors, traced as inputs
             outputs, new_state, losses = self._stage_call(replica, s, values, call_state, inputs, mode)
             if training:
+                self._read[(replica, s, row)] = values  # what this micro-batch's backward differentiates
                 for k in self._contexts[s]:  # a row offset is never written back
                     if dropout_lib.is_row_offset(stage.non_trainable_variables[k]):
                         new_state[k] = state[s][k]
@@ -807,14 +811,20 @@ class KerasModelEngine:
 
             def run(v, st, inp):
                 return stage.apply(v, st, inp, False)
-        if self.stage_calls is None or (self.mesh.tp > 1 and s == len(self.stages) - 1
-                                        and getattr(self, "vocab_loss", True)):
-            # (the last stage inline when the loss may read a vocabulary-parallel head's shard
-            # logits: the head hands them over on its output tensor, which a call's outputs do not
-            # carry, and the loss would read the joined logits: test_keras_vocab_ce)
+        if self.stage_calls is None:
             return run(values, state, inputs)
         return self.stage_calls.call((replica, s, training), run, values, state, inputs,
                                      device=self.stage_device(replica, s), backward=training)
+
+    def _own_sources(self, params: list, replica: int, s: int, row: int) -> list:
+        """What the backward of stage ``s`` on the micro-batch at ``row`` differentiates: the
+        values its forward read (:func:`~phalanx.parallel.pipeline.run_schedule`'s ``sources``),
+        except where every micro-batch reads one tensor (ZeRO-3's gathered weights, an expert
+        shard's compute-dtype copy): ``params``."""
+        values = self._read.pop((replica, s, row))
+        if self.zero == 3:
+            return params
+        return [p if id(p) in self._casts else v for v, p in zip(values, params)]
 
     def _stage_values(self, replica: int, s: int) -> list[tf.Tensor]:
         """The values of stage ``s``'s trainable weights that ``replica`` computes with.
@@ -1020,7 +1030,7 @@ class KerasModelEngine:
         start = self._initial_state(training=True)
         self._step_start = start
         ends = []  # each replica's state after its micro-batches (parallel.replica_state)
-        self._gathered = {}
+        self._gathered, self._read = {}, {}
         acc = [[[] for _ in stage.trainable_variables] for stage in self.stages]
         losses = []
         first = 0
@@ -1046,7 +1056,8 @@ class KerasModelEngine:
                     lambda s, i, h, _d=d, _g=group, _w=share[d][a], _st=state, _r=rows_at: self._weighted(
                         self._forward(_d, s, h, _g[i], _st, "train", _r[i]), s, _w[i]),
                     params, scale / float(total * self.world), prefix=f"dp{d}_acc{a}", keep_sparse=True,
-                    initial=running)
+                    initial=running,
+                    sources=lambda s, i, _d=d, _r=rows_at: self._own_sources(params[s], _d, s, _r[i]))
                 # One running sum per weight through the accumulation steps, and each step starts on a
                 # rank once the previous one ended there (run_schedule's ``initial``): a replica holds
                 # one step's activations and one gradient set, however many steps it accumulates.
@@ -1119,7 +1130,7 @@ class KerasModelEngine:
             for v, new, old in zip(stage.non_trainable_variables, state[s], start[s]):
                 if new is not old or is_step_total(v):  # totals: this step's, even if never added to
                     v.value.assign(tf.cast(new, v.value.dtype))
-        self._reg_value, self._casts, self._gathered, self._step_start = None, {}, {}, None
+        self._reg_value, self._casts, self._gathered, self._step_start, self._read = None, {}, {}, None, {}
         with tf.device(self.stage_device(0, self.chunks - 1)):
             return {"loss": loss_sum / float(total * self.world)}
 
@@ -1183,11 +1194,13 @@ class KerasModelEngine:
         compiled metrics; returns ``{"loss": mean loss of the batch}``. Across workers
         every worker passes the same global batch and trains on its own rows of it."""
         if self.workers is None:
-            return self._train_fn(*_as_tensors(batch))
+            with glue_options() if self.stage_calls is not None else contextlib.nullcontext():
+                return self._train_fn(*_as_tensors(batch))
         rows = _rows(batch[0])
         batch = self.workers.local_rows(batch, rows)
         # The global row count is a Python value: one trace per (local, global) batch shape.
-        result = self._train_fn(*_as_tensors(batch), rows)
+        with glue_options() if self.stage_calls is not None else contextlib.nullcontext():
+            result = self._train_fn(*_as_tensors(batch), rows)
         self.workers.check_batch()
         return result
 

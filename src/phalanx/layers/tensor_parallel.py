@@ -365,6 +365,41 @@ def vocab_logit_shards(y, tp: int):
     return None
 
 
+def joined_shards(y):
+    """``(mark, pieces)`` when ``y`` is a vocabulary-parallel head's or a column-parallel
+    layer's tagged join of its shards (:func:`vocab_logit_shards`), else None. A stage call
+    returns the pieces (a function's output carries no op of its body) and
+    :func:`rejoin_shards` joins them again outside, where the loss can read them.
+
+    >>> @tf.function
+    ... def widths(h):
+    ...     mark, pieces = joined_shards(join_vocab_logits([h, h], h))
+    ...     y = rejoin_shards(mark, pieces, [p.device for p in pieces])
+    ...     return tf.constant([int(z.shape[-1]) for z in vocab_logit_shards(y, 2)])
+    >>> widths(tf.ones([2, 4])).numpy().tolist()
+    [4, 4]
+    """
+    for mark in (_VOCAB_MARK, _COLUMN_MARK):
+        n = getattr(getattr(y, "op", None), mark, None)
+        pieces = concat_pieces(y, mark, n, -1) if n else None
+        if pieces is not None:
+            return mark, pieces
+    return None
+
+
+def rejoin_shards(mark: str, pieces: list, devices: list):
+    """The tagged join of ``pieces`` (``mark`` from :func:`joined_shards`) in a graph, each
+    piece through an identity on ``devices[r]`` (where it was made: a reader of the shards,
+    such as :func:`shard_logits_cross_entropy`, then runs each shard's ops there)."""
+    placed = []
+    for piece, device in zip(pieces, devices):
+        with tf.device(device or None):
+            placed.append(tf.identity(piece))
+    y = tf.concat(placed, axis=-1)
+    setattr(y.op, mark, len(placed))
+    return y
+
+
 def shard_logits_cross_entropy(logits: list, labels, anchors=None):
     """Per-token cross-entropy ``-log softmax(z)[label]`` of the logits ``z`` cut by
     vocabulary into ``logits`` (shard ``r``'s ``[..., vocab/tp]``, rank order), without

@@ -82,7 +82,8 @@ def accumulate_gradient(total, grad, keep_sparse: bool = False, origin=None):
 
 def run_schedule(schedule: Schedule, forward: StageForward, params: Sequence[Sequence[tf.Variable]],
                  loss_weight: tf.Tensor, trace: PipelineTrace | None = None, prefix: str = "pipe",
-                 keep_sparse: bool = False, initial: Sequence[Sequence[tf.Tensor | None]] | None = None):
+                 keep_sparse: bool = False, initial: Sequence[Sequence[tf.Tensor | None]] | None = None,
+                 sources: Callable[[int, int], Sequence[tf.Tensor]] | None = None):
     """Run one pipeline step; return ``(grads, loss_sum)``.
 
     ``params[s]``: the variables stage ``s`` reads. ``grads[s][j]`` is the gradient of
@@ -98,6 +99,11 @@ def run_schedule(schedule: Schedule, forward: StageForward, params: Sequence[Seq
     action then waits for the sums of the stages it runs, so a rank starts this step once it
     has ended the previous one (otherwise nothing orders two steps: the executor ran the next
     step's forwards beside the last one's, every step's activations in flight at once).
+    ``sources(stage, microbatch)`` (called after that forward ran): what its backward
+    differentiates in place of ``params[stage]``, aligned with it, e.g. the values that forward
+    read (in a graph; a tape differentiates ``params``). Differentiating a variable finds every read of it in the graph, and the graph walk of
+    each backward then spans every micro-batch's forward: a step's build grew with the square of
+    its micro-batches.
 
     Each backward adds its weight gradients into the running sums at once (the rank's next
     action waits for the additions), so a rank holds one gradient set, not one per
@@ -147,7 +153,8 @@ def run_schedule(schedule: Schedule, forward: StageForward, params: Sequence[Seq
                 marker = targets or _flat(out)
             else:
                 tape, watched, targets = saved.pop((stage, mb))
-                sources = list(params[stage]) + watched
+                own = params[stage] if sources is None or tf.executing_eagerly() else sources(stage, mb)
+                differentiated = list(own) + watched
                 upstream = grad_out.pop((stage, mb)) if stage < last_stage else None
                 if targets and not tf.executing_eagerly():
                     # tf.gradients (not the tape) puts each gradient op on the device of the
@@ -155,13 +162,13 @@ def run_schedule(schedule: Schedule, forward: StageForward, params: Sequence[Seq
                     # devices, not all on the step's default device. It sees the whole graph,
                     # so the stage's inputs are stop_gradients: a path between two of them
                     # (a skip tensor computed from another) belongs to the previous stage.
-                    grads = tf.gradients(targets, sources, grad_ys=upstream, stop_gradients=watched,
+                    grads = tf.gradients(targets, differentiated, grad_ys=upstream, stop_gradients=watched,
                                          unconnected_gradients=tf.UnconnectedGradients.NONE)
                 elif targets:
-                    grads = tape.gradient(targets, sources, output_gradients=upstream,
+                    grads = tape.gradient(targets, differentiated, output_gradients=upstream,
                                           unconnected_gradients=tf.UnconnectedGradients.NONE)
                 else:  # nothing differentiable leaves this stage: its weights get no gradient
-                    grads = [None] * len(sources)
+                    grads = [None] * len(differentiated)
                 n = len(params[stage])
                 if watched:
                     grad_out[(stage - 1, mb)] = [tf.zeros_like(x) if g is None else g

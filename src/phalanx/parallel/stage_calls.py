@@ -21,6 +21,15 @@ is built when the stage is traced, each gradient op on the device of the op it d
 (as ``tf.gradients`` does outside a function). A multi-device call runs its ops on their
 devices and exchanges tensors between them inside the call, at the same points as inline.
 
+A tensor-parallel head's shard logits: the loss reads them from the head's join (a tagged
+concat, :func:`~phalanx.layers.tensor_parallel.vocab_logit_shards`), which a call's output does
+not carry; a call returns such an output as its pieces and the caller joins them again, each
+piece through an identity on the rank it was made on (the loss then reads each on its rank).
+
+The step that makes the calls (the glue: weight reads, the calls and their backward calls,
+gradient sums, the update) runs under :func:`glue_options`: only Grappler's pruner on its own
+graph, while each call keeps the options it was made with.
+
 What a call keeps for its backward: TensorFlow makes every forward tensor its backward reads
 an extra output of the forward call, held by the caller until the backward call. Its backward
 is traced with every gradient op of every input, a ``Mul``'s with respect to a constant scale
@@ -62,13 +71,15 @@ Example:
 
 from __future__ import annotations
 
-import functools
+import contextlib
 from typing import Callable
 
 import tensorflow as tf
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask  # masks ride on tensors; no public API
+from tensorflow.python.eager import context  # a call's Grappler options: no public API
 from tensorflow.python.ops import gradients_util  # a function's backward built with devices: no public API
 
+from phalanx.layers.tensor_parallel import joined_shards, rejoin_shards
 from phalanx.parallel.gradients import indices_vary
 
 # Ops that look rows of a table up by index (their gradient is an IndexedSlices).
@@ -89,6 +100,12 @@ class StageCalls:
     """
 
     def __init__(self):
+        # the call options in force when the calls were planned (Grappler on): a stage call is
+        # made with them, also inside a step run under glue_options()
+        self._options = context.context().function_call_options
+        # (key, devices) -> {output key: (mark, the pieces' devices)}: outputs that were a tensor
+        # shards' tagged join, returned as the pieces and joined again by the caller
+        self._joined: dict = {}
         self._fns: dict = {}  # (key, the weight values' devices) -> tf.function, or None: run inline
         self.traced = 0  # stage functions traced (one per key that is called)
         self.inline: set = set()  # keys whose function was refused: their stage runs inline
@@ -121,27 +138,37 @@ class StageCalls:
             if device is not None:
                 self.devices[self.scope(key)] = device
             fn = self._fns[(key, devices)] = self._trace(run, values, state, inputs, devices, backward,
-                                                         self.scope(key))
+                                                         self.scope(key), self._joined.setdefault((key, devices), {}))
             if fn is None:
                 self.inline.add(key)
         if fn is None:
             return run(values, state, inputs)
-        outputs, new_state, losses, masks = fn(list(values), list(state), dict(inputs))
+        with _call_options(self._options):
+            outputs, new_state, losses, masks = fn(list(values), list(state), dict(inputs))
+        for k, (mark, devices_k) in self._joined[(key, devices)].items():
+            outputs[k] = rejoin_shards(mark, outputs[k], devices_k)
         for k, mask in masks.items():
             set_keras_mask(outputs[k], mask)
         return outputs, list(new_state), list(losses)
 
-    def _trace(self, run, values, state, inputs, devices, backward: bool, scope: str):
+    def _trace(self, run, values, state, inputs, devices, backward: bool, scope: str, joined: dict):
         def body(v, st, inp):
             with tf.name_scope(scope):
                 v = _placed(v, devices)
                 outputs, new_state, losses = run(v, st, inp)
             masks = {k: get_keras_mask(t) for k, t in outputs.items()
                      if isinstance(t, tf.Tensor) and get_keras_mask(t) is not None}
-            return dict(outputs), list(new_state), [tf.convert_to_tensor(x) for x in losses], masks
+            outputs = dict(outputs)
+            for k, t in outputs.items():  # a tensor-parallel head's shard logits: the loss reads them
+                found = joined_shards(t)
+                if found is not None:
+                    mark, outputs[k] = found
+                    joined[k] = (mark, [p.device for p in outputs[k]])
+            return outputs, list(new_state), [tf.convert_to_tensor(x) for x in losses], masks
 
         fn = tf.function(body, autograph=False, experimental_attributes={"_noinline": True})
-        concrete = fn.get_concrete_function(list(values), list(state), dict(inputs))
+        with _call_options(self._options):  # the fused kernels' calls inside too
+            concrete = fn.get_concrete_function(list(values), list(state), dict(inputs))
         self.traced += 1
         if _constant_lookup(concrete.graph):
             return None
@@ -151,6 +178,41 @@ class StageCalls:
             graphs.append(concrete._delayed_rewrite_functions.forward_backward()[1].graph)
         self.op_devices.update(_named_devices(graphs))
         return fn
+
+
+@contextlib.contextmanager
+def _call_options(options):
+    """Function calls made in this context (in a graph: the call ops created) carry ``options``."""
+    ctx = context.context()
+    saved = ctx.function_call_options
+    ctx.function_call_options = options
+    try:
+        yield
+    finally:
+        ctx.function_call_options = saved
+
+
+def glue_options():
+    """A context in which a step that calls stage functions runs with only Grappler's pruner
+    for its own graph (the glue: weight reads, the calls, their backward calls, gradient sums,
+    the update), while each stage call keeps the options it was made with
+    (:class:`StageCalls`), so Grappler still optimises the stage functions, where it pays.
+
+    On the glue, Grappler's passes cost about half of the first run (8 layers tp2 x pp2 with 8
+    micro-batches: 25 s -> 13 s with the meta-optimizer off) and find little: its ops are reads,
+    additions and calls (benchmarks/results/build_2026-11-28.md).
+
+    >>> f = tf.function(lambda x: x + 1.0)
+    >>> with glue_options():
+    ...     float(f(tf.constant(1.0)))
+    2.0
+    """
+    saved = context.context().function_call_options
+    config = tf.compat.v1.ConfigProto.FromString(saved.config_proto_serialized)
+    # only the pruner: ops nothing reads (a head's joined logits when the loss reads its shards,
+    # gradients no one asked for) must still not run
+    config.graph_options.rewrite_options.optimizers[:] = ["pruning"]
+    return _call_options(context.FunctionCallOptions(executor_type=saved.executor_type, config_proto=config))
 
 
 def _named_devices(graphs) -> dict[str, str]:

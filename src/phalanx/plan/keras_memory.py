@@ -743,11 +743,10 @@ def keras_devices(spec: ModelSpec, *, dp: int = 1, pp: int = 1, tp: int = 1, ep:
                     if n_moe[c] and tr == 0:
                         bwd = max(bwd, MOE_BACKWARD_SHARDS * 4.0 * expert_block
                                   - MOE_HIDDEN_FREED * e * kept * tokens * f)
-                    if calls and not (tp > 1 and c == chunks - 1):
+                    if calls:
                         # a stage call's backward is one call: it holds the micro-batch's saved tensors
                         # until it ends, when the float32 gradients of the stage's weights it returns
-                        # are all made and its first block's working set is still alive (under tp the
-                        # last stage runs inline: the loss reads the head's shard logits)
+                        # are all made and its first block's working set is still alive
                         bwd += CALL_BACKWARD_GRADIENTS * 4.0 * (own_c + mirror_c)
                     if recompute == "full" and blocks_per_stage[c]:
                         # the stage runs as ceil(sqrt(ops)) recomputed blocks: a set keeps their inputs (the
