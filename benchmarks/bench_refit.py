@@ -1,4 +1,4 @@
-"""A model fitted twice on the same layout: the first and the second ``phalanx.fit`` call's wall time.
+"""A model fitted twice on the same layout, then evaluated and predicted twice: each call's wall time.
 
 The model is a keras-hub ``GPT2CausalLM`` (``preprocessor=None``) with a small random GPT-2
 config: ``--layers`` layers (default 8), hidden 64, 4 heads, intermediate 256, vocabulary 256,
@@ -8,6 +8,9 @@ process on 8 logical CPUs; both calls fit the same model object, each into its o
 The first call builds the engine (the model cut, split and placed) and traces its step; the second
 reuses them when nothing they were built from changed (docs/keras.md, "Fitting again"): the
 table gives both calls' wall seconds, the engines built and the traces of the training step.
+Then ``phalanx.evaluate`` and ``phalanx.predict`` run twice each on the fitted model (its 48 rows in batches of 32, the
+same layout): the first of each traces its step on the fit's engine, the second runs it (a second
+table: seconds, engines built in all after each call, the step's traces).
 The table starts with the CPU model, the date and the load averages (a machine shared with other
 work inflates every figure).
 
@@ -67,7 +70,8 @@ def run_one(name: str, layers: int) -> dict:
         return real(*args, **kwargs)
 
     keras_api.KerasModelEngine = counted
-    out = {"fit_s": [], "builds": [], "traces": [], "loss": []}
+    out = {"fit_s": [], "builds": [], "traces": [], "loss": [], "evaluate_s": [], "predict_s": [],
+           "evaluate_builds": [], "predict_builds": [], "evaluate_traces": [], "predict_traces": []}
     for call in range(2):
         start = time.perf_counter()
         history = phalanx.fit(model, x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, config=cfg,
@@ -76,6 +80,17 @@ def run_one(name: str, layers: int) -> dict:
         out["builds"].append(builds[0])
         out["traces"].append(model.__dict__[keras_api._FIT_ENGINE][1]._train_fn.experimental_get_tracing_count())
         out["loss"].append(history.history["loss"][-1])
+    for name, call in (("evaluate", lambda: phalanx.evaluate(model, x, y, batch_size=32, verbose=0, config=cfg)),
+                       ("predict", lambda: phalanx.predict(model, x, batch_size=32, verbose=0, config=cfg))):
+        for _ in range(2):
+            start = time.perf_counter()
+            call()
+            out[f"{name}_s"].append(time.perf_counter() - start)
+            out[f"{name}_builds"].append(builds[0])
+            traced = getattr(keras_api, "kept_engines", lambda m: {})(model)  # (None: a phalanx without the hook)
+            fn = f"_{'test' if name == 'evaluate' else 'predict'}_fn"
+            out[f"{name}_traces"].append(sum(getattr(e, fn).experimental_get_tracing_count() for e in traced.values())
+                                         if traced else None)
     return out
 
 
@@ -103,15 +118,24 @@ def main(argv=None) -> int:
     print(cpu_line(info) + "\n")
     print("| layout | first fit s | second fit s | engines built (after 1st, 2nd) | step traces | losses | load after |")
     print("|---|---|---|---|---|---|---|")
+    results = {}
     for name in names:
         out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", name, "--layers", str(args.layers)],
                              capture_output=True, text=True)
         if out.returncode:
             print(f"| {name} | failed: {(out.stderr.strip().splitlines() or ['?'])[-1]} | | | | | {load()} |")
             continue
-        r = json.loads(out.stdout.strip().splitlines()[-1])
+        r = results[name] = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"| {name} | {r['fit_s'][0]:.1f} | {r['fit_s'][1]:.1f} | {r['builds'][0]}, {r['builds'][1]} | "
               f"{r['traces'][0]}, {r['traces'][1]} | {r['loss'][0]:.4f}, {r['loss'][1]:.4f} | {load()} |", flush=True)
+    print("\nThen, on the fitted model (48 rows, batch 32):\n")
+    print("| layout | call | first s | second s | engines built in all (after 1st, 2nd) | step traces |")
+    print("|---|---|---|---|---|---|")
+    for name, r in results.items():
+        for call in ("evaluate", "predict"):
+            s, b, t = r[f"{call}_s"], r[f"{call}_builds"], r[f"{call}_traces"]
+            print(f"| {name} | {call} | {s[0]:.1f} | {s[1]:.1f} | {b[0]}, {b[1]} | "
+                  f"{'n/a' if t[0] is None else f'{t[0]}, {t[1]}'} |", flush=True)
     return 0
 
 

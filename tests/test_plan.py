@@ -440,3 +440,31 @@ def test_parameter_server_layouts_get_a_whole_variable_figure():
     planned = precheck.estimate_per_device(cfg, 2)[0]
     assert planned.total == pytest.approx(memory_per_device(
         m, Layout(dp=2, parameter_server=True, policy="float32")).total)
+
+
+def test_every_proposed_layout_is_config_keys_the_config_and_precheck_take():
+    """Each layout ``--search`` proposes is a set of config keys (``Layout.config_overrides``, the
+    ``config`` list of its ``--json`` layout): the config loads them (without a pipeline the
+    micro-batches are ``train.grad_accum``: the config refuses ``parallel.microbatches`` at pp=1),
+    the layout the config describes (``precheck.config_layout``) is the proposed one, and the
+    precheck lets it run."""
+    from phalanx.config import load_config
+
+    model_keys = ["model.layers=4", "model.d_model=64", "model.heads=4", "model.ffn=256", "model.vocab=256",
+                  "model.seq_len=32"]
+    m = ModelSpec.from_config(load_config(None, model_keys).model)
+    res = search(m, get_hardware("a100-80gb"), 8, 64, policy="float32", top=40)
+    # without a pipeline, 1024 sequences over 8 replicas of at most 64 each: accumulation steps
+    pp1 = search(m, get_hardware("a100-80gb"), 8, 1024, policy="float32", top=10, fixed={"pp": 1})
+    layouts = [c.layout for c in res.candidates + pp1.candidates]
+    assert any(lay.pp == 1 and lay.accum > 1 for lay in layouts)          # accumulation without a pipeline
+    assert any(lay.pp > 1 and lay.microbatches > 1 for lay in layouts)    # a pipeline's micro-batches
+    for lay in layouts:
+        assert lay.pp > 1 or lay.microbatches == 1
+        cfg = load_config(None, model_keys + [f"parallel.devices=gpu:{lay.devices}"] + lay.config_overrides())
+        assert precheck.config_layout(cfg, lay.dp, lay.pp, lay.tp) == lay, lay.describe()
+        precheck.check_fits(cfg, device_memory_bytes=80 * GiB, host_memory_bytes=64 * GiB)
+    shown = cli._candidate_rows(res.candidates + pp1.candidates)
+    assert shown[0].split()[:8] == ["#", "dp", "tp", "pp", "m", "accum", "b", "schedule"]
+    for row, lay in zip(shown[1:], layouts):
+        assert row.split()[4:6] == [str(lay.microbatches), str(lay.accum)]

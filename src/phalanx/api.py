@@ -150,7 +150,11 @@ def fit(model, x=None, y=None, *, batch_size=None, epochs=1, steps_per_epoch=Non
 
 def evaluate(model, x=None, y=None, *, batch_size=None, steps=None, sample_weight=None, callbacks=None,
              return_dict=False, overrides: Sequence[str] = (), config: Config | None = None, verbose="auto"):
-    """``model.evaluate`` on the layout of ``config``: the loss and compiled metrics."""
+    """``model.evaluate`` on the layout of ``config``: the loss and compiled metrics.
+
+    Runs on the engine the model's last :func:`fit` built when it still applies (the rules of a
+    second fit; any number of rows), else builds one and keeps it for the next call
+    (docs/keras.md, "Fitting again")."""
 
     cfg = _config(config, overrides)
     return keras_api.evaluate(model, cfg, _mesh(cfg, overrides, "evaluate"), x, y, batch_size=batch_size, steps=steps,
@@ -160,7 +164,9 @@ def evaluate(model, x=None, y=None, *, batch_size=None, steps=None, sample_weigh
 
 def predict(model, x, *, batch_size=None, steps=None, callbacks=None, overrides: Sequence[str] = (),
             config: Config | None = None, verbose="auto"):
-    """``model.predict`` on the layout of ``config``: NumPy outputs in the model's structure."""
+    """``model.predict`` on the layout of ``config``: NumPy outputs in the model's structure.
+
+    Reuses a built engine as :func:`evaluate` does."""
 
     cfg = _config(config, overrides)
     return keras_api.predict(model, cfg, _mesh(cfg, overrides, "predict"), x, batch_size=batch_size, steps=steps,

@@ -346,7 +346,7 @@ def _plan_text(plan) -> str:
 def _candidate_rows(plans, start: int = 1, ep: bool = False) -> list[str]:
     """Table rows; ``ep``: with an ep column (mixture-of-experts models)."""
     ep_head = f" {'ep':>3}" if ep else ""
-    head = (f"{'#':>2} {'dp':>5}{ep_head} {'tp':>3} {'pp':>4} {'m':>5} {'b':>3} "
+    head = (f"{'#':>2} {'dp':>5}{ep_head} {'tp':>3} {'pp':>4} {'m':>5} {'accum':>5} {'b':>3} "
             f"{'schedule':<16} {'zero':>4} {'recompute':<9} {'mem GiB':>8} {'bubble':>7} {'step s':>9} "
             f"{'tokens/s':>12} {'MFU':>6} {'days':>8}")
     lines = [head]
@@ -356,7 +356,7 @@ def _candidate_rows(plans, start: int = 1, ep: bool = False) -> list[str]:
         days = f"{c.days:8.1f}" if c.days is not None else f"{'-':>8}"
         ep_col = f" {lay.ep:>3}" if ep else ""
         lines.append(f"{i:>2} {lay.dp:>5}{ep_col} {lay.tp:>3}{'s' if lay.sequence_parallel else ' '}{lay.pp:>3} "
-                     f"{lay.microbatches:>5} {lay.micro_batch:>3} {sched:<16} {lay.zero:>4} {lay.recompute:<9} "
+                     f"{lay.microbatches:>5} {lay.accum:>5} {lay.micro_batch:>3} {sched:<16} {lay.zero:>4} {lay.recompute:<9} "
                      f"{c.memory.total / GiB:8.1f} {c.time.bubble_fraction:7.1%} {c.time.step_time_s:9.3g} "
                      f"{c.tokens_per_s:12,.0f} {c.mfu:6.1%} {days}")
     return lines

@@ -93,7 +93,38 @@ class Layout:
                 "virtual_stages": self.virtual_stages, "zero": self.zero, "recompute": self.recompute,
                 "sequence_parallel": self.sequence_parallel, "policy": self.policy,
                 "grad_accum": self.accum, "reduction": self.reduction, "ep": self.ep,
-                "parameter_server": self.parameter_server}
+                "parameter_server": self.parameter_server, "config": self.config_overrides()}
+
+    def config_overrides(self) -> list[str]:
+        """The config keys that run this layout (overrides for ``phalanx train``, ``phalanx.init``),
+        besides ``parallel.devices`` and the model's keys. Without a pipeline the micro-batches
+        are accumulation steps: ``train.grad_accum`` (the config takes ``parallel.microbatches``
+        with ``parallel.pp > 1`` only).
+
+        Example:
+            >>> Layout(dp=2, micro_batch=4, accum=2, zero=1).config_overrides()
+            ['parallel.dp=2', 'parallel.tp=1', 'parallel.pp=1', 'train.grad_accum=2', 'train.global_batch=16', \
+'parallel.zero=1', 'precision.policy=mixed_bfloat16']
+        """
+        keys = [f"parallel.dp={self.dp}", f"parallel.tp={self.tp}", f"parallel.pp={self.pp}"]
+        accum = self.accum
+        if self.pp > 1:
+            keys += [f"parallel.microbatches={self.microbatches}", f"parallel.schedule={self.schedule}"]
+            if self.virtual_stages > 1:
+                keys.append(f"parallel.virtual_stages={self.virtual_stages}")
+        else:
+            accum *= self.microbatches
+        if accum > 1:
+            keys.append(f"train.grad_accum={accum}")
+        keys.append(f"train.global_batch={self.global_batch}")
+        keys += [f"parallel.{name}={value}" for name, value, default in
+                 (("ep", self.ep, 1), ("zero", self.zero, 0), ("recompute", self.recompute, "none"))
+                 if value != default]
+        if self.sequence_parallel:
+            keys.append("parallel.sequence_parallel=true")
+        if self.parameter_server or self.reduction == "ring":
+            keys.append(f"parallel.strategy={'parameter_server' if self.parameter_server else 'multi_worker'}")
+        return keys + [f"precision.policy={self.policy}"]
 
 
 def _divisors(n: int) -> list[int]:

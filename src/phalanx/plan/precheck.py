@@ -83,14 +83,27 @@ def estimate_per_device(cfg: Config, device_count: int | None = None):
     if count is None:
         raise ConfigError("parallel.devices", "a degree is -1: give parallel.devices=cpu:N (or gpu:N)")
     dp, pp, tp = resolve_degrees(cfg, count)
+    return memory_per_device(ModelSpec.from_config(cfg.model), config_layout(cfg, dp, pp, tp), fused=True), \
+        count, dp, pp, tp
+
+
+def config_layout(cfg: Config, dp: int, pp: int, tp: int) -> Layout:
+    """The planner's :class:`Layout` of ``cfg`` on ``dp x pp x tp`` devices (the inverse of
+    :meth:`Layout.config_overrides`, the gradient reduction aside).
+
+    Example:
+        >>> from phalanx.config import load_config
+        >>> config_layout(load_config(None, ["train.grad_accum=2"]), 1, 1, 1).describe()
+        'dp=1 tp=1 pp=1 m=1 b=8 accum=2 1f1b zero=0 recompute=none'
+    """
+    p, t = cfg.parallel, cfg.train
     micro = max(t.global_batch // (dp * t.grad_accum * p.microbatches), 1)
     schedule = p.schedule if pp > 1 else "1f1b"
-    lay = Layout(dp=dp, tp=tp, pp=pp, microbatches=p.microbatches, micro_batch=micro, schedule=schedule,
-                 virtual_stages=p.virtual_stages if schedule == "interleaved" else 1, zero=p.zero,
-                 recompute=p.recompute, sequence_parallel=p.sequence_parallel and tp > 1,
-                 policy=cfg.precision.policy, accum=t.grad_accum, ep=p.ep,
-                 parameter_server=p.strategy == "parameter_server")
-    return memory_per_device(ModelSpec.from_config(cfg.model), lay, fused=True), count, dp, pp, tp
+    return Layout(dp=dp, tp=tp, pp=pp, microbatches=p.microbatches, micro_batch=micro, schedule=schedule,
+                  virtual_stages=p.virtual_stages if schedule == "interleaved" else 1, zero=p.zero,
+                  recompute=p.recompute, sequence_parallel=p.sequence_parallel and tp > 1,
+                  policy=cfg.precision.policy, accum=t.grad_accum, ep=p.ep,
+                  parameter_server=p.strategy == "parameter_server")
 
 
 #: host copies of the largest slot one checkpoint writer (or restoring thread) holds at once:

@@ -160,7 +160,9 @@ def search(m: ModelSpec, hw: Hardware, devices: int, global_batch: int, *, polic
                     if per_replica % b:
                         continue
                     mb = per_replica // b
-                    if fixed.get("microbatches", mb) != mb:
+                    # without a pipeline the micro-batches are accumulation steps (train.grad_accum)
+                    micro, accum = (mb, 1) if pp > 1 else (1, mb)
+                    if fixed.get("microbatches", micro) != micro:
                         continue
                     for sched, v in _schedule_options(schedules, virtual_stages, pp, mb, m.layers, rej):
                         for recompute in recompute_modes:
@@ -168,8 +170,9 @@ def search(m: ModelSpec, hw: Hardware, devices: int, global_batch: int, *, polic
                                 if zero and dp == 1:
                                     continue  # nothing to shard
                                 considered += 1
-                                lay = Layout(dp, tp, pp, mb, b, sched, v, zero, recompute,
-                                             sequence_parallel and tp > 1, policy, reduction=reduction, ep=ep)
+                                lay = Layout(dp, tp, pp, micro, b, sched, v, zero, recompute,
+                                             sequence_parallel and tp > 1, policy, accum=accum,
+                                             reduction=reduction, ep=ep)
                                 plan = estimate(m, lay, hw, tokens, utilization, overhead_fraction, dp_overlap,
                                                 exact_schedule=False, fused=fused)
                                 if not plan.fits:

@@ -370,23 +370,22 @@ def _step_logs(engine, model, returned) -> dict:
 def _engine(model, cfg: Config, mesh: Mesh, sample_batch, method: str, workers=None, inference_only=False,
             validating=False):
     """The engine that runs ``method`` of ``model``: the model's own (overridden) step
-    (:class:`~phalanx.engines.custom_step.CustomStepEngine`), or phalanx's. A validating fit
-    whose model overrides ``test_step`` only validates with that (``engine.evaluator``)."""
-    fitting = method == "train_step" and not inference_only
+    (:class:`~phalanx.engines.custom_step.CustomStepEngine`), or phalanx's; a kept one when still
+    valid (:func:`_kept_engine`). A validating fit whose model overrides ``test_step`` only
+    validates with that (``engine.evaluator``, kept with the engine)."""
+    use = {"train_step": "fit", "test_step": "evaluate", "predict_step": "predict"}[method]
     if custom_step.overridden(model, method):
         methods = ["train_step", "test_step"] if method == "train_step" else [method]
 
         def own():
             return custom_step.CustomStepEngine(model, cfg, mesh, sample_batch, inference_only=inference_only,
                                                 workers=workers, methods=methods)
-        # a fit: the model's last fit's, when still valid
-        return _fit_engine(model, cfg, mesh, sample_batch, workers, own, "own") if fitting else own()
-    if fitting:  # the model's last fit's, when still valid
-        engine = _fit_engine(model, cfg, mesh, sample_batch, workers,
-                             lambda: KerasModelEngine(model, cfg, mesh, sample_batch, workers=workers))
-    else:
-        engine = KerasModelEngine(model, cfg, mesh, sample_batch, inference_only=inference_only, workers=workers)
-    if method == "train_step" and validating and custom_step.overridden(model, "test_step"):
+        return _kept_engine(model, cfg, mesh, sample_batch, own, use, "own", workers)
+    engine = _kept_engine(model, cfg, mesh, sample_batch,
+                          lambda: KerasModelEngine(model, cfg, mesh, sample_batch, inference_only=inference_only,
+                                                   workers=workers), use, workers=workers)
+    if method == "train_step" and validating and custom_step.overridden(model, "test_step") and \
+            getattr(engine, "evaluator", None) is None:
         engine.evaluator = custom_step.CustomStepEngine(model, cfg, mesh, sample_batch, methods=["test_step"])
     return engine
 
@@ -524,9 +523,29 @@ def _check_labels(model, first, *batches) -> None:
             each.check_labels(rules, list(getattr(model, "output_names", None) or []) or None)
 
 
-#: where a Keras model keeps the engine its last :func:`fit` built, ``(key, engine)`` (set past
-#: Keras's attribute tracking, so that the engine's variables do not become the model's)
+#: where a Keras model keeps the engines phalanx built for it, ``(key, engine, per-row signature)``
+#: each (set past Keras's attribute tracking, so that the engines' variables do not become the
+#: model's): the last :func:`fit`'s, and the last :func:`evaluate`'s and :func:`predict`'s that
+#: could not use it (:func:`_kept_engine`)
 _FIT_ENGINE = "_phalanx_fit_engine"
+_SLOTS = {"fit": _FIT_ENGINE, "evaluate": "_phalanx_evaluate_engine", "predict": "_phalanx_predict_engine"}
+#: which kept engines each call may run on: an engine built for a fit also evaluates and predicts
+#: (its validation does), one built for evaluate also predicts; predict's own (``inference_only``,
+#: no optimizer) only predicts
+_SERVES = {"fit": ("fit",), "evaluate": ("fit", "evaluate"), "predict": ("fit", "evaluate", "predict")}
+
+
+def kept_engines(model) -> dict:
+    """The engines ``model`` keeps for its next :func:`fit`, :func:`evaluate` and :func:`predict`
+    (``{"fit" | "evaluate" | "predict": engine}``, the calls that built them): a test hook, to
+    count builds and traces (``engine._test_fn.experimental_get_tracing_count()``).
+
+    Example:
+        >>> import keras
+        >>> kept_engines(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))
+        {}
+    """
+    return {use: model.__dict__[attr][1] for use, attr in _SLOTS.items() if model.__dict__.get(attr) is not None}
 
 
 def _storage(variables) -> tuple:
@@ -536,43 +555,64 @@ def _storage(variables) -> tuple:
     return tuple(id(getattr(v, "_value", v)) for v in variables)
 
 
+def _signature(batch, rows: bool = True) -> str:
+    """The structure, dtypes and shapes of ``batch``'s tensors; ``rows=False``: without the
+    leading (batch) dimension, the shape of one row."""
+    leaves = keras.tree.flatten(batch)
+    structure = keras.tree.map_structure(lambda _: 0, batch) if leaves else None
+    return repr((structure, tuple((tuple(getattr(t, "shape", ()))[0 if rows else 1:],
+                                   str(getattr(t, "dtype", type(t).__name__))) for t in leaves)))
+
+
 def _engine_key(model, cfg: Config, mesh: Mesh, sample_batch, kind: str = "phalanx") -> tuple:
     """What a built engine depends on: the model's variables (by identity, where each is stored,
     whether it trains) and compiled optimizer, loss and metrics (by identity; a new
     ``model.compile`` makes new ones), the optimizer's variables (where each is stored), the keys
-    the engine reads (``parallel``, ``precision``, ``train.grad_accum``), the mesh, the batch's
-    structure, shapes and dtypes, and ``kind``: phalanx's step or the model's own
-    (``model.run_eagerly`` with it)."""
+    the engine reads (``parallel``, ``precision``, ``train.grad_accum``), the mesh, ``kind``:
+    phalanx's step or the model's own (``model.run_eagerly`` with it), and last the batch's
+    structure, shapes and dtypes."""
     compiled = tuple(id(getattr(model, name, None)) for name in ("optimizer", "loss", "_compile_loss",
                                                                   "_compile_metrics"))
     optimizer = getattr(model, "optimizer", None)
     slots = [v for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)) if opt is not None
              for v in opt.variables]
-    leaves = keras.tree.flatten(sample_batch)
-    signature = (keras.tree.map_structure(lambda _: 0, sample_batch) if leaves else None,
-                 tuple((tuple(getattr(t, "shape", ())), str(getattr(t, "dtype", type(t).__name__))) for t in leaves))
     return (kind, bool(model.run_eagerly) if kind == "own" else None, tuple(id(v) for v in model.variables),
             _storage(model.variables), tuple(bool(v.trainable) for v in model.variables), compiled,
             tuple(id(v) for v in slots), _storage(slots), cfg.parallel, cfg.precision, cfg.train.grad_accum,
-            tuple(mesh.devices), mesh.dp, mesh.pp, mesh.tp, repr(signature))
+            tuple(mesh.devices), mesh.dp, mesh.pp, mesh.tp, _signature(sample_batch))
 
 
-def _fit_engine(model, cfg: Config, mesh: Mesh, sample_batch, workers, build, kind: str = "phalanx"):
-    """The engine for this fit: the one the model's last fit built when nothing it depends on
-    changed (:func:`_engine_key`), its traced steps reused, else ``build()``'s. Keras's own
-    ``fit`` keeps its traced step the same way, until the next ``model.compile``. Across workers
-    every fit builds its own (the workers' group is joined per fit)."""
+def _kept_engine(model, cfg: Config, mesh: Mesh, sample_batch, build, use: str, kind: str = "phalanx",
+                 workers=None):
+    """The engine for this ``use`` (``fit``, ``evaluate``, ``predict``): a kept one (:data:`_SERVES`)
+    when nothing it depends on changed (:func:`_engine_key`), its replicas' weight copies (and ZeRO
+    slices) refreshed from the model's weights and its traced steps reused, else ``build()``'s,
+    kept. A fit needs the batch shapes it was built for; evaluate and predict need the same
+    structure, dtypes and row shapes of the batch (of ``x`` only, for predict), any number of rows:
+    the traced evaluation and prediction steps take any (a fit's validation too). Keras's own
+    ``fit`` keeps its traced step the same way, until the next ``model.compile``. A fit drops the
+    evaluate and predict engines (their weight copies), so that at most one engine a call holds
+    memory beside the fit's. Across workers every fit builds its own (the workers' group is joined
+    per fit)."""
     if workers is not None:
         return build()
     key = _engine_key(model, cfg, mesh, sample_batch, kind)
-    cached = model.__dict__.get(_FIT_ENGINE)
-    if cached is not None and cached[0] == key:
-        cached[1].sync_copies()  # the weights may have been set since (model.set_weights, a restore)
-        return cached[1]
-    object.__setattr__(model, _FIT_ENGINE, None)  # the old engine (its weight copies) can go before the new is built
+    rows = tuple(_signature(part, rows=False) for part in sample_batch)
+    if use == "fit":
+        for slot in ("evaluate", "predict"):
+            object.__setattr__(model, _SLOTS[slot], None)
+    for slot in _SERVES[use]:
+        kept = model.__dict__.get(_SLOTS[slot])
+        if kept is None or kept[0][:-1] != key[:-1]:
+            continue
+        read = 1 if use == "predict" else 3  # predict reads x only
+        if kept[0][-1] == key[-1] if use == "fit" else kept[2][:read] == rows[:read]:
+            kept[1].sync_copies()  # the weights may have been set since (a fit, model.set_weights, a restore)
+            return kept[1]
+    object.__setattr__(model, _SLOTS[use], None)  # the old engine (its weight copies) can go before the new is built
     engine = build()
     # (the key after the build: building places the variables and builds the optimizer)
-    object.__setattr__(model, _FIT_ENGINE, (_engine_key(model, cfg, mesh, sample_batch, kind), engine))
+    object.__setattr__(model, _SLOTS[use], (_engine_key(model, cfg, mesh, sample_batch, kind), engine, rows))
     return engine
 
 
