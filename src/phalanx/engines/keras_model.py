@@ -1124,8 +1124,10 @@ class KerasModelEngine:
                 self.slices.apply(grads)
             else:
                 self.optimizer.apply(grads, variables)
+        if self._after_update is not None:  # e.g. pruning's masks, on the weights (slices) just updated
+            self._after_update()
         # TensorFlow orders ops on one variable as written: the copies read updated weights.
-        self._refresh_copies()
+        self.refresh_copies()
         for s, stage in enumerate(self.stages):
             for v, new, old in zip(stage.non_trainable_variables, state[s], start[s]):
                 if new is not old or is_step_total(v):  # totals: this step's, even if never added to
@@ -1188,6 +1190,20 @@ class KerasModelEngine:
     # -- public ------------------------------------------------------------------------------
 
     _reg_value: Any = None
+    _after_update: Any = None
+
+    def set_after_update(self, fn) -> None:
+        """Run ``fn()`` inside every training step, after the optimizer updated the weights
+        (under ZeRO the slices it updates, :attr:`slices`) and before the replicas' whole
+        copies are refreshed from them, so the copies read what ``fn`` wrote: pruning
+        multiplies the updated weights by its masks there. ``None`` removes it; the step is
+        traced again at its next call.
+
+        Example:
+            >>> engine.set_after_update(lambda: kernel.assign(kernel * mask))  # doctest: +SKIP
+        """
+        self._after_update = fn
+        self._train_fn = tf.function(self._train_step, autograph=False)
 
     def train_step(self, batch) -> dict[str, tf.Tensor]:
         """One optimizer step on a global batch ``(x, y, sample_weight)``; updates the
@@ -1219,7 +1235,7 @@ class KerasModelEngine:
                     for copy in self._whole_copies(v)[1:]:
                         copy.assign(v.value)
                 return
-        self._refresh_copies()
+        self.refresh_copies()
 
     def gather_state(self) -> None:
         """Under ZeRO: write the sliced weights and optimizer state into the model's weights
@@ -1254,7 +1270,10 @@ class KerasModelEngine:
             self.sync_copies(from_slices=True)
             self.gather_state()
 
-    def _refresh_copies(self) -> None:
+    def refresh_copies(self) -> None:
+        """Every replica's whole weight copy from the weights the optimizer updates: without
+        ZeRO from the model's weights, at ZeRO-1/2 from the slices (an all-gather); at ZeRO-3
+        there are none. For weights changed in place between steps (pruning's masks)."""
         if self.slices is not None:  # ZeRO-1/2: every whole copy from the updated slices (all-gather)
             if self.zero < 3:
                 self.slices.refresh(self._whole_copies)

@@ -17,11 +17,12 @@ EinsumDense kernel the last axis its equation contracts, e.g. ``head_dim`` of at
 A tensor-parallel kernel's mask is computed over the whole logical kernel, shard by shard
 (:func:`phalanx.prune.shards.shard_masks`: a radix selection over the shards, no kernel
 joined), so each shard's mask is its part of the one-device mask. After every optimizer step
-the masked weights are multiplied by their masks again (the optimizer's update of a pruned
-weight does not resurrect it; its moments are left as they are, as a Keras callback that
-masks the weights after each batch would leave them), and the data replicas' copies are
-refreshed. Under ZeRO the masks are applied where the weights live, each cut like its weight's
-slices, with no optimizer state gathered (:meth:`KerasPruning.train_step`). The masks are saved
+the masked weights are multiplied by their masks again, inside the step, before the data
+replicas' copies are refreshed from them (the optimizer's update of a pruned weight does not
+resurrect it; its moments are left as they are, as a Keras callback that masks the weights
+after each batch would leave them). Under ZeRO the masks are applied to the slices the
+optimizer updates, each cut like its weight's slices, with no optimizer state gathered
+(:meth:`KerasPruning.train_step`). The masks are saved
 in ``phalanx.fit``'s per-epoch checkpoints (``prune/mask/<weight>``,
 :meth:`KerasPruning.mask_slots`) and installed again on resume.
 
@@ -167,10 +168,10 @@ class KerasPruning:
                                                     f"across {workers} workers use train.prune.target=0")
         self.weights = prunable_weights(model) if self.on else []
         self.nm = parse_prune_pattern(self.pc.pattern) if self.on else None
-        self._apply_fn = None
-        # under ZeRO: id(slice or replica copy) -> (it, its piece of the mask); whether they follow the
-        # masks (None after a mask changed); the function multiplying them
-        self._pieces, self._placed, self._sliced_fn = {}, None, None
+        # under ZeRO: id(slice) -> (it, its piece of the mask); whether they follow the masks (None after
+        # a mask changed). The traced multiplications by target set; the (engine, pair count) whose step
+        # multiplies by the masks.
+        self._pieces, self._placed, self._multiply_fns, self._hooked = {}, None, {}, None
         if self.on and not self.weights:
             raise ConfigError("train.prune.target", f"{self.pc.target}: model {model.name!r} has no kernel phalanx "
                                                     f"prunes (Dense, EinsumDense, Conv1D/2D/3D or their "
@@ -189,36 +190,41 @@ class KerasPruning:
 
     def train_step(self, engine, batch):
         """``engine.train_step(batch)`` with the masks recomputed first when the schedule says
-        so and applied to the updated weights after.
+        so and applied to the updated weights inside the step.
 
-        Without ZeRO (``engine.slices`` None) the model's weights are masked and ``engine.sync_copies()``
-        refreshes the data replicas' copies. Under ZeRO the masks are applied where the weights
-        live, with no optimizer state gathered: each mask is cut like its weight's slices and
-        multiplied into them (the slices are what the sliced optimizer updates), and at ZeRO-1/2
-        every replica's whole copy is multiplied by the whole mask on its own device (the step
-        refreshed them from the unmasked slices). A mask update reads the magnitudes from the
-        whole weights: at ZeRO-3 the weight slices (only) are joined into the model's weights
-        first, at ZeRO-1/2 they are current already."""
+        The masks multiply the weights the optimizer updates, where it updates them: inside the
+        step, after the optimizer's apply and before the data replicas' whole copies are
+        refreshed from them (``engine.set_after_update``), so the copies are masked with no
+        pass of their own. Without ZeRO (``engine.slices`` None) those are the model's weights;
+        under ZeRO each mask is cut like its weight's slices and multiplied into them, with no
+        optimizer state gathered.
+
+        A mask update (on the schedule, before the step) reads the magnitudes from the whole
+        weights, masks the weights the step reads and refreshes the copies
+        (``engine.refresh_copies``). At ZeRO-1/2 the model's weights are current. At ZeRO-3 the
+        weight slices (only) are joined into the model's weights first: a ZeRO slice is a flat
+        range of the weight, not a box of it, so neither criterion is local to a slice (an N:M
+        group runs along the input axis, ``shape[-1]`` elements apart in the flat order, and
+        unstructured ties are broken by the whole kernel's flat index), while
+        :func:`~phalanx.prune.shards.shard_masks` selects over boxes. The join happens only on
+        the schedule's update steps, never between them."""
         if not self.on:
             return engine.train_step(batch)
         slices = getattr(engine, "slices", None)
         step = int(self.model.optimizer.iterations.numpy())
         if is_update_step(step, self.pc):
-            if slices is None:
-                self.update(step)
-                engine.sync_copies()
-            else:
+            if slices is not None:
                 slices.store(weights=engine.zero == 3, state=False)  # the masks follow the slices' weights
-                self.update(step)
-                self._apply_sliced(engine)
-        result = engine.train_step(batch)
+            self.update(step)  # masks the model's weights
+            if slices is not None:
+                self._multiply_now(self._targets(engine))
+            engine.refresh_copies()
         if self.installed:
-            if slices is None:
-                self._apply()
-                engine.sync_copies()
-            else:
-                self._apply_sliced(engine)
-        return result
+            pairs = self._targets(engine)
+            if self._hooked != (id(engine), len(pairs)):  # new masks to multiply by: the step is traced again
+                engine.set_after_update(lambda: _multiply(pairs))
+                self._hooked = (id(engine), len(pairs))
+        return engine.train_step(batch)
 
     @property
     def installed(self) -> bool:
@@ -243,60 +249,41 @@ class KerasPruning:
                     with tf.device(var.value.device):
                         weight.masks.append(tf.Variable(tf.ones(var.shape, var.dtype), trainable=False,
                                                         name=var.path.replace("/", "_") + "_prune_mask"))
-            self._apply_fn = None  # a new mask to multiply by: trace again
         weight.masks[r].assign(tf.cast(mask, v.dtype))
-        self._placed = None  # the masks' slices and replica copies are cut again from the new masks
+        self._placed = None  # the masks' slices are cut again from the new masks
 
     def _apply(self) -> None:
         """Multiply every masked weight by its mask on its device (the caller refreshes the
         data replicas' copies)."""
-        if self._apply_fn is None:
-            pairs = [(v, m) for w in self.weights for v, m in zip(w.variables, w.masks)]
+        self._multiply_now([(v.value, m) for w in self.weights for v, m in zip(w.variables, w.masks)])
 
-            def apply():
-                for v, m in pairs:
-                    with tf.device(v.value.device):
-                        v.value.assign(v.value * m)
+    def _multiply_now(self, pairs: list) -> None:
+        """``target *= mask`` for every pair, eagerly (one traced function per set of pairs)."""
+        key = tuple(id(t) for t, _ in pairs)
+        if key not in self._multiply_fns:
+            self._multiply_fns[key] = tf.function(lambda: _multiply(pairs), autograph=False)
+        self._multiply_fns[key]()
 
-            self._apply_fn = tf.function(apply, autograph=False)
-        self._apply_fn()
-
-    def _apply_sliced(self, engine) -> None:
-        """Under ZeRO: multiply every slice of a masked weight by its mask's slice, and at
-        ZeRO-1/2 every whole copy a replica reads (``engine._whole_copies``) by the whole mask
-        on the copy's device. Each piece of a mask is held on its target's device (made at the
-        first call, assigned again after the masks changed)."""
-        slices = engine.slices
+    def _targets(self, engine) -> list:
+        """``(weight the optimizer updates, its mask)`` pairs: without ZeRO the model's masked
+        weights; under ZeRO their slices, each with its piece of the mask held on the slice's
+        device (made at the first call, assigned again after the masks changed)."""
+        slices = getattr(engine, "slices", None)
+        if slices is None:
+            return [(v.value, m) for w in self.weights for v, m in zip(w.variables, w.masks)]
         if self._placed is None:
             for w in self.weights:
                 for v, m in zip(w.variables, w.masks):
-                    targets = [s.value for s in slices.slices_of(v)]
-                    values = slices.pieces_of(v, m.value())
-                    if engine.zero < 3:
-                        for copy in engine._whole_copies(v):
-                            targets.append(copy)
-                            with tf.device(copy.device):
-                                values.append(tf.identity(m.value()))
-                    for target, value in zip(targets, values):
+                    for target, value in zip([s.value for s in slices.slices_of(v)], slices.pieces_of(v, m.value())):
                         held = self._pieces.get(id(target))
                         if held is None:
                             with tf.init_scope(), tf.device(target.device):
                                 self._pieces[id(target)] = (target, tf.Variable(value, trainable=False,
                                                                                 name="prune_mask_piece"))
-                            self._sliced_fn = None  # a new pair to multiply: trace again
                         else:
                             held[1].assign(value)
             self._placed = True
-        if self._sliced_fn is None:
-            pairs = list(self._pieces.values())
-
-            def apply():
-                for target, mask in pairs:
-                    with tf.device(target.device):
-                        target.assign(target * mask)
-
-            self._sliced_fn = tf.function(apply, autograph=False)
-        self._sliced_fn()
+        return list(self._pieces.values())
 
     # -- checkpoints ------------------------------------------------------------------------------
 
@@ -360,3 +347,9 @@ class KerasPruning:
                 zeros += int(a.size - np.count_nonzero(a))
                 total += int(a.size)
         return zeros / total if total else 0.0
+
+
+def _multiply(pairs: list) -> None:
+    for target, mask in pairs:
+        with tf.device(target.device):
+            target.assign(target * mask)
