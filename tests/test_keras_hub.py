@@ -63,11 +63,31 @@ class StepLosses(keras.callbacks.Callback):
         self.losses.append(float(logs["loss"]))
 
 
+@pytest.fixture(scope="session")
+def keras_fit_of():
+    """``keras_fit_of(kind, epochs)``: Keras's own one-device ``fit`` of ``build(kind)`` on
+    ``data()`` (batch 8, no shuffle): the trained model, its StepLosses and its history. The
+    oracle is the same for every layout, so it is trained once per worker and shared (read only:
+    a test compares against its weights and optimizer state, never trains it). Other modules
+    import this fixture by name."""
+    runs = {}
+
+    def fit(kind: str, epochs: int = 2):
+        if (kind, epochs) not in runs:
+            x, y = data()
+            reference, steps = build(kind), StepLosses()
+            history = reference.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0,
+                                    callbacks=[steps]).history
+            runs[kind, epochs] = reference, steps, history
+        return runs[kind, epochs]
+
+    return fit
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_keras_hub_causal_lm_equals_keras_fit(kind, tmp_path):
+def test_keras_hub_causal_lm_equals_keras_fit(kind, keras_fit_of, tmp_path):
     x, y = data()
-    reference, ref_steps = build(kind), StepLosses()
-    ref = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[ref_steps]).history
+    reference, ref_steps, ref = keras_fit_of(kind)
     for layout, overrides in LAYOUTS.items():
         model, steps = build(kind), StepLosses()
         history = phalanx.fit(model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[steps],

@@ -21,7 +21,7 @@ import phalanx
 from phalanx.layers.sharding import ShardedLayer, placement_of
 
 # build: Adam epsilon 1e-4 on both sides, see its comment (the weights are compared at atol 1e-5)
-from test_keras_hub import StepLosses, build, data
+from test_keras_hub import StepLosses, build, data, keras_fit_of  # noqa: F401 (keras_fit_of: a fixture)
 
 LAYOUTS = {
     "tp2": ["parallel.devices=cpu:2", "parallel.tp=2"],
@@ -32,10 +32,9 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_keras_hub_tensor_parallel_equals_keras_fit(kind, tmp_path):
+def test_keras_hub_tensor_parallel_equals_keras_fit(kind, keras_fit_of, tmp_path):
     x, y = data()
-    reference, ref_steps = build(kind), StepLosses()
-    reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[ref_steps])
+    reference, ref_steps, _ = keras_fit_of(kind)
     for layout, overrides in LAYOUTS.items():
         model, steps = build(kind), StepLosses()
         phalanx.fit(model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[steps],

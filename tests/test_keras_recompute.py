@@ -23,7 +23,7 @@ from phalanx.config import load_config
 from phalanx.engines.keras_model import KerasModelEngine
 from phalanx.mesh import Mesh
 
-from test_keras_hub import StepLosses, build, data
+from test_keras_hub import StepLosses, build, data, keras_fit_of  # noqa: F401 (keras_fit_of: a fixture)
 
 
 def mlp(depth: int = 6, width: int = 32, inputs: int = 16):
@@ -218,7 +218,7 @@ def test_recompute_of_keras_hub_gpt2_with_dropout_equals_keras_fit(mode, tmp_pat
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
-def test_recompute_of_keras_hub_llama_equals_keras_fit(mode, tmp_path):
+def test_recompute_of_keras_hub_llama_equals_keras_fit(mode, keras_fit_of, tmp_path):
     """Llama at tp=1, one device: ``full`` cuts the opened backbone into blocks of its decoder
     layers, ``selective`` recomputes Llama's own attention layer (its _compute_attention: one
     recomputed call per block in the traced step). Keras's numbers (Adam over 2 steps, epsilon
@@ -230,8 +230,7 @@ def test_recompute_of_keras_hub_llama_equals_keras_fit(mode, tmp_path):
     else:  # the blocks of the cut stage: more than one recomputed call, each a custom gradient
         assert recomputed_calls(build("llama"), "full", (x, y, None)) - \
             recomputed_calls(build("llama"), "none", (x, y, None)) >= 2
-    reference, ref_steps = build("llama"), StepLosses()
-    reference.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[ref_steps])
+    reference, ref_steps, _ = keras_fit_of("llama", epochs=1)
     model, steps = build("llama"), StepLosses()
     phalanx.fit(model, x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[steps],
                 overrides=[f"parallel.recompute={mode}", f"run.dir={tmp_path}"])
@@ -241,12 +240,11 @@ def test_recompute_of_keras_hub_llama_equals_keras_fit(mode, tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
-def test_recompute_of_tensor_parallel_gpt2_equals_keras_fit(mode, tmp_path):
+def test_recompute_of_tensor_parallel_gpt2_equals_keras_fit(mode, keras_fit_of, tmp_path):
     """tp2 x pp2 with two micro-batches: the preset's ParallelSelfAttention (selective: its
     per-shard cores) and the blocks of each pipeline stage (full), as Keras's one-device fit."""
     x, y = data()
-    reference, ref_steps = build("gpt2"), StepLosses()
-    reference.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[ref_steps])
+    reference, ref_steps, _ = keras_fit_of("gpt2", epochs=1)
     model, steps = build("gpt2"), StepLosses()
     phalanx.fit(model, x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[steps],
                 overrides=["parallel.devices=cpu:4", "parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2",

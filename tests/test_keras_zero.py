@@ -26,6 +26,7 @@ from phalanx.mesh import Mesh
 from phalanx.train import keras_api
 
 from helpers import ghost_batches
+from test_keras_hub import keras_fit_of  # noqa: F401 (a fixture: Keras's one-device fit of a keras-hub LM, shared)
 
 N, BATCH, EPOCHS = 16, 8, 2
 # Adam epsilon 1e-2 in Keras's fit and the run under test alike (Keras's default 1e-7): a gradient's
@@ -643,17 +644,15 @@ def test_zero3_holds_a_dp_th_of_the_state_per_device_plus_the_gathered_stage():
 # -- keras-hub GPT-2 -------------------------------------------------------------------------------
 
 
-def test_keras_hub_gpt2_zero3_dp2_tp2_pp2_equals_keras_fit(tmp_path):
+def test_keras_hub_gpt2_zero3_dp2_tp2_pp2_equals_keras_fit(keras_fit_of, tmp_path):
     """keras-hub's GPT-2 (small random config, tests/test_keras_hub.py) at ZeRO-3 on dp2 x
     tp2 x pp2: tensor shards sliced over the replicas on their own ranks, each stage gathered
     for its forward; per-step losses and every weight (after unparallelize) equal Keras's
     one-device fit to 1e-4 (tests/test_keras_hub_tp.py's tolerances)."""
-    from test_keras_hub import StepLosses as HubSteps, data
-    from test_keras_hub import build  # Adam epsilon 1e-4 on both sides: see its comment
+    from test_keras_hub import StepLosses as HubSteps, build, data  # build: Adam epsilon 1e-4 on both sides
 
     x, y = data()
-    reference, ref_steps = build("gpt2"), HubSteps()
-    reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[ref_steps])
+    reference, ref_steps, _ = keras_fit_of("gpt2")
     model, steps = build("gpt2"), HubSteps()
     phalanx.fit(model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[steps],
                 overrides=["parallel.devices=cpu:8", "parallel.dp=2", "parallel.tp=2", "parallel.pp=2",
@@ -671,7 +670,7 @@ HUB_LAYOUTS = {
 
 
 @pytest.mark.parametrize("kind,zero,layout", [("gpt2", 2, "dp2"), ("llama", 2, "dp2"), ("llama", 3, "dp2tp2")])
-def test_keras_hub_zero_equals_keras_fit(kind, zero, layout, tmp_path):
+def test_keras_hub_zero_equals_keras_fit(kind, zero, layout, keras_fit_of, tmp_path):
     """keras-hub GPT-2 and Llama (tests/test_keras_hub.py's small random configs: a tied embedding
     for GPT-2, grouped-query heads and an untied head for Llama) at ZeRO-2 (gradients
     reduce-scattered) and, for Llama, ZeRO-3 on dp2 x tp2 (each head-split shard sliced over the
@@ -681,8 +680,7 @@ def test_keras_hub_zero_equals_keras_fit(kind, zero, layout, tmp_path):
     from test_keras_hub import StepLosses as HubSteps, build, data
 
     x, y = data()
-    reference, ref_steps = build(kind), HubSteps()
-    reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[ref_steps])
+    reference, ref_steps, _ = keras_fit_of(kind)
     model, steps = build(kind), HubSteps()
     phalanx.fit(model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[steps],
                 overrides=HUB_LAYOUTS[layout] + [f"parallel.zero={zero}", f"run.dir={tmp_path}"])
